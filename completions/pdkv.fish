@@ -1,0 +1,1 @@
+complete --command pdkv --no-files --arguments "(env _PDKV_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) pdkv)" --condition "env _PDKV_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) pdkv"

@@ -1,0 +1,3 @@
+from pdkv.cli import main
+
+main()

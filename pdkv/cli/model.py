@@ -1,0 +1,45 @@
+"""`pdkv model`: models pdkv ships for tests and local deployments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pdkv.cli.options import JsonOpt
+from pdkv.cli.output import console, print_json
+
+model_app = typer.Typer(help="Models pdkv ships.", no_args_is_help=True)
+
+TINY_HELP = """Write the embedded tiny Qwen3-architecture model into DIR (real random bf16 weights).
+
+Examples:
+
+  pdkv model tiny ./tiny-model
+
+  pdkv model tiny ./tiny-model --seed 7 --json
+"""
+
+
+@model_app.command("tiny", help=TINY_HELP)
+def tiny(
+    directory: Path = typer.Argument(..., help="Folder to write the model into."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and the tokenizer corpus."),
+    std: float = typer.Option(0.02, "--std", help="Standard deviation of the random weights."),
+    json_out: JsonOpt = False,
+) -> None:
+    from pdkv.geometry import geometry_from_model
+    from pdkv.tinymodel import TinyModelSpec, write_tiny_model
+
+    out = write_tiny_model(directory, TinyModelSpec(seed=seed, std=std))
+    files = sorted(p.name for p in out.iterdir())
+    geometry = geometry_from_model(out)
+    if json_out:
+        print_json({"path": str(out.resolve()), "files": files, "geometry": geometry})
+        return
+    console.print(f"wrote tiny model to [bold]{out}[/] ({', '.join(files)})")
+    console.print(f"KV per token: {geometry.bytes_per_token} B ({geometry.layers} layers, {geometry.kv_heads} KV heads x {geometry.head_dim})")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(model_app, name="model")

@@ -1,0 +1,92 @@
+"""Every error pdkv raises, and the exit code each one maps to.
+
+    PdkvError                  exit 1  (FAILED)
+    ├── UsageError             exit 2  (USAGE)     bad flags, arguments or input files
+    │   ├── ConfigError                            a model config or deploy file cannot be used
+    │   └── UnsupportedModelError                  an architecture pdkv cannot size or serve
+    ├── StartError             exit 3  (COULD_NOT_START)  a service or engine did not come up
+    │   └── PreflightError                         a check before start-up failed
+    ├── ChecksFailed           exit 4  (CHECKS_FAILED)    doctor found failures
+    ├── RemoteError                                a peer answered with an error
+    │   └── RegistryConflict                       the bootstrap registry refused a registration
+    ├── UnreachableError                           a peer did not answer within its bound
+    ├── TransferError                              a KV transfer failed or arrived corrupted
+    └── TimeoutError_                              a bounded wait ran out
+
+The library raises these; only the CLI turns them into a one-line message,
+a hint and an exit code.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 2
+    COULD_NOT_START = 3
+    CHECKS_FAILED = 4
+
+
+class PdkvError(Exception):
+    """Base of every pdkv error: a message, an optional hint, an exit code."""
+
+    exit_code: ExitCode = ExitCode.FAILED
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(PdkvError):
+    exit_code = ExitCode.USAGE
+
+
+class ConfigError(UsageError):
+    pass
+
+
+class UnsupportedModelError(UsageError):
+    pass
+
+
+class StartError(PdkvError):
+    exit_code = ExitCode.COULD_NOT_START
+
+
+class PreflightError(StartError):
+    pass
+
+
+class ChecksFailed(PdkvError):
+    exit_code = ExitCode.CHECKS_FAILED
+
+
+class RemoteError(PdkvError):
+    """A peer answered, but with an error. `status` is its HTTP status, if any."""
+
+    def __init__(self, message: str, *, status: int | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.status = status
+
+
+class RegistryConflict(RemoteError):
+    pass
+
+
+class UnreachableError(PdkvError):
+    pass
+
+
+class TransferError(PdkvError):
+    pass
+
+
+class TimeoutError_(PdkvError):  # noqa: N801 - avoid shadowing the builtin
+    pass

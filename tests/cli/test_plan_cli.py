@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pdkv.cli import run
+
+
+def test_plan_json_gives_the_seed_figures(qwen3_8b, capsys):
+    code = run(["plan", "--model", str(qwen3_8b), "--prompt-tokens", "1000", "--output-tokens", "128", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["bytes_per_token"] == 147456
+    assert data["bytes_per_block"] == 2359296
+    assert data["blocks"] == 63
+    assert data["transfer_bytes"] == 148635648
+    assert round(data["floor_ms"]) == 3
+    assert data["decode_blocks"] == 71
+
+
+def test_plan_table_for_explicit_geometry(capsys):
+    code = run(["plan", "--layers", "36", "--kv-heads", "8", "--head-dim", "128", "--prompt-tokens", "1000"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "148,635,648" in out and "2.97 ms" in out
+
+
+def test_missing_file_is_one_line_and_exit_2(tmp_path, capsys):
+    code = run(["plan", "--model", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("pdkv: error: no model config")
+    assert "Traceback" not in err
+
+
+def test_malformed_json_and_missing_geometry(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("[1, 2")
+    assert run(["plan", "--model", str(tmp_path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert run(["plan", "--layers", "36"]) == 2
+    assert "no model geometry" in capsys.readouterr().err
+
+
+def test_unsupported_architecture_says_what(fixtures, capsys):
+    assert run(["plan", "--model", str(fixtures / "configs" / "jamba.json")]) == 2
+    assert "Mamba" in capsys.readouterr().err
+
+
+def test_bad_flag_is_usage_error(capsys):
+    assert run(["plan", "--no-such-flag"]) == 2
+
+
+def test_version(capsys):
+    assert run(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("pdkv ")
+
+
+def test_help_imports_nothing_heavy():
+    code = (
+        "import sys; from pdkv.cli import run; run(['--help']);"
+        "heavy = [m for m in ('vllm', 'torch', 'mooncake', 'zmq', 'numpy') if m in sys.modules];"
+        "print('HEAVY', heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
