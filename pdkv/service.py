@@ -1,0 +1,147 @@
+"""Running pdkv's HTTP services (bootstrap, proxy) with uvicorn's lifecycle:
+start-up, serve until a signal, graceful shutdown with a bound, signals restored.
+
+Services are aiohttp applications. `serve_forever` is for the CLI;
+`BackgroundService` runs one on its own thread and event loop, for tests and
+for a bootstrap server started inside a vLLM worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pdkv.errors import StartError
+
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family, reuse_port=False, backlog=1024)
+    except OSError as exc:
+        raise StartError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+            hint="pick another --port or stop what holds this one",
+        ) from None
+    sock.setblocking(False)
+    return sock
+
+
+async def _start(app: Any, sock: socket.socket, shutdown_timeout: float):
+    from aiohttp import web
+
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handle_signals=False)
+    await runner.setup()
+    site = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+    await site.start()
+    return runner
+
+
+def serve_forever(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    on_ready: Callable[[str, int], None] | None = None,
+) -> None:
+    """Serve `app` until SIGINT or SIGTERM, then shut down within `shutdown_timeout`."""
+    sock = _bind(host, port)
+    bound_port = sock.getsockname()[1]
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        installed = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+        runner = await _start(app, sock, shutdown_timeout)
+        try:
+            if on_ready is not None:
+                on_ready(host, bound_port)
+            await stop.wait()
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+            await asyncio.wait_for(runner.cleanup(), timeout=shutdown_timeout + 1)
+
+    asyncio.run(main())
+
+
+class BackgroundService:
+    """Run an aiohttp app on a daemon thread: `with BackgroundService(app) as svc: svc.url`.
+
+    `port=0` picks a free port. Start-up and shutdown are bounded.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 2.0) -> None:
+        self.app = app
+        self.host = host
+        self._sock = _bind(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> BackgroundService:
+        self._thread = threading.Thread(target=self._run, name=f"pdkv-service-{self.port}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise StartError(f"service on {self.host}:{self.port} did not start within {timeout:.0f} s")
+        if self._error is not None:
+            raise StartError(f"service on {self.host}:{self.port} failed to start: {self._error}") from self._error
+        return self
+
+    def _run(self) -> None:
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            try:
+                runner = await _start(self.app, self._sock, self.shutdown_timeout)
+            except BaseException as exc:  # surfaced to start()
+                self._error = exc
+                self._ready.set()
+                return
+            self._ready.set()
+            try:
+                await self._stop.wait()
+            finally:
+                await asyncio.wait_for(runner.cleanup(), timeout=self.shutdown_timeout + 1)
+
+        try:
+            loop.run_until_complete(main())
+        finally:
+            loop.close()
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=self.shutdown_timeout + 2)
+        self._sock.close()
+
+    def __enter__(self) -> BackgroundService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
