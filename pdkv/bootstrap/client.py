@@ -1,0 +1,209 @@
+"""Clients of a bootstrap server (pdkv's or vLLM's own): sync and async, the same API.
+
+    with BootstrapClient("http://10.0.0.2:8998") as bs:
+        engines = bs.query()          # {dp_rank: EngineEntry}
+    async with AsyncBootstrapClient(url, token=tok) as bs:
+        await bs.register(RegisterRequest(...))
+
+Every call has a per-request `timeout` and up to `retries` further attempts
+with exponential backoff when the server cannot be reached or answers 502-504.
+Then it raises UnreachableError naming the address. A 4xx answer is not
+retried: 409 raises RegistryConflict, others RemoteError, with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import msgspec
+
+from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
+from pdkv.protocol import DeregisterRequest, DeregisterResponse, EngineEntry, RegisterRequest
+
+_RETRY_STATUS = frozenset({502, 503, 504})
+_BACKOFF_FIRST = 0.1
+_BACKOFF_MAX = 1.0
+_query_decoder = msgspec.json.Decoder(dict[str, EngineEntry])
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port` (no trailing slash)."""
+    url = url.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    return url.rstrip("/")
+
+
+def backoff_delay(attempt: int) -> float:
+    """Seconds to wait after failed attempt number `attempt` (0-based)."""
+    return min(_BACKOFF_FIRST * 2**attempt, _BACKOFF_MAX)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return response.text.strip()[:300] or response.reason_phrase
+
+
+def _raise_for(url: str, method: str, path: str, response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    detail = _detail(response)
+    message = f"bootstrap at {url} refused {method} {path} ({response.status_code}): {detail}"
+    if response.status_code == 409:
+        raise RegistryConflict(message, status=409, hint="stop the engine that holds the rank, or deregister it")
+    hint = "pass --token or set PDKV_BOOTSTRAP_TOKEN to the server's token" if response.status_code == 401 else None
+    raise RemoteError(message, status=response.status_code, hint=hint)
+
+
+def _unreachable(url: str, method: str, path: str, attempts: int, last: BaseException | str) -> UnreachableError:
+    reason = f"{type(last).__name__}: {last}" if isinstance(last, BaseException) else last
+    return UnreachableError(
+        f"bootstrap at {url} did not answer {method} {path} after {attempts} attempt{'s' * (attempts != 1)} ({reason})",
+        hint="check that `pdkv bootstrap` (or the prefill engine) runs there and that the host and port are right",
+    )
+
+
+def _parse_query(url: str, response: httpx.Response) -> dict[int, EngineEntry]:
+    try:
+        raw = _query_decoder.decode(response.content)
+        return {int(dp): entry for dp, entry in raw.items()}
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise RemoteError(f"bootstrap at {url} answered GET /query with something that is not a registry: {exc}") from None
+
+
+def _parse_removed(response: httpx.Response) -> int:
+    try:
+        return msgspec.json.decode(response.content, type=DeregisterResponse).removed
+    except msgspec.DecodeError:
+        return 0
+
+
+class _Base:
+    def __init__(self, url: str, *, timeout: float = 2.0, retries: int = 3, token: str | None = None) -> None:
+        self.url = normalize_url(url)
+        self.timeout = timeout
+        self.retries = max(0, retries)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    @property
+    def attempts(self) -> int:
+        return self.retries + 1
+
+
+class BootstrapClient(_Base):
+    """Blocking client (httpx). A context manager; `close()` releases its connections."""
+
+    def __init__(self, url: str, *, timeout: float = 2.0, retries: int = 3, token: str | None = None) -> None:
+        super().__init__(url, timeout=timeout, retries=retries, token=token)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=self._headers, trust_env=False)
+
+    def _request(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        attempts = self.attempts
+        content = msgspec.json.encode(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        last: BaseException | str = "no attempt made"
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(backoff_delay(attempt - 1))
+            try:
+                response = self._http.request(method, path, content=content, headers=headers)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code in _RETRY_STATUS:
+                last = f"HTTP {response.status_code}"
+                continue
+            _raise_for(self.url, method, path, response)
+            return response
+        raise _unreachable(self.url, method, path, attempts, last)
+
+    def query(self) -> dict[int, EngineEntry]:
+        """Every registered prefill engine, by DP rank."""
+        return _parse_query(self.url, self._request("GET", "/query"))
+
+    def register(self, req: RegisterRequest) -> None:
+        """Register one worker's side channel; an identical re-registration is fine."""
+        self._request("POST", "/register", req)
+
+    def deregister(self, engine_id: str) -> int:
+        """Drop every entry of `engine_id` (pdkv's server only); returns the addresses removed."""
+        return _parse_removed(self._request("POST", "/deregister", DeregisterRequest(engine_id)))
+
+    def health(self) -> bool:
+        """True if the server answers GET /health with 200 (one attempt, never raises)."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> BootstrapClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncBootstrapClient(_Base):
+    """asyncio client (httpx.AsyncClient): `async with AsyncBootstrapClient(url) as bs:`."""
+
+    def __init__(self, url: str, *, timeout: float = 2.0, retries: int = 3, token: str | None = None) -> None:
+        super().__init__(url, timeout=timeout, retries=retries, token=token)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=self._headers, trust_env=False)
+
+    async def _request(self, method: str, path: str, body: Any = None) -> httpx.Response:
+        content = msgspec.json.encode(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        last: BaseException | str = "no attempt made"
+        for attempt in range(self.attempts):
+            if attempt:
+                await asyncio.sleep(backoff_delay(attempt - 1))
+            try:
+                response = await self._http.request(method, path, content=content, headers=headers)
+            except httpx.TransportError as exc:
+                last = exc
+                continue
+            if response.status_code in _RETRY_STATUS:
+                last = f"HTTP {response.status_code}"
+                continue
+            _raise_for(self.url, method, path, response)
+            return response
+        raise _unreachable(self.url, method, path, self.attempts, last)
+
+    async def query(self) -> dict[int, EngineEntry]:
+        """Every registered prefill engine, by DP rank."""
+        return _parse_query(self.url, await self._request("GET", "/query"))
+
+    async def register(self, req: RegisterRequest) -> None:
+        """Register one worker's side channel; an identical re-registration is fine."""
+        await self._request("POST", "/register", req)
+
+    async def deregister(self, engine_id: str) -> int:
+        """Drop every entry of `engine_id` (pdkv's server only); returns the addresses removed."""
+        return _parse_removed(await self._request("POST", "/deregister", DeregisterRequest(engine_id)))
+
+    async def health(self) -> bool:
+        """True if the server answers GET /health with 200 (one attempt, never raises)."""
+        try:
+            return (await self._http.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncBootstrapClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

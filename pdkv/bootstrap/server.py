@@ -1,0 +1,326 @@
+"""The bootstrap HTTP server: vLLM's MooncakeBootstrapServer protocol plus
+deregistration, liveness probing, /health, /metrics and an optional token.
+
+Routes:
+    POST /register     RegisterRequest -> 200 {"status": "ok", "result": ...}
+    POST /deregister   DeregisterRequest -> 200 {"status": "ok", "removed": n}
+    GET  /query        {"<dp>": {"engine_id", "worker_addr": {"<tp>": {"<pp>": addr}}}}
+    GET  /health       {"status": "ok", "engines": n, "workers": n}
+    GET  /metrics      Prometheus text
+Errors answer {"detail": message}: 400 malformed JSON, 422 wrong fields,
+401 missing or wrong token, 409 conflict; the registry is unchanged by any of them.
+
+Liveness: an engine is dead when none of its side-channel addresses accepts a
+TCP connection. A conflicting registration evicts a dead holder at once; a
+periodic sweep drops an engine found dead `probe_failures` times in a row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pdkv.bootstrap.registry import BootstrapRegistry, Conflict, ConflictKind, Outcome
+from pdkv.errors import RegistryConflict
+from pdkv.protocol import (
+    DeregisterRequest,
+    DeregisterResponse,
+    ErrorResponse,
+    HealthResponse,
+    RegisterRequest,
+    RegisterResponse,
+    split_worker_addr,
+)
+from pdkv.service import BackgroundService, serve_forever
+
+log = logging.getLogger("pdkv.bootstrap")
+
+DEFAULT_PORT = 8998
+PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"
+MAX_BODY = 64 * 1024
+
+
+@dataclass(frozen=True)
+class ProbePolicy:
+    """How liveness is probed. `interval=0` turns the periodic sweep off
+    (conflicting registrations still probe the holder)."""
+
+    timeout: float = 0.5
+    interval: float = 10.0
+    failures: int = 3
+
+
+@dataclass
+class Counters:
+    registrations: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
+    rejects: dict[str, int] = field(default_factory=lambda: {"conflict": 0, "invalid": 0, "unauthorized": 0})
+    deregistrations: int = 0
+    queries: int = 0
+    evictions: int = 0  # dropped by the liveness sweep
+
+
+_PROM_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render_metrics(c: Counters, registry: BootstrapRegistry) -> str:
+    """Prometheus text exposition of the counters and the registry's size."""
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, int]]) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
+
+    metric(
+        "pdkv_bootstrap_registrations_total",
+        "counter",
+        "Accepted POST /register calls, by result.",
+        [(f'{{result="{k}"}}', v) for k, v in c.registrations.items()],
+    )
+    metric(
+        "pdkv_bootstrap_rejects_total",
+        "counter",
+        "Refused POST /register and /deregister calls, by reason.",
+        [(f'{{reason="{k}"}}', v) for k, v in c.rejects.items()],
+    )
+    metric("pdkv_bootstrap_queries_total", "counter", "GET /query calls answered.", [("", c.queries)])
+    metric("pdkv_bootstrap_deregistrations_total", "counter", "POST /deregister calls accepted.", [("", c.deregistrations)])
+    metric("pdkv_bootstrap_evictions_total", "counter", "Engines dropped by the liveness sweep.", [("", c.evictions)])
+    metric("pdkv_bootstrap_engines", "gauge", "DP ranks with a registered engine.", [("", registry.engine_count)])
+    metric("pdkv_bootstrap_workers", "gauge", "Registered worker addresses.", [("", registry.worker_count)])
+    return "\n".join(lines) + "\n"
+
+
+async def accepts_connection(addr: str, timeout: float) -> bool:
+    """True if `tcp://host:port` accepts a TCP connection within `timeout` seconds.
+
+    A ZMQ ROUTER socket treats the bare connect-and-close as a failed handshake
+    and drops it, so probing a live side channel disturbs nothing.
+    """
+    host, port = split_worker_addr(addr)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+async def _none_answers(addrs: tuple[str, ...], timeout: float) -> bool:
+    results = await asyncio.gather(*(accepts_connection(a, timeout) for a in addrs))
+    return not any(results)
+
+
+async def holder_is_dead(conflict: Conflict, req: RegisterRequest, timeout: float) -> bool:
+    """Whether the engine `conflict` names may be evicted for `req`.
+
+    If the newcomer registers an address the holder had, the holder has lost
+    that port (only one process can bind it), so only its other addresses count.
+    """
+    addrs = conflict.holder_addrs
+    if conflict.kind is ConflictKind.ENGINE:
+        addrs = tuple(a for a in addrs if a != req.addr)
+    return await _none_answers(addrs, timeout)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(ErrorResponse(message)), content_type="application/json")
+
+
+def _ok(obj: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), content_type="application/json")
+
+
+class _Handlers:
+    def __init__(self, registry: BootstrapRegistry, token: str | None, probe: ProbePolicy) -> None:
+        self.registry = registry
+        self.token = token
+        self.probe = probe
+        self.counters = Counters()
+        self._query_cache: tuple[int, bytes] = (-1, b"")
+
+    def _unauthorized(self, request: Any) -> Any | None:
+        if not self.token:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode()):
+            return None
+        self.counters.rejects["unauthorized"] += 1
+        what = "a wrong token" if given else "no token"
+        log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, what)
+        return _error(401, f"{request.path} needs the bootstrap token (Authorization: Bearer ...); got {what}")
+
+    async def _decode(self, request: Any, kind: type) -> Any:
+        """The body as `kind`, or an error response (400 malformed, 413 too large, 422 invalid)."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.counters.rejects["invalid"] += 1
+            return _error(413, f"body larger than {MAX_BODY} bytes")
+        try:
+            return msgspec.json.decode(body, type=kind)
+        except msgspec.ValidationError as exc:
+            self.counters.rejects["invalid"] += 1
+            return _error(422, f"invalid {request.path[1:]} request: {exc}")
+        except msgspec.DecodeError as exc:
+            self.counters.rejects["invalid"] += 1
+            return _error(400, f"body is not valid JSON: {exc}")
+
+    async def register(self, request: Any) -> Any:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        req = await self._decode(request, RegisterRequest)
+        if not isinstance(req, RegisterRequest):
+            return req
+        conflict = self.registry.check(req)
+        # Registrations that land while we probe can change the conflict; re-probe a few times.
+        for _ in range(3):
+            evict = None
+            if conflict is not None and await holder_is_dead(conflict, req, self.probe.timeout):
+                evict = conflict
+            try:
+                outcome = self.registry.register(req, evict=evict)
+                break
+            except RegistryConflict as exc:
+                latest = self.registry.check(req)
+                if latest == conflict:
+                    self.counters.rejects["conflict"] += 1
+                    message = f"{exc.message}: engine {conflict.holder!r} still answers at {', '.join(conflict.holder_addrs)}; stop it or deregister it first"
+                    log.warning("conflict: %s", message)
+                    return _error(409, message)
+                conflict = latest
+        else:
+            self.counters.rejects["conflict"] += 1
+            return _error(409, f"registration of {req.engine_id!r} at {req.addr} kept conflicting with concurrent registrations")
+        self.counters.registrations[outcome.value] += 1
+        if outcome is not Outcome.UNCHANGED:
+            extra = f" (evicted dead engine {conflict.holder!r})" if outcome is Outcome.REPLACED and conflict else ""
+            log.info("registered engine %r dp=%d tp=%d pp=%d at %s%s", req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr, extra)
+        return _ok(RegisterResponse(result=outcome.value))
+
+    async def deregister(self, request: Any) -> Any:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        req = await self._decode(request, DeregisterRequest)
+        if not isinstance(req, DeregisterRequest):
+            return req
+        removed = self.registry.deregister(req.engine_id)
+        self.counters.deregistrations += 1
+        if removed:
+            log.info("deregistered engine %r (%d workers)", req.engine_id, removed)
+        return _ok(DeregisterResponse(status="ok", removed=removed))
+
+    async def query(self, request: Any) -> Any:
+        self.counters.queries += 1
+        version, body = self._query_cache
+        if version != self.registry.version:
+            body = msgspec.json.encode(self.registry.query())
+            self._query_cache = (self.registry.version, body)
+        return web.Response(body=body, content_type="application/json")
+
+    async def health(self, request: Any) -> Any:
+        return _ok(HealthResponse(status="ok", engines=self.registry.engine_count, workers=self.registry.worker_count))
+
+    async def metrics(self, request: Any) -> Any:
+        text = render_metrics(self.counters, self.registry)
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROM_TYPE})
+
+    async def sweep_once(self) -> None:
+        holders = self.registry.holders()
+        results = await asyncio.gather(*(_none_answers(addrs, self.probe.timeout) for _, _, addrs in holders))
+        for (dp, engine_id, addrs), dead in zip(holders, results, strict=True):
+            if self.registry.record_probe(dp, engine_id, alive=not dead, max_failures=self.probe.failures):
+                self.counters.evictions += 1
+                log.warning("dropped engine %r at dp=%d: %s did not answer %d probes in a row", engine_id, dp, ", ".join(addrs), self.probe.failures)
+
+    async def sweep_forever(self, app: Any):  # aiohttp cleanup_ctx
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(self.probe.interval)
+                try:
+                    await self.sweep_once()
+                except Exception:  # a sweep must never kill the server
+                    log.exception("liveness sweep failed")
+
+        task = asyncio.create_task(loop()) if self.probe.interval > 0 else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def make_app(registry: BootstrapRegistry | None = None, *, token: str | None = None, probe: ProbePolicy | None = None) -> Any:
+    """The bootstrap aiohttp Application over `registry` (a new one if None).
+
+    `token`: if set, POST /register and /deregister must carry `Authorization: Bearer <token>`.
+    The registry and counters are reachable as `app[REGISTRY]` / `app[COUNTERS]`.
+    """
+    handlers = _Handlers(registry if registry is not None else BootstrapRegistry(), token or None, probe or ProbePolicy())
+    app = web.Application(client_max_size=MAX_BODY)
+    app[REGISTRY] = handlers.registry
+    app[COUNTERS] = handlers.counters
+    app.router.add_post("/register", handlers.register)
+    app.router.add_post("/deregister", handlers.deregister)
+    app.router.add_get("/query", handlers.query)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.cleanup_ctx.append(handlers.sweep_forever)
+    return app
+
+
+REGISTRY = web.AppKey("pdkv_bootstrap_registry", BootstrapRegistry)
+COUNTERS = web.AppKey("pdkv_bootstrap_counters", Counters)
+
+
+class BootstrapService(BackgroundService):
+    """A bootstrap server on its own thread; `start()` is idempotent, so
+    `with start_background() as svc:` and a bare `start_background()` both work."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        super().__init__(app, host, port)
+        self.registry: BootstrapRegistry = app[REGISTRY]
+        self.counters: Counters = app[COUNTERS]
+        self._started = False
+
+    def start(self, timeout: float = 10.0) -> BootstrapService:
+        if not self._started:
+            super().start(timeout)
+            self._started = True
+        return self
+
+
+def start_background(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    *,
+    registry: BootstrapRegistry | None = None,
+    probe: ProbePolicy | None = None,
+) -> BootstrapService:
+    """Start a bootstrap server on a daemon thread and return it running; `.url`, `.stop()`."""
+    return BootstrapService(make_app(registry, token=token, probe=probe), host, port).start()
+
+
+def run(
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    probe: ProbePolicy | None = None,
+    on_ready: Callable[[str, int], None] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (the CLI's entry). Raises StartError if the port cannot be bound."""
+    serve_forever(make_app(token=token, probe=probe), host, port, on_ready=on_ready)
