@@ -1,0 +1,112 @@
+"""The connector's settings (`kv_connector_extra_config`) and its reading of kv_transfer_params.
+
+Pure: no vLLM import. Keys that vLLM's MooncakeConnector also reads keep its
+names (`mooncake_protocol`, `device_name`, `bootstrap_server_address`), so a
+deployment switches connectors by name alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import msgspec
+
+from pdkv.errors import ConfigError
+from pdkv.protocol import DecodeParams, PrefillParams
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """kv_connector_extra_config, typed. Unknown keys are ignored (vLLM's own keys may be present)."""
+
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    device_name: str = ""
+    # "host:port" of a standalone bootstrap server; unset: P's TP0 worker runs one.
+    bootstrap_server_address: str | None = None
+    # P: how long a pull waits for a transfer_id P's scheduler has not registered.
+    unknown_wait_s: float = 120.0
+    # P: how long finished blocks wait for D's pull before they are freed.
+    expiry_s: float = 120.0
+    # D: how long P may stay silent (no heartbeat, no answer) before the pull fails.
+    liveness_s: float = 10.0
+    # P: interval of PENDING heartbeats to waiting pulls.
+    heartbeat_s: float = 1.0
+    # Both: append one JSON line per finished transfer under this directory.
+    trace_dir: str | None = None
+    # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
+    side_channel_host: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
+        if self.heartbeat_s >= self.liveness_s:
+            raise ConfigError(
+                f"heartbeat_s ({self.heartbeat_s}) must be shorter than liveness_s ({self.liveness_s})",
+                hint="D fails a pull when P is silent for liveness_s; heartbeats must come more often",
+            )
+
+
+def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
+    """Validate kv_connector_extra_config; raise ConfigError naming the bad key."""
+    try:
+        return msgspec.convert(extra or {}, ConnectorConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
+
+
+def bootstrap_bind(config: ConnectorConfig) -> tuple[str, int]:
+    """Where P's TP0 runs the in-worker bootstrap server (vLLM's env var and default port)."""
+    port = int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", DEFAULT_BOOTSTRAP_PORT))
+    return "0.0.0.0", port
+
+
+def bootstrap_url(config: ConnectorConfig, host: str) -> str:
+    """The URL P's workers register with: the standalone server if given, else the in-worker one."""
+    addr = config.bootstrap_server_address
+    if addr is None:
+        return f"http://{host}:{bootstrap_bind(config)[1]}"
+    return addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
+
+
+class ParamsError(ValueError):
+    """kv_transfer_params that cannot be served; the message is shown to the client."""
+
+
+Role = Literal["prefill", "decode", "none"]
+
+
+def classify_params(params: dict[str, Any] | None) -> tuple[Role, PrefillParams | DecodeParams | None]:
+    """Read kv_transfer_params as the proxy writes them.
+
+    Returns ("none", None) for a request without P/D params; raises ParamsError
+    for params that ask for P/D but are incomplete or contradictory.
+    """
+    if not params:
+        return "none", None
+    remote_prefill = params.get("do_remote_prefill")
+    remote_decode = params.get("do_remote_decode")
+    if remote_prefill and remote_decode:
+        raise ParamsError("kv_transfer_params sets both do_remote_prefill and do_remote_decode")
+    try:
+        if remote_prefill:
+            return "decode", msgspec.convert(params, DecodeParams, strict=True)
+        if remote_decode:
+            return "prefill", msgspec.convert(params, PrefillParams, strict=True)
+    except msgspec.ValidationError as exc:
+        side = "decode" if remote_prefill else "prefill"
+        raise ParamsError(f"invalid kv_transfer_params for a {side} request: {exc}") from None
+    return "none", None
+
+
+def check_decode_params(p: DecodeParams) -> None:
+    if not p.transfer_id:
+        raise ParamsError("kv_transfer_params.transfer_id is empty")
+    if not p.remote_engine_id:
+        raise ParamsError("kv_transfer_params.remote_engine_id is empty")
+    if not p.remote_bootstrap_addr.startswith(("http://", "https://")):
+        raise ParamsError(
+            f"kv_transfer_params.remote_bootstrap_addr must be an http(s) URL, got {p.remote_bootstrap_addr!r}"
+        )

@@ -1,0 +1,249 @@
+"""D's worker side (seed steps 5, 19-21, 34-35): ask P to write a request's KV into D's blocks.
+
+`KVReceiver.apply_step` (model runner's thread) starts pulls and aborts;
+`take_results` (step 35) returns the finished and the failed ones. The
+loop thread resolves P's side channel through the bootstrap server, keeps
+one DEALER per P worker, and fails any pull whose P stays silent longer
+than the liveness bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
+from pdkv.connector.state import PullOutcome, PullTracker
+from pdkv.connector.timing import TraceLog
+from pdkv.errors import PdkvError
+from pdkv.protocol import ErrorReply, PullReply, PullRequest, PullStatus, RegionSpec, Release, TraceReport
+from pdkv.transport.base import Region
+
+log = logging.getLogger("pdkv.connector")
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """One pull the scheduler asked for. `error` set: fail it at once (invalid params)."""
+
+    d_req_id: str
+    transfer_id: str
+    bootstrap_addr: str
+    engine_id: str
+    block_ids: list[int]
+    first_block: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Results:
+    finished: set[str] = field(default_factory=set)  # every concluded pull, failed ones included
+    failed: dict[str, str] = field(default_factory=dict)  # d_req_id -> why
+    transfer_ids: dict[str, str] = field(default_factory=dict)  # d_req_id -> transfer_id
+
+
+class KVReceiver:
+    """D's half of the transfer. A context manager."""
+
+    def __init__(
+        self,
+        session: str,
+        regions: list[Region],
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        liveness_s: float = 10.0,
+        trace: TraceLog | None = None,
+        bootstrap_timeout: float = 2.0,
+    ) -> None:
+        self.session = session
+        self.regions = [RegionSpec(r.base, r.block_len, r.num_blocks) for r in regions]
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tracker = PullTracker(liveness_s)
+        self.trace = trace or TraceLog("decode", tp_rank=tp_rank)
+        self.bootstrap_timeout = bootstrap_timeout
+        self._results = Results()
+        self._lock = threading.Lock()
+        self._loop = EventLoopThread("pdkv-receiver")
+        self._peers: dict[str, SideChannelPeer] = {}
+        self._addr_cache: dict[tuple[str, str], str] = {}
+        self._peer_of: dict[str, str] = {}  # d_req_id -> P address
+        self._done_tid: dict[str, str] = {}  # d_req_id -> transfer_id, KV arrived, first token pending
+        self._ctx: Any = None
+        self._ticker = self._loop.submit(self._tick_forever())
+
+    # --- model runner's thread -----------------------------------------------
+
+    def apply_step(
+        self,
+        pulls: list[PullSpec] | None = None,
+        aborts: list[str] | None = None,
+        first_tokens: dict[str, float] | None = None,
+    ) -> None:
+        if pulls or aborts or first_tokens:
+            now = time.time()
+            self._loop.call_soon(self._apply, list(pulls or ()), list(aborts or ()), dict(first_tokens or {}), now)
+
+    def take_results(self) -> Results:
+        with self._lock:
+            out, self._results = self._results, Results()
+        for tid in out.transfer_ids.values():
+            self.trace.event(tid, "reported")
+        return out
+
+    # --- loop thread -----------------------------------------------------------
+
+    def _apply(self, pulls: list[PullSpec], aborts: list[str], first_tokens: dict[str, float], now: float) -> None:
+        loop = asyncio.get_running_loop()
+        for spec in pulls:
+            self.trace.event(spec.transfer_id, "pull_scheduled", now, d_req_id=spec.d_req_id)
+            self.tracker.started(spec.d_req_id, spec.transfer_id, now)
+            if spec.error is not None:
+                self._conclude(self.tracker.finished(spec.d_req_id, spec.error))
+                continue
+            loop.create_task(self._start(spec))
+        for rid in aborts:
+            entry = self.tracker.abort(rid)
+            addr = self._peer_of.get(rid)
+            if entry is not None and addr in self._peers:
+                loop.create_task(self._peers[addr].send(Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended")))
+            elif entry is not None:
+                self._conclude(self.tracker.finished(rid, "aborted by the decode side"))
+        for rid, at in first_tokens.items():
+            tid = self._done_tid.pop(rid, None)
+            if tid is None:
+                continue
+            self.trace.event(tid, "first_token_scheduled", at)
+            t = self.trace.get(tid)
+            addr = self._peer_of.pop(rid, None)
+            if t is not None and addr in self._peers:
+                loop.create_task(self._peers[addr].send(TraceReport(transfer_id=tid, events=t.events)))
+            self.trace.finish(tid, t.status if t else "sent")
+
+    async def _resolve(self, bootstrap: str, engine_id: str) -> str:
+        key = (bootstrap, engine_id)
+        if key in self._addr_cache:
+            return self._addr_cache[key]
+        from pdkv.bootstrap.client import AsyncBootstrapClient
+
+        async with AsyncBootstrapClient(bootstrap, timeout=self.bootstrap_timeout, retries=2) as bs:
+            engines = await bs.query()
+        for entry in engines.values():
+            if entry.engine_id != engine_id:
+                continue
+            ranks = entry.worker_addr
+            if len(ranks) != self.tp_size:
+                raise PdkvError(f"prefill engine {engine_id} has TP {len(ranks)}, this decode engine TP {self.tp_size}: unequal TP is not supported")
+            addr = ranks.get(str(self.tp_rank), {}).get("0")
+            if addr is None:
+                raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {self.tp_rank}")
+            self._addr_cache[key] = addr
+            return addr
+        raise PdkvError(f"prefill engine {engine_id} is not registered at {bootstrap}")
+
+    def _peer(self, addr: str) -> SideChannelPeer:
+        peer = self._peers.get(addr)
+        if peer is None:
+            import zmq.asyncio
+
+            if self._ctx is None:
+                self._ctx = zmq.asyncio.Context()
+            peer = self._peers[addr] = SideChannelPeer(self._ctx, addr, self._on_reply)
+        return peer
+
+    async def _start(self, spec: PullSpec) -> None:
+        try:
+            addr = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+        except PdkvError as exc:
+            self._conclude(self.tracker.finished(spec.d_req_id, f"cannot reach the prefill engine: {exc}"))
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._conclude(self.tracker.finished(spec.d_req_id, f"cannot reach the prefill engine: {type(exc).__name__}: {exc}"))
+            return
+        entry = self.tracker.entries.get(spec.d_req_id)
+        if entry is None:
+            return  # concluded while resolving
+        self._peer_of[spec.d_req_id] = addr
+        peer = self._peer(addr)
+        if entry.aborted:
+            await peer.send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended"))
+            return
+        req = PullRequest(
+            transfer_id=spec.transfer_id,
+            d_req_id=spec.d_req_id,
+            session=self.session,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            regions=self.regions,
+            block_ids=list(spec.block_ids),
+            first_block=spec.first_block,
+        )
+        self.trace.event(spec.transfer_id, "pull_sent")
+        await peer.send(req)
+
+    def _on_reply(self, msg: Any) -> None:
+        now = time.time()
+        if isinstance(msg, ErrorReply):
+            log.warning("pdkv: prefill side refused a message: %s", msg.error)
+            return
+        if not isinstance(msg, PullReply):
+            return
+        entry = self.tracker.entries.get(msg.d_req_id)
+        if entry is None or entry.transfer_id != msg.transfer_id:
+            return  # a late answer to a pull already concluded
+        if msg.status == PullStatus.PENDING:
+            self.tracker.heard(msg.d_req_id, now)
+            return
+        if msg.status == PullStatus.DONE:
+            self.trace.event(msg.transfer_id, "notified", now, bytes=msg.bytes, descriptors=msg.descriptors)
+            self._conclude(self.tracker.finished(msg.d_req_id, None))
+        else:
+            self.trace.event(msg.transfer_id, "notified", now)
+            self._conclude(self.tracker.finished(msg.d_req_id, msg.error or "prefill side reported an error"))
+
+    def _conclude(self, outcome: PullOutcome | None) -> None:
+        if outcome is None:
+            return
+        if outcome.error is None:
+            self._done_tid[outcome.d_req_id] = outcome.transfer_id
+            self.trace.event(outcome.transfer_id, "concluded", status="sent")
+        else:
+            log.error("pdkv: KV pull %s for request %s failed: %s", outcome.transfer_id, outcome.d_req_id, outcome.error)
+            self.trace.finish(outcome.transfer_id, "failed", outcome.error)
+            self._peer_of.pop(outcome.d_req_id, None)
+        with self._lock:
+            self._results.finished.add(outcome.d_req_id)
+            self._results.transfer_ids[outcome.d_req_id] = outcome.transfer_id
+            if outcome.error is not None:
+                self._results.failed[outcome.d_req_id] = outcome.error
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for outcome in self.tracker.tick(time.time()):
+                self._conclude(outcome)
+
+    def close(self) -> None:
+        async def _close() -> None:
+            for p in self._peers.values():
+                p.close()
+            if self._ctx is not None:
+                self._ctx.term()
+
+        self._ticker.cancel()
+        try:
+            self._loop.submit(_close()).result(5)
+        except Exception:  # noqa: BLE001 - closing
+            pass
+        self._loop.stop()
+        self.trace.close()
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

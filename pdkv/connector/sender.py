@@ -1,0 +1,247 @@
+"""P's worker side (seed steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
+
+`KVSender` owns the side-channel server, the SendTable and the writes. The
+model runner's thread calls `apply_step` (scheduler metadata) and
+`take_finished` (step 32); everything else runs on the sender's loop thread.
+Writes run on a small thread pool so a slow peer never stalls the listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Any
+
+from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
+from pdkv.connector.state import Free, Reply, SendLimits, SendTable, StartSend
+from pdkv.connector.timing import TraceLog
+from pdkv.errors import PdkvError, TransferError
+from pdkv.protocol import (
+    PullReply,
+    PullRequest,
+    PullStatus,
+    Release,
+    StatsQuery,
+    StatsReply,
+    TraceReport,
+)
+from pdkv.transport.base import Region, Transport
+from pdkv.transport.planner import check_blocks, plan_descriptors
+
+log = logging.getLogger("pdkv.connector")
+
+
+class _Parked:
+    """A pull waiting on P: who asked, and what."""
+
+    __slots__ = ("identity", "request")
+
+    def __init__(self, identity: bytes, request: PullRequest) -> None:
+        self.identity = identity
+        self.request = request
+
+
+def check_pull(req: PullRequest, regions: list[Region], tp_rank: int, tp_size: int) -> str | None:
+    """Why P must refuse this pull before waiting on it, or None. Pure."""
+    if req.tp_size != tp_size:
+        return f"decode TP size {req.tp_size} differs from prefill TP size {tp_size} (unequal TP is not supported)"
+    if req.tp_rank != tp_rank:
+        return f"pull for TP rank {req.tp_rank} reached prefill TP rank {tp_rank}"
+    if len(req.regions) != len(regions):
+        return f"decode has {len(req.regions)} KV regions, prefill {len(regions)}: the models or layouts differ"
+    for i, (theirs, ours) in enumerate(zip(req.regions, regions, strict=True)):
+        if theirs.block_len != ours.block_len:
+            return f"region {i}: decode block is {theirs.block_len} B, prefill {ours.block_len} B: block size, dtype or model differ"
+        try:
+            check_blocks(req.block_ids, theirs.num_blocks, "decode")
+        except TransferError as exc:
+            return str(exc)
+    if len(set(req.block_ids)) != len(req.block_ids):
+        return "decode block ids repeat"
+    return None
+
+
+class KVSender:
+    """P's half of the transfer. A context manager; `close()` stops the listener and the loop."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        regions: list[Region],
+        *,
+        host: str,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        engine_id: str = "",
+        limits: SendLimits | None = None,
+        heartbeat_s: float = 1.0,
+        trace: TraceLog | None = None,
+        port: int = 0,
+    ) -> None:
+        self.transport = transport
+        self.regions = list(regions)
+        self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
+        self.table = SendTable(limits)
+        self.heartbeat_s = heartbeat_s
+        self.trace = trace or TraceLog("prefill", engine_id=engine_id, tp_rank=tp_rank)
+        self._finished: set[str] = set()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-send")
+        self._loop = EventLoopThread("pdkv-sender")
+        self.server = SideChannelServer(self._loop, host, self._handle, port=port)
+        self._ticker = self._loop.submit(self._tick_forever())
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    # --- called from the model runner's thread -------------------------------
+
+    def apply_step(
+        self,
+        registered: dict[str, str] | None = None,
+        ready: dict[str, tuple[str, list[int]]] | None = None,
+        cancelled: dict[str, str] | None = None,
+    ) -> None:
+        """Scheduler news: {p_req_id: transfer_id} started, {p_req_id: (transfer_id, blocks)} finished,
+        {transfer_id: reason} ended without KV."""
+        if registered or ready or cancelled:
+            now = time.time()
+            self._loop.call_soon(self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now)
+
+    def take_finished(self) -> set[str]:
+        """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
+        with self._lock:
+            out, self._finished = self._finished, set()
+        return out
+
+    # --- loop thread ---------------------------------------------------------
+
+    def _apply(self, registered: dict, ready: dict, cancelled: dict, now: float) -> None:
+        for p_req_id, tid in registered.items():
+            self.trace.event(tid, "registered", now, p_req_id=p_req_id)
+            self._run(self.table.registered(tid, p_req_id, now))
+        for p_req_id, (tid, blocks) in ready.items():
+            self.trace.event(tid, "p_finished", now, p_req_id=p_req_id)
+            self._run(self.table.ready(tid, p_req_id, blocks, now))
+        for tid, reason in cancelled.items():
+            self.trace.event(tid, "p_finished", now)
+            self.trace.finish(tid, "cancelled", reason)
+            self._run(self.table.cancelled(tid, reason, now))
+
+    def _run(self, actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, StartSend):
+                asyncio.get_running_loop().create_task(self._send(a))
+            elif isinstance(a, Reply):
+                if a.pull is not None:
+                    req = a.pull.request
+                    log.warning("pdkv: pull %s (D request %s) refused: %s", a.transfer_id, req.d_req_id, a.error)
+                    self._reply(a.pull.identity, PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.ERROR, error=a.error))
+                    if a.error.startswith("prefill side never saw"):
+                        self.trace.finish(a.transfer_id, "unknown", a.error)
+            elif isinstance(a, Free):
+                self.trace.event(a.transfer_id, "freed")
+                if a.outcome in ("expired", "released", "duplicate"):
+                    self.trace.finish(a.transfer_id, a.outcome)
+                    log.warning("pdkv: freed blocks of %s unsent (%s)", a.transfer_id, a.outcome)
+                with self._lock:
+                    self._finished.add(a.p_req_id)
+
+    def _reply(self, identity: bytes, reply: Any) -> None:
+        asyncio.get_running_loop().create_task(self.server.send(identity, reply))
+
+    async def _handle(self, identity: bytes, msg: Any) -> None:
+        now = time.time()
+        if isinstance(msg, PullRequest):
+            self.trace.event(msg.transfer_id, "pull_received", now, d_req_id=msg.d_req_id)
+            why = check_pull(msg, self.regions, self.tp_rank, self.tp_size)
+            if why is not None:
+                self.trace.malformed_total += 1
+                log.warning("pdkv: refused pull %s from D request %s: %s", msg.transfer_id, msg.d_req_id, why)
+                await self.server.send(
+                    identity, PullReply(transfer_id=msg.transfer_id, d_req_id=msg.d_req_id, status=PullStatus.ERROR, error=why)
+                )
+                return
+            self._run(self.table.pull(msg.transfer_id, _Parked(identity, msg), now))
+        elif isinstance(msg, Release):
+            self._run(self.table.released(msg.transfer_id, now))
+        elif isinstance(msg, TraceReport):
+            self.trace.merge(msg.transfer_id, msg.events)
+        elif isinstance(msg, StatsQuery):
+            await self.server.send(
+                identity,
+                StatsReply(
+                    engine_id=self.engine_id,
+                    tp_rank=self.tp_rank,
+                    traces=self.trace.query(msg.since, msg.limit),
+                    metrics=self.trace.render_metrics(),
+                ),
+            )
+
+    async def _send(self, a: StartSend) -> None:
+        req: PullRequest = a.pull.request
+        error: str | None = None
+        nbytes = ndesc = 0
+        try:
+            want = len(req.block_ids)
+            if req.first_block + want > len(a.blocks):
+                raise TransferError(
+                    f"decode asks for blocks {req.first_block}..{req.first_block + want - 1} of a prompt P holds in {len(a.blocks)}"
+                )
+            local = a.blocks[req.first_block : req.first_block + want]
+            remote_regions = [Region(r.base, r.block_len, r.num_blocks) for r in req.regions]
+            descs = plan_descriptors(local, req.block_ids, self.regions, remote_regions)
+            nbytes, ndesc = sum(d.length for d in descs), len(descs)
+            self.trace.event(a.transfer_id, "transfer_start")
+            if descs:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self.transport.write, req.session, descs)
+            self.trace.event(a.transfer_id, "transfer_end")
+        except PdkvError as exc:
+            error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - any failure must reach D and free the blocks
+            error = f"{type(exc).__name__}: {exc}"
+        if error is None:
+            reply = PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.DONE, bytes=nbytes, descriptors=ndesc)
+        else:
+            log.warning("pdkv: transfer %s to %s failed: %s", a.transfer_id, req.session, error)
+            reply = PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.ERROR, error=f"transfer failed: {error}")
+        await self.server.send(a.pull.identity, reply)
+        self.trace.event(a.transfer_id, "reply_sent")
+        self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
+        self._run(self.table.send_finished(a.transfer_id, error, time.time()))
+
+    async def _tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.heartbeat_s, 0.25))
+            now = time.time()
+            try:
+                self._run(self.table.tick(now))
+                if now - getattr(self, "_last_beat", 0.0) >= self.heartbeat_s:
+                    self._last_beat = now
+                    for tid, parked, deadline in self.table.parked_pulls():
+                        bound = max(0.0, deadline - now) if deadline is not None else 0.0
+                        await self.server.send(
+                            parked.identity,
+                            PullReply(transfer_id=tid, d_req_id=parked.request.d_req_id, status=PullStatus.PENDING, wait_bound_s=bound),
+                        )
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the ticker must outlive one bad entry
+                log.exception("pdkv: sender tick failed")
+
+    def close(self) -> None:
+        self._ticker.cancel()
+        self.server.close()
+        self._loop.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.trace.close()
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

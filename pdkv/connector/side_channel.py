@@ -1,0 +1,227 @@
+"""The ZMQ side channel between D's and P's workers, on a private asyncio loop thread.
+
+P binds a ROUTER (`SideChannelServer`); D keeps one DEALER per P worker
+(`SideChannelPeer`). Frames are single msgpack messages from
+pdkv.protocol's side-channel section. The server decodes strictly and
+answers an undecodable frame with an ErrorReply; an exception in a handler
+is logged and answered, so the listener never dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import msgspec
+
+from pdkv.errors import StartError
+from pdkv.protocol import ErrorReply, SideChannelReply, SideChannelRequest
+
+log = logging.getLogger("pdkv.connector")
+
+_request_decoder = msgspec.msgpack.Decoder(SideChannelRequest)
+_reply_decoder = msgspec.msgpack.Decoder(SideChannelReply)
+_encoder = msgspec.msgpack.Encoder()
+
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a pull for a million blocks is ~10 MB; anything larger is hostile
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(frame: bytes) -> Any:
+    """Decode one D->P frame; raises msgspec.DecodeError (bad msgpack) or ValidationError (bad types/bounds)."""
+    return _request_decoder.decode(frame)
+
+
+def decode_reply(frame: bytes) -> Any:
+    return _reply_decoder.decode(frame)
+
+
+class EventLoopThread:
+    """An asyncio loop on a daemon thread. `submit` runs a coroutine there from any thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(_cancel_all()).result(timeout)
+        except Exception:  # noqa: BLE001 - shutting down; nothing left to report to
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+
+Handler = Callable[[bytes, Any], Awaitable[None]]
+
+
+class SideChannelServer:
+    """P's ROUTER socket. `handler(identity, message)` runs on the loop for every decoded frame."""
+
+    def __init__(self, loop: EventLoopThread, host: str, handler: Handler, port: int = 0) -> None:
+        self._loop = loop
+        self._host = host
+        self._handler = handler
+        self.port = 0
+        self._sock: Any = None
+        self.dropped = 0
+        try:
+            self.port = loop.submit(self._bind(port)).result(10)
+        except Exception as exc:  # noqa: BLE001 - turned into one typed error
+            raise StartError(f"side channel cannot listen on {host}: {exc}") from None
+        self._task = loop.submit(self._serve())
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self._host}:{self.port}"
+
+    async def _bind(self, port: int) -> int:
+        import zmq
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        # Replies to a peer that went away are dropped, never block the loop.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if port:
+            sock.bind(f"tcp://{self._host}:{port}")
+        else:
+            port = sock.bind_to_random_port(f"tcp://{self._host}")
+        self._sock = sock
+        return port
+
+    async def send(self, identity: bytes, reply: Any) -> None:
+        try:
+            await self._sock.send_multipart((identity, encode(reply)), copy=False)
+        except Exception as exc:  # noqa: BLE001 - a vanished peer must not stop the server
+            log.warning("side channel: reply to a peer failed: %s", exc)
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                parts = await self._sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep listening whatever a peer sends
+                log.warning("side channel: receive failed: %s", exc)
+                await asyncio.sleep(0.01)
+                continue
+            if len(parts) != 2:
+                self.dropped += 1
+                log.warning("side channel: dropped a message of %d frames (expected 1)", len(parts) - 1)
+                continue
+            identity, frame = parts
+            try:
+                msg = decode_request(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.dropped += 1
+                log.warning("side channel: refused a malformed message (%d bytes): %s", len(frame), exc)
+                await self.send(identity, ErrorReply(error=f"malformed message: {exc}"))
+                continue
+            try:
+                await self._handler(identity, msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a handler bug answers one peer, not all
+                log.exception("side channel: handling %s failed", type(msg).__name__)
+                await self.send(identity, ErrorReply(error=f"{type(exc).__name__}: {exc}"))
+
+    def close(self) -> None:
+        async def _close() -> None:
+            self._task.cancel()
+            if self._sock is not None:
+                self._sock.close(linger=0)
+            self._ctx.term()
+
+        try:
+            self._loop.submit(_close()).result(5)
+        except Exception:  # noqa: BLE001 - closing; the loop may already be gone
+            pass
+
+
+class SideChannelPeer:
+    """D's DEALER to one P worker. Runs on the loop; `on_reply(msg)` gets every decoded reply."""
+
+    def __init__(self, ctx: Any, address: str, on_reply: Callable[[Any], None]) -> None:
+        import zmq
+
+        self.address = address
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.connect(address)
+        self._on_reply = on_reply
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    async def send(self, msg: Any) -> None:
+        await self._sock.send(encode(msg), copy=False)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                frame = await self._sock.recv()
+                msg = decode_reply(frame)
+            except asyncio.CancelledError:
+                raise
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("side channel: dropped a malformed reply from %s: %s", self.address, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - keep reading
+                log.warning("side channel: receive from %s failed: %s", self.address, exc)
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                self._on_reply(msg)
+            except Exception:  # noqa: BLE001
+                log.exception("side channel: handling a reply from %s failed", self.address)
+
+    def close(self) -> None:
+        self._task.cancel()
+        self._sock.close(linger=0)
+
+
+async def request_once(address: str, msg: Any, timeout: float) -> Any:
+    """Send one message to a P worker and wait for one reply (for stats queries and probes)."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        await sock.send(encode(msg))
+        frame = await asyncio.wait_for(sock.recv(), timeout)
+        return decode_reply(frame)
+    finally:
+        sock.close(linger=0)
+        ctx.term()

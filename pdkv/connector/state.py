@@ -1,0 +1,270 @@
+"""Per-transfer state on both sides, as pure state machines: events in, actions out.
+
+No sockets, threads or clocks: every event takes `now`, so each rule that
+keeps a request from hanging is a unit test.
+
+P side (`SendTable`, keyed by transfer_id, the only id D knows):
+
+    (pull first)  UNSEEN --registered--> RUNNING --ready--> READY --pull--> SENDING --> CLOSED
+                     |                      |                  |
+                     |                      +--cancelled--> CLOSED (a parked pull gets ERROR now)
+                     +--unknown_wait passes--> CLOSED (ERROR: P never saw it)
+                                               READY --expiry passes--> CLOSED (blocks freed)
+
+A CLOSED entry stays as a tombstone for `tombstone_s`, so a pull that
+arrives after a cancel or an expiry is answered at once, not after a wait.
+
+D side (`PullTracker`, keyed by D's request id): a pull is live while P
+keeps answering; silence longer than `liveness_s` fails it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Phase(StrEnum):
+    UNSEEN = "unseen"  # D's pull arrived before P's scheduler registered the transfer
+    RUNNING = "running"  # P's request is being prefilled
+    READY = "ready"  # P's request finished with its prompt computed; blocks held for D
+    SENDING = "sending"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class StartSend:
+    """Write P's `blocks` to the parked `pull`'s destination."""
+
+    transfer_id: str
+    p_req_id: str
+    blocks: list[int]
+    pull: Any
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Answer `pull` with an error (a DONE reply comes from the send itself)."""
+
+    transfer_id: str
+    pull: Any
+    error: str
+
+
+@dataclass(frozen=True)
+class Free:
+    """Report P's request as finished sending, so the scheduler frees its blocks."""
+
+    transfer_id: str
+    p_req_id: str
+    outcome: str  # "sent", "failed", "expired", "released"
+
+
+Action = StartSend | Reply | Free
+
+
+@dataclass
+class SendEntry:
+    transfer_id: str
+    phase: Phase
+    p_req_id: str = ""
+    blocks: list[int] | None = None
+    pull: Any = None
+    deadline: float | None = None  # UNSEEN: give up; READY: expire; CLOSED: forget
+    released: bool = False  # D said it no longer wants the KV
+    outcome: str = ""
+
+
+@dataclass
+class SendLimits:
+    unknown_wait_s: float = 120.0  # how long a pull waits for a transfer_id P has not seen
+    expiry_s: float = 120.0  # how long finished blocks wait for D's pull
+    tombstone_s: float = 300.0  # how long a closed transfer's outcome is remembered
+
+
+class SendTable:
+    """P's transfers. Every method returns the actions the caller must perform, in order."""
+
+    def __init__(self, limits: SendLimits | None = None) -> None:
+        self.limits = limits or SendLimits()
+        self.entries: dict[str, SendEntry] = {}
+
+    def _close(self, e: SendEntry, now: float, outcome: str) -> None:
+        e.phase = Phase.CLOSED
+        e.outcome = outcome
+        e.pull = None
+        e.deadline = now + self.limits.tombstone_s
+
+    def registered(self, transfer_id: str, p_req_id: str, now: float) -> list[Action]:
+        """P's scheduler allocated blocks for the request that will produce `transfer_id`."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
+        elif e.phase is Phase.UNSEEN:
+            e.phase, e.p_req_id, e.deadline = Phase.RUNNING, p_req_id, None
+        return []
+
+    def ready(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
+        """P's request finished with its prompt computed; its `blocks` are held until a Free."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        if e.phase in (Phase.SENDING, Phase.READY) or (e.phase is Phase.CLOSED and e.p_req_id == p_req_id):
+            return []  # a repeat of what we already hold
+        if e.phase is Phase.CLOSED:
+            # The transfer_id was used up (or given up) before: release these blocks at once.
+            return [Free(transfer_id, p_req_id, "duplicate")]
+        e.p_req_id, e.blocks = p_req_id, list(blocks)
+        if e.released:
+            self._close(e, now, "released")
+            return [Free(transfer_id, p_req_id, "released")]
+        if e.pull is not None:
+            e.phase, e.deadline = Phase.SENDING, None
+            return [StartSend(transfer_id, p_req_id, e.blocks, e.pull)]
+        e.phase, e.deadline = Phase.READY, now + self.limits.expiry_s
+        return []
+
+    def cancelled(self, transfer_id: str, reason: str, now: float) -> list[Action]:
+        """P's request ended without KV to send (aborted, failed, prompt not computed)."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        if e.phase in (Phase.SENDING, Phase.CLOSED):
+            return []
+        actions: list[Action] = []
+        if e.pull is not None:
+            actions.append(Reply(transfer_id, e.pull, f"prefill request ended without KV: {reason}"))
+        self._close(e, now, f"cancelled: {reason}")
+        return actions
+
+    def pull(self, transfer_id: str, pull: Any, now: float) -> list[Action]:
+        """D asked for the KV of `transfer_id`."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            self.entries[transfer_id] = SendEntry(
+                transfer_id, Phase.UNSEEN, pull=pull, deadline=now + self.limits.unknown_wait_s
+            )
+            return []
+        if e.phase is Phase.CLOSED:
+            why = "already sent" if e.outcome == "sent" else e.outcome
+            return [Reply(transfer_id, pull, f"transfer {transfer_id} is closed ({why})")]
+        if e.phase is Phase.SENDING or e.pull is not None:
+            return [Reply(transfer_id, pull, f"transfer {transfer_id} already has a pull in progress")]
+        e.pull = pull
+        if e.phase is Phase.READY:
+            e.phase, e.deadline = Phase.SENDING, None
+            assert e.blocks is not None
+            return [StartSend(transfer_id, e.p_req_id, e.blocks, pull)]
+        return []
+
+    def released(self, transfer_id: str, now: float) -> list[Action]:
+        """D no longer wants the KV (its request ended first)."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        if e.phase is Phase.READY:
+            self._close(e, now, "released")
+            return [Free(transfer_id, e.p_req_id, "released")]
+        if e.phase in (Phase.UNSEEN, Phase.RUNNING):
+            e.released = True
+            actions: list[Action] = []
+            if e.pull is not None:
+                actions.append(Reply(transfer_id, e.pull, "released by the decode side"))
+                e.pull = None
+            if e.phase is Phase.UNSEEN:
+                self._close(e, now, "released")
+            return actions
+        return []  # SENDING finishes on its own; CLOSED has nothing left
+
+    def send_finished(self, transfer_id: str, error: str | None, now: float) -> list[Action]:
+        """The write started by StartSend ended (error None: every byte landed)."""
+        e = self.entries.get(transfer_id)
+        if e is None or e.phase is not Phase.SENDING:
+            return []
+        p_req_id = e.p_req_id
+        self._close(e, now, "sent" if error is None else f"failed: {error}")
+        return [Free(transfer_id, p_req_id, "sent" if error is None else "failed")]
+
+    def tick(self, now: float) -> list[Action]:
+        """Apply every deadline that has passed."""
+        actions: list[Action] = []
+        for tid, e in list(self.entries.items()):
+            if e.deadline is None or e.deadline > now:
+                continue
+            if e.phase is Phase.UNSEEN:
+                actions.append(
+                    Reply(tid, e.pull, f"prefill side never saw transfer {tid} within {self.limits.unknown_wait_s:g} s")
+                )
+                self._close(e, now, "unknown")
+            elif e.phase is Phase.READY:
+                self._close(e, now, "expired")
+                actions.append(Free(tid, e.p_req_id, "expired"))
+            elif e.phase is Phase.CLOSED:
+                del self.entries[tid]
+        return actions
+
+    def parked_pulls(self) -> list[tuple[str, Any, float | None]]:
+        """(transfer_id, pull, deadline) of every pull still waiting on P, for heartbeats."""
+        return [(t, e.pull, e.deadline) for t, e in self.entries.items() if e.pull is not None]
+
+    def holding(self) -> int:
+        """How many transfers hold P's blocks right now."""
+        return sum(1 for e in self.entries.values() if e.phase in (Phase.READY, Phase.SENDING))
+
+
+# --- D side -----------------------------------------------------------------
+
+
+@dataclass
+class PullEntry:
+    d_req_id: str
+    transfer_id: str
+    deadline: float
+    aborted: bool = False
+
+
+@dataclass
+class PullOutcome:
+    d_req_id: str
+    transfer_id: str
+    error: str | None  # None: the KV arrived
+
+
+@dataclass
+class PullTracker:
+    """D's pulls in flight. Silence from P longer than `liveness_s` fails a pull."""
+
+    liveness_s: float = 10.0
+    entries: dict[str, PullEntry] = field(default_factory=dict)
+
+    def started(self, d_req_id: str, transfer_id: str, now: float) -> None:
+        self.entries[d_req_id] = PullEntry(d_req_id, transfer_id, now + self.liveness_s)
+
+    def heard(self, d_req_id: str, now: float) -> None:
+        """P said it is still working on this pull: it is alive, keep waiting."""
+        e = self.entries.get(d_req_id)
+        if e is not None:
+            e.deadline = now + self.liveness_s
+
+    def finished(self, d_req_id: str, error: str | None) -> PullOutcome | None:
+        e = self.entries.pop(d_req_id, None)
+        if e is None:
+            return None
+        if e.aborted and error is None:
+            error = "aborted by the decode side"
+        return PullOutcome(d_req_id, e.transfer_id, error)
+
+    def abort(self, d_req_id: str) -> PullEntry | None:
+        e = self.entries.get(d_req_id)
+        if e is not None:
+            e.aborted = True
+        return e
+
+    def tick(self, now: float) -> list[PullOutcome]:
+        out = []
+        for rid, e in list(self.entries.items()):
+            if e.deadline <= now:
+                del self.entries[rid]
+                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s"))
+        return out

@@ -1,0 +1,160 @@
+"""Per-transfer timing (the seed's steps, unix seconds) and Prometheus-style metrics.
+
+Event names, in seed order:
+
+    P: registered (12), p_finished (23), pull_received (22), transfer_start (28),
+       transfer_end (29), reply_sent (30), freed (32-33)
+    D: pull_scheduled (18-19), pull_sent (21), notified (34), reported (35),
+       first_token_scheduled (37-38)
+
+P holds the whole trace: D reports its events to P over the side channel
+once its first token is scheduled. `TraceLog.query` serves `pdkv trace`
+(StatsQuery on P's side channel, whose address the bootstrap registry
+lists); `trace_dir` also gets one JSON line per transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import msgspec
+
+from pdkv.protocol import TransferTrace
+
+# Transfer durations and handovers span sub-millisecond loopback writes to multi-second waits.
+BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MAX_TRACES = 10_000
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...] = BUCKETS_S) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, v: float) -> None:
+        self.n += 1
+        self.total += v
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+    def render(self, name: str, labels: str) -> list[str]:
+        sep = "," if labels else ""
+        lines = [f'{name}_bucket{{{labels}{sep}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
+        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
+        lines.append(f"{name}_sum{{{labels}}} {self.total:.6f}")
+        lines.append(f"{name}_count{{{labels}}} {self.n}")
+        return lines
+
+
+class TraceLog:
+    """Thread-safe store of TransferTrace records plus counters; bounded to MAX_TRACES."""
+
+    def __init__(self, role: str, trace_dir: str | None = None, *, engine_id: str = "", tp_rank: int = 0) -> None:
+        self.role = role
+        self._lock = threading.Lock()
+        self._traces: OrderedDict[str, TransferTrace] = OrderedDict()
+        self._file = None
+        if trace_dir:
+            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            self._file = open(Path(trace_dir) / f"pdkv-{role}-{engine_id or 'engine'}-tp{tp_rank}.jsonl", "ab")  # noqa: SIM115 - closed in close()
+        self.outcomes: dict[str, int] = {}
+        self.bytes_total = 0
+        self.descriptors_total = 0
+        self.transfer_s = Histogram()
+        self.handover_s = Histogram()
+        self.malformed_total = 0
+
+    def _get(self, tid: str) -> TransferTrace:
+        t = self._traces.get(tid)
+        if t is None:
+            t = self._traces[tid] = TransferTrace(transfer_id=tid)
+            while len(self._traces) > MAX_TRACES:
+                self._traces.popitem(last=False)
+        return t
+
+    def event(self, tid: str, name: str, at: float | None = None, **fields: object) -> None:
+        with self._lock:
+            t = self._get(tid)
+            t.events[name] = time.time() if at is None else at
+            for k, v in fields.items():
+                setattr(t, k, v)
+
+    def merge(self, tid: str, events: dict[str, float]) -> None:
+        """Add a peer's events (D's, on P) and observe the handover if it is now complete."""
+        with self._lock:
+            t = self._get(tid)
+            t.events.update(events)
+            ev = t.events
+            if "first_token_scheduled" in ev and "p_finished" in ev:
+                self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - ev["p_finished"]))
+            self._write(t)
+
+    def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0) -> None:
+        with self._lock:
+            t = self._get(tid)
+            t.status, t.error = status, error
+            if nbytes:
+                t.bytes, t.descriptors = nbytes, descriptors
+                self.bytes_total += nbytes
+                self.descriptors_total += descriptors
+                if "transfer_start" in t.events and "transfer_end" in t.events:
+                    self.transfer_s.observe(t.events["transfer_end"] - t.events["transfer_start"])
+            self.outcomes[status] = self.outcomes.get(status, 0) + 1
+            if self.role == "decode" or status != "sent":
+                self._write(t)
+
+    def _write(self, t: TransferTrace) -> None:
+        if self._file is not None:
+            self._file.write(msgspec.json.encode(t) + b"\n")
+            self._file.flush()
+
+    def get(self, tid: str) -> TransferTrace | None:
+        with self._lock:
+            t = self._traces.get(tid)
+            return msgspec.structs.replace(t, events=dict(t.events)) if t else None
+
+    def query(self, since: float = 0.0, limit: int = 1000) -> list[TransferTrace]:
+        with self._lock:
+            out = [
+                msgspec.structs.replace(t, events=dict(t.events))
+                for t in self._traces.values()
+                if max(t.events.values(), default=0.0) >= since
+            ]
+        return out[-limit:]
+
+    def render_metrics(self) -> str:
+        role = f'role="{self.role}"'
+        with self._lock:
+            lines = [
+                "# HELP pdkv_connector_transfers_total Transfers by outcome.",
+                "# TYPE pdkv_connector_transfers_total counter",
+                *(f'pdkv_connector_transfers_total{{{role},outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())),
+                "# HELP pdkv_connector_bytes_total KV bytes written to decode engines.",
+                "# TYPE pdkv_connector_bytes_total counter",
+                f"pdkv_connector_bytes_total{{{role}}} {self.bytes_total}",
+                "# HELP pdkv_connector_descriptors_total Write descriptors issued.",
+                "# TYPE pdkv_connector_descriptors_total counter",
+                f"pdkv_connector_descriptors_total{{{role}}} {self.descriptors_total}",
+                "# HELP pdkv_connector_malformed_total Side-channel messages refused as malformed.",
+                "# TYPE pdkv_connector_malformed_total counter",
+                f"pdkv_connector_malformed_total{{{role}}} {self.malformed_total}",
+                "# HELP pdkv_connector_transfer_seconds Duration of one KV write.",
+                "# TYPE pdkv_connector_transfer_seconds histogram",
+                *self.transfer_s.render("pdkv_connector_transfer_seconds", role),
+                "# HELP pdkv_connector_handover_seconds P request finished to D first token scheduled.",
+                "# TYPE pdkv_connector_handover_seconds histogram",
+                *self.handover_s.render("pdkv_connector_handover_seconds", role),
+            ]
+        return "\n".join(lines) + "\n"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,141 @@
+"""The per-transfer rules that keep P/D requests from hanging, without sockets or vLLM."""
+
+from __future__ import annotations
+
+from pdkv.connector.state import Free, Phase, PullTracker, Reply, SendLimits, SendTable, StartSend
+
+LIMITS = SendLimits(unknown_wait_s=2.0, expiry_s=5.0, tombstone_s=10.0)
+
+
+def table() -> SendTable:
+    return SendTable(LIMITS)
+
+
+def test_pull_after_ready_starts_the_send_at_once():
+    t = table()
+    assert t.registered("x", "p1", 0.0) == []
+    assert t.ready("x", "p1", [3, 4, 5], 1.0) == []
+    [a] = t.pull("x", "pull", 1.5)
+    assert a == StartSend("x", "p1", [3, 4, 5], "pull")
+    assert t.send_finished("x", None, 2.0) == [Free("x", "p1", "sent")]
+    assert t.entries["x"].phase is Phase.CLOSED
+
+
+def test_pull_before_ready_waits_then_sends_when_ready():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    assert t.pull("x", "pull", 0.1) == []
+    assert t.parked_pulls() == [("x", "pull", None)]
+    [a] = t.ready("x", "p1", [7], 0.5)
+    assert isinstance(a, StartSend) and a.pull == "pull"
+
+
+def test_pull_before_p_sees_the_transfer_is_kept_until_registration():
+    t = table()
+    assert t.pull("x", "pull", 0.0) == []
+    assert t.entries["x"].phase is Phase.UNSEEN
+    t.registered("x", "p1", 1.0)
+    assert t.tick(100.0) == []  # registered: no unknown-transfer deadline any more
+    [a] = t.ready("x", "p1", [1], 101.0)
+    assert isinstance(a, StartSend)
+
+
+def test_unknown_transfer_gets_an_error_once_the_wait_bound_passes():
+    t = table()
+    t.pull("ghost", "pull", 0.0)
+    assert t.tick(1.9) == []
+    [a] = t.tick(2.0)
+    assert isinstance(a, Reply) and a.pull == "pull" and "never saw" in a.error
+    # A second pull for the same id is answered at once, not after another wait.
+    [b] = t.pull("ghost", "pull2", 2.5)
+    assert isinstance(b, Reply) and "closed" in b.error
+
+
+def test_cancel_answers_a_waiting_pull_at_once():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.pull("x", "pull", 0.1)
+    [a] = t.cancelled("x", "aborted", 0.2)
+    assert isinstance(a, Reply) and "aborted" in a.error
+    # and one that comes later, too
+    [b] = t.pull("x", "late", 0.3)
+    assert isinstance(b, Reply) and "cancelled: aborted" in b.error
+
+
+def test_cancel_before_any_pull_leaves_a_tombstone_that_expires():
+    t = table()
+    assert t.cancelled("x", "error", 0.0) == []
+    assert "x" in t.entries
+    t.tick(10.0)
+    assert "x" not in t.entries
+
+
+def test_blocks_nobody_pulls_are_freed_after_expiry():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.ready("x", "p1", [1, 2], 1.0)
+    assert t.holding() == 1
+    assert t.tick(5.9) == []
+    assert t.tick(6.0) == [Free("x", "p1", "expired")]
+    assert t.holding() == 0
+    [late] = t.pull("x", "pull", 7.0)
+    assert isinstance(late, Reply) and "expired" in late.error
+
+
+def test_failed_send_frees_the_blocks_and_closes():
+    t = table()
+    t.ready("x", "p1", [1], 0.0)
+    t.pull("x", "pull", 0.1)
+    assert t.send_finished("x", "peer gone", 0.2) == [Free("x", "p1", "failed")]
+    [r] = t.pull("x", "again", 0.3)
+    assert "failed: peer gone" in r.error
+
+
+def test_duplicate_pull_is_refused():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.pull("x", "a", 0.1)
+    [r] = t.pull("x", "b", 0.2)
+    assert isinstance(r, Reply) and r.pull == "b" and "in progress" in r.error
+    t.ready("x", "p1", [1], 0.3)
+    [r2] = t.pull("x", "c", 0.4)
+    assert isinstance(r2, Reply) and r2.pull == "c"
+
+
+def test_release_frees_ready_blocks_and_prevents_a_later_send():
+    t = table()
+    t.ready("x", "p1", [1], 0.0)
+    assert t.released("x", 0.1) == [Free("x", "p1", "released")]
+    t2 = table()
+    t2.registered("y", "p2", 0.0)
+    assert t2.released("y", 0.1) == []
+    assert t2.ready("y", "p2", [1], 0.2) == [Free("y", "p2", "released")]
+
+
+def test_ready_for_a_used_transfer_id_frees_at_once():
+    t = table()
+    t.ready("x", "p1", [1], 0.0)
+    t.pull("x", "pull", 0.1)
+    t.send_finished("x", None, 0.2)
+    assert t.ready("x", "p9", [4], 0.3) == [Free("x", "p9", "duplicate")]
+
+
+def test_pull_tracker_fails_a_silent_peer_and_heartbeats_keep_it_alive():
+    tr = PullTracker(liveness_s=1.0)
+    tr.started("d1", "x", 0.0)
+    tr.started("d2", "y", 0.0)
+    tr.heard("d1", 0.9)
+    [out] = tr.tick(1.0)
+    assert out.d_req_id == "d2" and "silent" in (out.error or "")
+    assert tr.tick(1.8) == []
+    done = tr.finished("d1", None)
+    assert done is not None and done.error is None
+    assert tr.finished("d1", None) is None
+
+
+def test_pull_tracker_abort_turns_success_into_an_error():
+    tr = PullTracker(liveness_s=1.0)
+    tr.started("d1", "x", 0.0)
+    tr.abort("d1")
+    out = tr.finished("d1", None)
+    assert out is not None and out.error == "aborted by the decode side"
