@@ -76,7 +76,7 @@ class DeregisterRequest(msgspec.Struct, frozen=True):
     engine_id: Annotated[EngineId, msgspec.Meta(min_length=1)]
 
 
-class RegisterResponse(msgspec.Struct, frozen=True, omit_defaults=True):
+class RegisterResponse(msgspec.Struct, frozen=True):
     """Answer to a successful POST /register; vLLM only checks the status code.
 
     `result` is "created", "unchanged" (an identical re-registration) or
@@ -249,3 +249,32 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error", kw_only=True):
 
 
 SideChannelReply = PullReply | StatsReply | ErrorReply
+
+
+# --- proxy -------------------------------------------------------------------
+
+
+class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The proxy's own record of one request, for `pdkv trace`: unix times in seconds.
+
+    Keyed by `request_id` (the client's X-Request-Id, or one the proxy made)
+    and `transfer_id`; times stay None until the step happens. `error` names
+    the cause when the request failed (see docs/proxy.md).
+    """
+
+    request_id: str
+    transfer_id: TransferId
+    endpoint: str
+    stream: bool = False
+    prefill_url: str = ""
+    prefill_dp_rank: int | None = None
+    decode_url: str = ""
+    received: float = 0.0
+    prefill_dispatched: float | None = None
+    prefill_responded: float | None = None
+    prefill_status: int | None = None
+    decode_dispatched: float | None = None
+    decode_first_byte: float | None = None
+    last_byte: float | None = None
+    status: int | None = None
+    error: str | None = None
