@@ -1,0 +1,300 @@
+"""The Transport protocol over Mooncake's TransferEngine, for `tcp` and `rdma`.
+
+Peers find each other with Mooncake's P2P handshake (no metadata server): a
+transport listens on `hostname:<rpc port>` and that string, `session_address`,
+is what a peer passes to `write`.
+
+Mooncake reads its `MC_*` settings from the environment, so `settings` are
+applied to `os.environ` before the engine module is imported and before
+`initialize`. MC_LOG_LEVEL is read once, at that first import: later
+transports in the same process keep the first level. The settings users need
+(docs/bench.md lists them too):
+
+    MC_LOG_LEVEL                 INFO (Mooncake's default), WARNING or ERROR
+    MC_TCP_BIND_ADDRESS          interface the tcp data listener binds
+    MC_MIN_RPC_PORT/MC_MAX_RPC_PORT  range the handshake port is drawn from (firewalls)
+    MC_HANDSHAKE_CONNECT_TIMEOUT bound on connecting to a peer's handshake port
+    MC_TRANSFER_TIMEOUT          seconds before an rdma transfer is failed
+    MC_TCP_PROGRESS_TIMEOUT_SEC  seconds a tcp transfer may make no progress
+    MC_SLICE_SIZE, MC_TCP_SLICE_SIZE  bytes per slice a transfer is cut into
+    MC_GID_INDEX, MC_IB_PORT, MC_MTU  rdma: RoCE GID, HCA port, path MTU
+    MC_FORCE_TCP                 use tcp even where rdma devices exist
+    MC_TE_METRIC                 1 to have Mooncake log its own throughput
+
+Why writes run on a worker thread: a peer that accepts the handshake
+connection but never answers (a stopped process) blocks Mooncake's handshake
+for 60 s, and no `MC_*` setting shortens that read. The worker lets `write`
+raise TransferError after `write_timeout_s`; the stalled call is abandoned
+and `close()` waits for it, bounded, before unregistering memory. Until
+`close()` returns the caller must keep the source memory alive.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from pdkv.errors import StartError, TransferError, UsageError
+from pdkv.transport.base import Descriptor
+
+PROTOCOLS = ("tcp", "rdma")
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+DEFAULT_CLOSE_TIMEOUT_S = 5.0
+SYSFS_INFINIBAND = "/sys/class/infiniband"
+
+
+def apply_mc_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
+    """Put `settings` into os.environ (Mooncake reads them there) and return every MC_* now in effect.
+
+    Only MC_* keys are accepted: anything else is a typo that Mooncake would silently ignore.
+    """
+    for key, value in (settings or {}).items():
+        if not key.startswith("MC_") or not key[3:].replace("_", "").isalnum():
+            raise UsageError(f"{key!r} is not a Mooncake setting", hint="Mooncake settings are named MC_*, e.g. MC_LOG_LEVEL")
+        os.environ[key] = str(value)
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MC_")}
+
+
+def rdma_devices(sysfs_root: str | Path = SYSFS_INFINIBAND) -> list[str]:
+    """Names of the RDMA devices the kernel exposes (mlx5_0, ...), empty where none."""
+    root = Path(sysfs_root)
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def check_protocol(protocol: str, device_name: str, sysfs_root: str | Path = SYSFS_INFINIBAND) -> None:
+    """Refuse what Mooncake would accept and then quietly do differently.
+
+    Mooncake 0.3 returns success for an unknown protocol, and for `rdma` on a
+    host without RDMA devices it falls back to tcp; a benchmark or a
+    deployment would then measure the wrong link.
+    """
+    if protocol not in PROTOCOLS:
+        raise UsageError(f"unknown transport protocol {protocol!r}", hint=f"use one of: {', '.join(PROTOCOLS)}")
+    if protocol != "rdma":
+        return
+    found = rdma_devices(sysfs_root)
+    if not found:
+        raise StartError(
+            f"protocol rdma asked for, but {sysfs_root} lists no RDMA devices",
+            hint="load the NIC's driver (ibv_devices should list it) or use --protocol tcp",
+        )
+    wanted = [d.strip() for d in device_name.split(",") if d.strip()]
+    missing = [d for d in wanted if d not in found]
+    if missing:
+        raise StartError(
+            f"RDMA device {', '.join(missing)} not found",
+            hint=f"devices on this host: {', '.join(found)}",
+        )
+
+
+def link_gbps_of(device_name: str, sysfs_root: str | Path = SYSFS_INFINIBAND) -> float | None:
+    """The link rate of an RDMA device's port 1 in Gb/s, from sysfs ("400 Gb/sec (4X NDR)"), or None."""
+    first = device_name.split(",")[0].strip()
+    if not first:
+        return None
+    try:
+        text = (Path(sysfs_root) / first / "ports" / "1" / "rate").read_text()
+        return float(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Worker:
+    """One daemon thread that runs blocking engine calls so that the caller can stop waiting."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="pdkv-mooncake-write", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn = job
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                fut.set_exception(exc)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def retire(self) -> None:
+        self._jobs.put(None)
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class MooncakeTransport:
+    """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
+
+    Raises StartError when the engine cannot start (wheel missing, no RDMA
+    device for `rdma`, initialize failing), UsageError for an unknown
+    protocol or a non-MC_* setting.
+    """
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        *,
+        settings: Mapping[str, str] | None = None,
+        write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        sysfs_root: str | Path = SYSFS_INFINIBAND,
+    ) -> None:
+        check_protocol(protocol, device_name, sysfs_root)
+        if write_timeout_s <= 0:
+            raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
+        self.hostname = hostname
+        self.protocol = protocol
+        self.device_name = device_name
+        self.write_timeout_s = write_timeout_s
+        self.mc_settings = apply_mc_settings(settings)
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise StartError(
+                f"cannot import Mooncake's TransferEngine: {exc}",
+                hint="pip install mooncake-transfer-engine (GPU hosts) or mooncake-transfer-engine-non-cuda; "
+                "it needs libibverbs1 and librdmacm1 even for tcp",
+            ) from None
+        self._engine: Any = TransferEngine()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise StartError(
+                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol}, {device_name!r}) returned {rc}",
+                hint="check that the hostname is an address of this host and that the RPC port range is free "
+                "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT); set MC_LOG_LEVEL=INFO to see Mooncake's reason",
+            )
+        port = self._engine.get_rpc_port()
+        if port <= 0:
+            raise StartError(f"Mooncake started without an RPC port (got {port})", hint="set MC_LOG_LEVEL=INFO and read its log")
+        self._session = f"{hostname}:{port}"
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._worker = _Worker()
+        self._stalled: list[_Worker] = []
+        self._closed = False
+
+    # -- Transport -------------------------------------------------------
+
+    @property
+    def session_address(self) -> str:
+        return self._session
+
+    @property
+    def engine(self) -> Any:
+        """The underlying mooncake.engine.TransferEngine, for callers that measure it bare."""
+        self._check_open()
+        return self._engine
+
+    def register(self, regions: Iterable[tuple[int, int]]) -> None:
+        """Register (address, length) ranges; ranges already registered with the same length are skipped."""
+        self._check_open()
+        todo = [(int(a), int(n)) for a, n in regions if self._registered.get(int(a)) != int(n)]
+        for addr, length in todo:
+            if addr <= 0 or length <= 0:
+                raise TransferError(f"cannot register {length} B at {addr:#x}: address and length must be positive")
+        if not todo:
+            return
+        rc = self._engine.batch_register_memory([a for a, _ in todo], [n for _, n in todo])
+        if rc != 0:
+            total = sum(n for _, n in todo)
+            raise TransferError(
+                f"Mooncake could not register {len(todo)} regions ({total:,} B), rc {rc}",
+                hint="for rdma raise the locked-memory limit (ulimit -l unlimited) and check the device; "
+                "GPU memory needs nvidia_peermem for rdma",
+            )
+        self._registered.update(todo)
+
+    def unregister(self, regions: Iterable[tuple[int, int]]) -> None:
+        self._check_open()
+        addrs = [int(a) for a, _ in regions if int(a) in self._registered]
+        if not addrs:
+            return
+        rc = self._engine.batch_unregister_memory(addrs)
+        for a in addrs:
+            self._registered.pop(a, None)
+        if rc != 0:
+            raise TransferError(f"Mooncake could not unregister {len(addrs)} regions, rc {rc}")
+
+    def write(self, peer: str, descriptors: list[Descriptor], *, timeout_s: float | None = None) -> None:
+        """Write every descriptor into `peer`'s registered memory; return once all bytes have landed.
+
+        Raises TransferError, naming the peer and the byte count, when Mooncake
+        reports a failure (peer gone, destination outside its registered
+        memory) or when no answer comes within `timeout_s` (default
+        `write_timeout_s`).
+        """
+        self._check_open()
+        if not descriptors:
+            return
+        srcs = [d.src for d in descriptors]
+        dsts = [d.dst for d in descriptors]
+        lens = [d.length for d in descriptors]
+        engine = self._engine
+
+        def call() -> int:
+            return engine.batch_transfer_sync_write(peer, srcs, dsts, lens)
+
+        bound = self.write_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            worker = self._worker
+            fut = worker.submit(call)
+        try:
+            rc = fut.result(timeout=bound)
+        except FutureTimeout:
+            with self._lock:
+                # The stalled worker finishes (or times out inside Mooncake) on its own; later writes get a fresh one.
+                if self._worker is worker:
+                    worker.retire()
+                    self._stalled.append(worker)
+                    self._worker = _Worker()
+            raise TransferError(
+                f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} got no answer within {bound:g} s",
+                hint="the peer accepts connections but does not answer: is its process stopped or overloaded?",
+            ) from None
+        except Exception as exc:  # pybind raises for ill-typed arguments
+            raise TransferError(f"write of {sum(lens):,} B to {peer} failed: {exc}") from None
+        if rc != 0:
+            raise TransferError(
+                f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} failed (Mooncake returned {rc})",
+                hint="is the peer running, reachable, and are the destination ranges inside its registered memory? "
+                "set MC_LOG_LEVEL=INFO for Mooncake's reason",
+            )
+
+    def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
+        """Wait (bounded) for abandoned writes, unregister everything, and release the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.retire()
+        for w in self._stalled:
+            w.join(timeout_s)
+        if self._registered:
+            try:
+                self._engine.batch_unregister_memory(list(self._registered))
+            finally:
+                self._registered.clear()
+        # Dropping the last reference shuts the engine's listeners down.
+        self._engine = None
+
+    def __enter__(self) -> MooncakeTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("the Mooncake transport is closed")

@@ -1,0 +1,174 @@
+"""MooncakeTransport over real Mooncake tcp on 127.0.0.1: bytes verified, failures bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from pdkv.errors import StartError, TransferError, UsageError
+from pdkv.transport import open_transport
+from pdkv.transport.base import Descriptor, Region, Transport
+from pdkv.transport.mooncake import MooncakeTransport, check_protocol, link_gbps_of
+from pdkv.transport.planner import plan_descriptors
+
+pytest.importorskip("mooncake")
+
+QUIET = {"MC_LOG_LEVEL": "ERROR"}
+BL = 4096  # bytes per block per layer
+LAYERS, BLOCKS = 3, 8
+
+
+def layer_regions(buf: np.ndarray) -> list[Region]:
+    base = buf.ctypes.data
+    return [Region(base + i * BLOCKS * BL, BL, BLOCKS) for i in range(LAYERS)]
+
+
+def spans(buf: np.ndarray, regions: list[Region], blocks: list[int]) -> bytes:
+    """The bytes of `blocks` in every region, in planning order."""
+    base = buf.ctypes.data
+    out = bytearray()
+    for r in regions:
+        for b in blocks:
+            off = r.base - base + b * BL
+            out += buf[off : off + BL].tobytes()
+    return bytes(out)
+
+
+@pytest.fixture
+def pair():
+    with MooncakeTransport(settings=QUIET) as p, MooncakeTransport(settings=QUIET) as d:
+        src = np.random.default_rng(7).integers(0, 256, LAYERS * BLOCKS * BL, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        p.register([(src.ctypes.data, src.nbytes)])
+        d.register([(dst.ctypes.data, dst.nbytes)])
+        yield p, d, src, dst
+
+
+def test_is_a_transport_and_names_its_session(pair):
+    p, d, _, _ = pair
+    assert isinstance(p, Transport)
+    host, port = p.session_address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    assert p.session_address != d.session_address
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_write_lands_scattered_blocks_exactly(pair, coalesce):
+    p, d, src, dst = pair
+    local, remote = [0, 1, 2, 5, 7], [6, 7, 0, 1, 3]
+    ds = plan_descriptors(local, remote, layer_regions(src), layer_regions(dst), coalesce=coalesce)
+    assert len(ds) == LAYERS * (4 if coalesce else 5)
+    p.write(d.session_address, ds)
+    assert spans(dst, layer_regions(dst), remote) == spans(src, layer_regions(src), local)
+    untouched = [b for b in range(BLOCKS) if b not in remote]
+    assert not any(spans(dst, layer_regions(dst), untouched))
+
+
+def _target(conn) -> None:
+    with MooncakeTransport(settings=QUIET) as d:
+        dst = np.zeros(LAYERS * BLOCKS * BL, dtype=np.uint8)
+        d.register([(dst.ctypes.data, dst.nbytes)])
+        conn.send((d.session_address, dst.ctypes.data))
+        blocks = conn.recv()
+        conn.send(hashlib.sha256(spans(dst, layer_regions(dst), blocks)).hexdigest())
+
+
+def test_write_across_two_processes():
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30), "target process did not start"
+        peer, dst_base = parent.recv()
+        remote_regions = [Region(dst_base + i * BLOCKS * BL, BL, BLOCKS) for i in range(LAYERS)]
+        with MooncakeTransport(settings=QUIET) as p:
+            src = np.random.default_rng(1).integers(0, 256, LAYERS * BLOCKS * BL, dtype=np.uint8)
+            p.register([(src.ctypes.data, src.nbytes)])
+            local, remote = list(range(BLOCKS)), list(range(BLOCKS))
+            p.write(peer, plan_descriptors(local, remote, layer_regions(src), remote_regions))
+            parent.send(remote)
+            assert parent.poll(30)
+            assert parent.recv() == hashlib.sha256(spans(src, layer_regions(src), local)).hexdigest()
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_write_to_a_peer_that_does_not_exist_fails_fast(pair):
+    p, _, src, _ = pair
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(TransferError, match=rf"127\.0\.0\.1:{port}") as info:
+        p.write(f"127.0.0.1:{port}", [Descriptor(src.ctypes.data, 1 << 30, 4096)])
+    assert "4,096 B" in info.value.message
+    assert time.monotonic() - start < 5
+
+
+def test_write_to_a_silent_peer_is_bounded():
+    # A listener that never answers stands for a stopped process: Mooncake's own handshake would wait 60 s.
+    with MooncakeTransport(settings=QUIET, write_timeout_s=1.0) as p, socket.create_server(("127.0.0.1", 0)) as silent:
+        src = np.zeros(4096, dtype=np.uint8)
+        p.register([(src.ctypes.data, src.nbytes)])
+        peer = f"127.0.0.1:{silent.getsockname()[1]}"
+        start = time.monotonic()
+        with pytest.raises(TransferError, match="no answer within 1 s"):
+            p.write(peer, [Descriptor(src.ctypes.data, 1 << 30, 4096)])
+        assert time.monotonic() - start < 3
+    # Closing the listener resets the stalled handshake, so close() need not wait out its bound.
+    assert time.monotonic() - start < 4
+
+
+def test_out_of_range_blocks_are_refused_before_any_write(pair):
+    p, d, src, dst = pair
+    with pytest.raises(TransferError, match="outside"):
+        p.write(d.session_address, plan_descriptors([0, 1], [BLOCKS - 1, BLOCKS], layer_regions(src), layer_regions(dst)))
+    assert not dst.any()
+
+
+def test_destination_outside_registered_memory_is_rejected_by_the_peer(pair):
+    p, d, src, dst = pair
+    beyond = dst.ctypes.data + dst.nbytes - 100  # runs 3,996 B past the registered end
+    with pytest.raises(TransferError, match="Mooncake returned"):
+        p.write(d.session_address, [Descriptor(src.ctypes.data, beyond, 4096)])
+    assert not dst.any()
+
+
+def test_closed_transport_refuses_work():
+    t = open_transport("tcp", "127.0.0.1", settings=QUIET)
+    t.close()
+    t.close()
+    with pytest.raises(TransferError, match="closed"):
+        t.write("127.0.0.1:1", [Descriptor(1, 1, 1)])
+
+
+def test_rdma_without_a_device_is_refused_not_silently_tcp():
+    with pytest.raises(StartError, match="RDMA"):
+        MooncakeTransport(protocol="rdma", device_name="mlx5_0", sysfs_root="/nonexistent/infiniband")
+
+
+def test_rdma_device_names_are_checked_against_sysfs(tmp_path):
+    # A fake sysfs tree: this host has no RDMA NIC.
+    port = tmp_path / "mlx5_0" / "ports" / "1"
+    port.mkdir(parents=True)
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    check_protocol("rdma", "mlx5_0", tmp_path)
+    with pytest.raises(StartError, match="mlx5_9 not found"):
+        check_protocol("rdma", "mlx5_0,mlx5_9", tmp_path)
+    assert link_gbps_of("mlx5_0", tmp_path) == 400.0
+    assert link_gbps_of("mlx5_1", tmp_path) is None
+
+
+def test_bad_protocol_and_settings_are_usage_errors():
+    with pytest.raises(UsageError, match="protocol"):
+        MooncakeTransport(protocol="nvlink2")
+    with pytest.raises(UsageError, match="not a Mooncake setting"):
+        MooncakeTransport(settings={"LOG_LEVEL": "ERROR"})
