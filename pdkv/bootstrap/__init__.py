@@ -7,3 +7,7 @@ DP rank and where each of its TP/PP workers listens for its side channel.
 
 Importing this package imports neither aiohttp nor httpx.
 """
+
+DEFAULT_PORT = 8998  # vLLM's default for VLLM_MOONCAKE_BOOTSTRAP_PORT
+PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
+TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"

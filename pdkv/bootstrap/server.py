@@ -43,9 +43,6 @@ from pdkv.service import BackgroundService, serve_forever
 
 log = logging.getLogger("pdkv.bootstrap")
 
-DEFAULT_PORT = 8998
-PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
-TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"
 MAX_BODY = 64 * 1024
 
 

@@ -26,6 +26,7 @@ from pdkv.errors import ExitCode, PdkvError
 COMMANDS: list[str] = [
     "plan",
     "model",
+    "bootstrap",
 ]
 
 HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
@@ -35,6 +36,8 @@ Examples:
   pdkv plan --model ./Qwen3-8B --prompt-tokens 1000 --output-tokens 128
 
   pdkv model tiny ./tiny-model
+
+  pdkv bootstrap --host 0.0.0.0 --port 8998
 """
 
 
