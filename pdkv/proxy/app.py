@@ -1,0 +1,315 @@
+"""The proxy's HTTP app: each completion goes to a prefill and a decode server at once.
+
+Routes:
+    POST /v1/completions, /v1/chat/completions   P/D proxied (streaming or not)
+    GET  /v1/models                               from a decode server
+    GET  /health                                  200 when a P/D pair is routable, else 503 + reason
+    GET  /metrics                                 Prometheus text
+    GET  /pdkv/requests[?limit=N&errors=1]        recent per-request timings, newest first
+    GET  /pdkv/requests/{request_id}              one request's timing (request or transfer id)
+
+One request: P's and D's copies are sent at the same moment (D's connector
+waits for P's KV). D's first byte is forwarded as soon as it arrives. Failures
+are coupled: P answering non-2xx, timing out or dropping the connection
+cancels D and the client gets that error at once (as an SSE error event if D
+had already started streaming); D failing cancels P and the client gets D's
+error; the client going away cancels both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from pdkv.protocol import ProxyTiming, transfer_id_for
+from pdkv.proxy.backends import Backends, BackendState
+from pdkv.proxy.http import Exchange, Request, ServerConnection, UpstreamError, fetch
+from pdkv.proxy.metrics import ProxyMetrics, TimingLog
+from pdkv.proxy.routing import ProxyConfig, decode_request, prefill_headers, prefill_request
+
+log = logging.getLogger("pdkv.proxy")
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def error_body(status: int, message: str, cause: str, request_id: str | None = None) -> bytes:
+    err: dict[str, Any] = {"message": message, "type": "pdkv_proxy_error", "code": status, "cause": cause}
+    if request_id:
+        err["request_id"] = request_id
+    return _json_encode({"error": err})
+
+
+class _Flight:
+    """What the handler of one request waits on: either exchange, or the client, pokes it."""
+
+    __slots__ = ("loop", "waiter", "client_gone", "timing")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timing: ProxyTiming) -> None:
+        self.loop = loop
+        self.waiter: asyncio.Future | None = None
+        self.client_gone = False
+        self.timing = timing
+
+    def poke(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def wait(self) -> asyncio.Future:
+        self.waiter = self.loop.create_future()
+        return self.waiter
+
+
+class _Prefill(Exchange):
+    __slots__ = ("flight", "chunks")
+
+    def __init__(self, flight: _Flight) -> None:
+        super().__init__()
+        self.flight = flight
+        self.chunks: list[bytes] = []
+
+    def on_body(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def on_complete(self) -> None:
+        t = self.flight.timing
+        t.prefill_responded = time.time()
+        t.prefill_status = self.status
+        self.flight.poke()
+
+    def on_error(self, error: UpstreamError) -> None:
+        self.flight.poke()
+
+
+class _Decode(Exchange):
+    """D's answer: buffered until the handler commits the client response, then written straight through."""
+
+    __slots__ = ("flight", "chunks", "sink", "first")
+
+    def __init__(self, flight: _Flight) -> None:
+        super().__init__()
+        self.flight = flight
+        self.chunks: list[bytes] = []
+        self.sink: Any = None
+        self.first = False
+
+    def on_body(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink(data)
+            return
+        self.chunks.append(data)
+        if not self.first:
+            self.first = True
+            self.flight.timing.decode_first_byte = time.time()
+            self.clear_deadline()
+            self.flight.poke()
+
+    def on_complete(self) -> None:
+        self.flight.poke()
+
+    def on_error(self, error: UpstreamError) -> None:
+        self.flight.poke()
+
+
+class ProxyApp:
+    """The request handlers over a `Backends` view; `handle` is the server's one entry point."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.backends = Backends(config)
+        self.metrics = ProxyMetrics()
+        self.timings = TimingLog(config.trace_capacity)
+
+    async def handle(self, req: Request, conn: ServerConnection) -> None:
+        path, method = req.path, req.method
+        if path in COMPLETION_PATHS:
+            if method != "POST":
+                conn.respond(405, error_body(405, f"{path} takes POST", "bad_request"))
+                return
+            await self.proxy(req, conn, path)
+        elif method != "GET":
+            conn.respond(404 if path not in ("/health", "/metrics", "/v1/models") else 405, error_body(404, f"no route {method} {path}", "bad_request"))
+        elif path == "/health":
+            ready, reason = self.backends.readiness()
+            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report()}
+            conn.respond(200 if ready else 503, _json_encode(body))
+        elif path == "/metrics":
+            conn.respond(200, self.metrics.render(self.backends.rows()).encode(), "text/plain; version=0.0.4")
+        elif path == "/v1/models":
+            await self.models(conn)
+        elif path == "/pdkv/requests":
+            conn.respond(200, _json_encode(self.recent(req.query)))
+        elif path.startswith("/pdkv/requests/"):
+            timing = self.timings.get(path[len("/pdkv/requests/") :])
+            if timing is None:
+                conn.respond(404, error_body(404, "no such request in the proxy's recent log", "bad_request"))
+            else:
+                conn.respond(200, _json_encode(timing))
+        else:
+            conn.respond(404, error_body(404, f"no route {method} {path}", "bad_request"))
+
+    def backend_report(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for p in self.backends.prefills:
+            out.append({"role": "prefill", "url": p.url, "up": p.up, "reason": p.reason, "bootstrap": p.bootstrap_url,
+                        "engines": {str(k): v for k, v in p.engines.items()}})
+        for d in self.backends.decodes:
+            out.append({"role": "decode", "url": d.url, "up": d.up, "reason": d.reason})
+        return out
+
+    def recent(self, query: str) -> list[ProxyTiming]:
+        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
+        try:
+            limit = max(1, min(int(params.get("limit", "100")), self.timings.capacity))
+        except ValueError:
+            limit = 100
+        errors_only = params.get("errors") in ("1", "true")
+        return self.timings.recent(limit, (lambda t: t.error is not None) if errors_only else None)
+
+    async def models(self, conn: ServerConnection) -> None:
+        d = self.backends.any_decode()
+        try:
+            ex = await fetch(d.pool, "GET", "/v1/models", timeout=self.config.health_timeout)
+        except UpstreamError as exc:
+            conn.respond(502, error_body(502, f"decode {d.url}: {exc}", f"decode_{exc.cause}"))
+            return
+        conn.respond(ex.status, ex.body, ex.content_type)
+
+    # --- the P/D path -------------------------------------------------------------
+
+    async def proxy(self, req: Request, conn: ServerConnection, endpoint: str) -> None:
+        received = time.time()
+        request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
+        transfer_id = transfer_id_for(request_id)
+        t = ProxyTiming(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint, received=received)
+        self.timings.add(t)
+        try:
+            body = _json_decode(req.body)
+        except msgspec.DecodeError as exc:
+            body = exc
+        if not isinstance(body, dict):
+            self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
+            self.metrics.observe(t)
+            return
+        t.stream = stream = bool(body.get("stream"))
+        chosen = self.backends.pair()
+        if chosen is None:
+            self._finish_error(conn, t, 503, "no_backend", self.backends.readiness()[1])
+            self.metrics.observe(t)
+            return
+        pairing, p_state, d_state = chosen
+        target = pairing.prefill
+        t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
+        headers = prefill_headers(request_id, target)
+        auth = req.headers.get("authorization")
+        if auth:
+            headers.append(("Authorization", auth))
+        d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
+        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(prefill_request(body, transfer_id)), headers)
+        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target)), d_headers)
+
+        flight = _Flight(asyncio.get_running_loop(), t)
+        p_ex, d_ex = _Prefill(flight), _Decode(flight)
+        p_ex.set_deadline(self.config.prefill_timeout)
+        d_ex.set_deadline(self.config.decode_first_byte_timeout)
+
+        def client_gone() -> None:
+            flight.client_gone = True
+            p_ex.abort()
+            d_ex.abort()
+
+        conn.on_disconnect = client_gone
+        self.backends.begin(pairing, d_state)
+        try:
+            t.prefill_dispatched = time.time()
+            p_state.pool.send(p_ex, p_bytes)
+            t.decode_dispatched = time.time()
+            d_state.pool.send(d_ex, d_bytes)
+            await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+        finally:
+            self.backends.end(pairing, p_state, d_state)
+            self.metrics.observe(t)
+
+    async def _drive(
+        self, conn: ServerConnection, t: ProxyTiming, flight: _Flight, p_ex: _Prefill, d_ex: _Decode,
+        p_state: BackendState, d_state: BackendState, stream: bool,
+    ) -> None:
+        committed = False
+        while True:
+            if flight.client_gone:
+                t.error, t.status, t.last_byte = "client_disconnect", 499, time.time()
+                return
+            # Prefill failed: D cannot get its KV, so it is cancelled now rather than left to time out.
+            if p_ex.error is not None or (p_ex.finished and not 200 <= p_ex.status < 300):
+                d_ex.abort()
+                status, cause, message = self._prefill_failure(p_ex, p_state)
+                self._fail(conn, t, committed, status, cause, message)
+                return
+            if d_ex.error is not None:
+                p_ex.abort()
+                err = d_ex.error
+                if err.cause == "connect":
+                    self.backends.connect_failed(d_state, str(err))
+                self._fail(conn, t, committed, 504 if err.cause == "timeout" else 502, f"decode_{err.cause}",
+                           f"decode {d_state.url}: {err}")
+                return
+            if d_ex.status and not 200 <= d_ex.status < 300:
+                if d_ex.finished:  # D's own error goes to the client as D wrote it
+                    p_ex.abort()
+                    t.error, t.status = "decode_status", d_ex.status
+                    conn.respond(d_ex.status, b"".join(d_ex.chunks), d_ex.content_type, [("x-request-id", t.request_id)])
+                    t.last_byte = time.time()
+                    return
+            elif stream:
+                if not committed and (d_ex.first or d_ex.finished):
+                    committed = True
+                    conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)], b"".join(d_ex.chunks))
+                    d_ex.chunks = []
+                    d_ex.sink = conn.write_chunk
+                if committed and d_ex.finished:
+                    conn.end_stream()
+                    t.status, t.last_byte = d_ex.status, time.time()
+                    return
+            elif d_ex.finished and p_ex.finished:
+                conn.respond(d_ex.status, b"".join(d_ex.chunks), d_ex.content_type, [("x-request-id", t.request_id)])
+                t.status, t.last_byte = d_ex.status, time.time()
+                return
+            await flight.wait()
+
+    def _prefill_failure(self, p_ex: _Prefill, p_state: BackendState) -> tuple[int, str, str]:
+        err = p_ex.error
+        if err is not None:
+            if err.cause == "connect":
+                self.backends.connect_failed(p_state, str(err))
+            status = 504 if err.cause == "timeout" else 502
+            return status, f"prefill_{err.cause}", f"prefill {p_state.url}: {err}"
+        detail = b"".join(p_ex.chunks)[:500].decode("utf-8", "replace")
+        # A 4xx is about the request itself (too long, bad field): the client should see it as such.
+        status = p_ex.status if 400 <= p_ex.status < 500 else 502
+        return status, "prefill_status", f"prefill {p_state.url} answered {p_ex.status}: {detail}"
+
+    def _fail(self, conn: ServerConnection, t: ProxyTiming, committed: bool, status: int, cause: str, message: str) -> None:
+        if committed:
+            # The client already has D's 200 and some events: end the stream with an error event.
+            t.error, t.last_byte = cause, time.time()
+            event = b"data: " + error_body(status, message, cause, t.request_id) + b"\n\ndata: [DONE]\n\n"
+            conn.end_stream(event)
+            return
+        self._finish_error(conn, t, status, cause, message)
+
+    def _finish_error(self, conn: ServerConnection, t: ProxyTiming, status: int, cause: str, message: str) -> None:
+        t.error, t.status = cause, status
+        conn.respond(status, error_body(status, message, cause, t.request_id), headers=[("x-request-id", t.request_id)])
+        t.last_byte = time.time()
+        if cause not in ("bad_request", "no_backend", "client_disconnect"):
+            log.warning("request %s failed (%s): %s", t.request_id, cause, message)
+
+    async def close(self) -> None:
+        await self.backends.close()
