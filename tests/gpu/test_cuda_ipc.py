@@ -1,0 +1,80 @@
+"""CUDA IPC transport on real GPUs: D's regions opened in P, bytes verified, bounds enforced.
+
+Runs only where CUDA GPUs exist (marker `gpu`); CI has none and skips it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, BLOCKS, BLOCK_LEN = 4, 64, 64 * 1024
+
+
+def _decode_side(conn, device: int) -> None:
+    import torch
+
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+
+    with CudaIpcTransport(device) as t:
+        kv = [torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device=f"cuda:{device}") for _ in range(LAYERS)]
+        t.register([(x.data_ptr(), x.numel()) for x in kv])
+        conn.send((t.export(), [x.data_ptr() for x in kv]))
+        while (msg := conn.recv()) != "stop":
+            blocks = msg
+            torch.cuda.synchronize(device)
+            conn.send([int(x.view(BLOCKS, BLOCK_LEN)[blocks].to(torch.int64).sum()) for x in kv])
+
+
+def _devices():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    n = torch.cuda.device_count()
+    return 0, 1 if n > 1 else 0
+
+
+def test_ipc_write_lands_exactly_and_refuses_out_of_range():
+    import torch
+
+    from pdkv.errors import TransferError
+    from pdkv.transport.base import Descriptor, Region
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+    from pdkv.transport.planner import plan_descriptors
+
+    p_dev, d_dev = _devices()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_side, args=(child, d_dev), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "decode side did not export in time"
+        export, remote_bases = parent.recv()
+        with CudaIpcTransport(p_dev) as t:
+            gen = torch.Generator(device=f"cuda:{p_dev}").manual_seed(0)
+            src = [
+                torch.randint(0, 256, (BLOCKS * BLOCK_LEN,), dtype=torch.uint8, device=f"cuda:{p_dev}", generator=gen)
+                for _ in range(LAYERS)
+            ]
+            t.register([(x.data_ptr(), x.numel()) for x in src])
+            t.connect("d", export)
+            local = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in src]
+            remote = [Region(b, BLOCK_LEN, BLOCKS) for b in remote_bases]
+            for lblocks, rblocks, coalesce in (
+                (list(range(10)), list(range(10)), True),
+                ([3, 9, 4, 20], [50, 1, 7, 33], False),
+            ):
+                t.write("d", plan_descriptors(lblocks, rblocks, local, remote, coalesce=coalesce))
+                parent.send(rblocks)
+                got = parent.recv()
+                want = [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
+                assert got == want
+            with pytest.raises(TransferError, match="outside"):
+                t.write("d", [Descriptor(src[0].data_ptr(), remote_bases[0] + BLOCKS * BLOCK_LEN - 16, 32)])
+    finally:
+        parent.send("stop")
+        proc.join(30)
