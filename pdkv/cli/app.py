@@ -27,6 +27,7 @@ COMMANDS: list[str] = [
     "plan",
     "model",
     "bootstrap",
+    "proxy",
 ]
 
 HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
@@ -38,6 +39,8 @@ Examples:
   pdkv model tiny ./tiny-model
 
   pdkv bootstrap --host 0.0.0.0 --port 8998
+
+  pdkv proxy --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
 """
 
 

@@ -1,0 +1,124 @@
+"""`pdkv proxy`: the P/D router in front of prefill and decode vLLM servers."""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from pdkv.cli.options import JsonOpt
+from pdkv.cli.output import console, err_console
+
+HELP = """Route OpenAI completions to a prefill and a decode server at once.
+
+Each request goes to a prefill server (max_tokens 1, min_tokens 1, no stop
+strings, so it always hands its KV over) and to a decode server (the client's
+own request, told which prefill engine holds its KV). Several of each;
+backends that fail health checks are taken out and put back. /health, /metrics
+(Prometheus), /v1/models, and per-request timings at /pdkv/requests/ID.
+
+Examples:
+
+  pdkv proxy --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
+
+  pdkv proxy -p http://p1:8100,http://p1:8998 -p http://p2:8100 -d http://d1:8200 -d http://d2:8200
+
+  pdkv proxy -p http://p1:8100 -d http://d1:8200 --policy least-outstanding --port 9000
+
+  pdkv proxy --config proxy.toml --port 9000 --json
+"""
+
+
+class PolicyChoice(str, enum.Enum):
+    round_robin = "round-robin"
+    least_outstanding = "least-outstanding"
+
+
+def _read_config(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    import tomllib
+
+    from pdkv.errors import ConfigError
+
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def proxy(
+    prefill: Annotated[
+        list[str] | None,
+        typer.Option("--prefill", "-p", metavar="URL[,BOOTSTRAP]", help="Prefill server URL[,BOOTSTRAP_URL or port]; repeatable. Bootstrap defaults to the same host on $VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998."),
+    ] = None,
+    decode: Annotated[list[str] | None, typer.Option("--decode", "-d", metavar="URL", help="Decode server URL; repeatable.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")] = None,
+    policy: Annotated[PolicyChoice | None, typer.Option("--policy", help="How to pick among backends. [default: round-robin]")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address to listen on. [default: 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port to listen on. [default: 8000]")] = None,
+    connect_timeout: Annotated[float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")] = None,
+    prefill_timeout: Annotated[float | None, typer.Option("--prefill-timeout", help="Seconds for P's whole answer. [default: 120]")] = None,
+    decode_timeout: Annotated[
+        float | None, typer.Option("--decode-first-byte-timeout", help="Seconds until D's first byte. [default: 180]")
+    ] = None,
+    health_interval: Annotated[float | None, typer.Option("--health-interval", help="Seconds between health rounds. [default: 5]")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.server import serve
+
+    cfg = build_config(
+        prefill or [],
+        decode or [],
+        file_values=_read_config(config),
+        policy=policy.value if policy else None,
+        host=host,
+        port=port,
+        connect_timeout=connect_timeout,
+        prefill_timeout=prefill_timeout,
+        decode_first_byte_timeout=decode_timeout,
+        health_interval=health_interval,
+    )
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def on_ready(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
+        ready, reason = server.app.backends.readiness()
+        url = f"http://{cfg.host}:{server.port}"
+        backends = server.app.backend_report()
+        if json_out:
+            import msgspec
+
+            line = {"url": url, "ready": ready, "reason": reason, "policy": str(cfg.policy), "backends": backends}
+            sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
+            sys.stdout.flush()
+            return
+        table = Table(title=f"pdkv proxy on {url} ({cfg.policy})")
+        for col in ("role", "url", "up", "detail"):
+            table.add_column(col)
+        for b in backends:
+            detail = b["reason"]
+            if b["role"] == "prefill":
+                engines = ", ".join(f"dp{k}={v}" for k, v in b["engines"].items())
+                detail = f"bootstrap {b['bootstrap']}" + (f"; {engines}" if engines else f"; {b['reason']}")
+            table.add_row(b["role"], b["url"], "yes" if b["up"] else "no", detail)
+        console.print(table)
+        if ready:
+            console.print(f"ready: {url}/v1/completions")
+        else:
+            err_console.print(f"[yellow]not ready yet[/]: {reason} (GET /health answers 503 until it is)")
+
+    serve(cfg, on_ready=on_ready)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("proxy", help=HELP)(proxy)
