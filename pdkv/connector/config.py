@@ -33,13 +33,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     liveness_s: float = 10.0
     # P: interval of PENDING heartbeats to waiting pulls.
     heartbeat_s: float = 1.0
+    # P: bound on one KV write; a peer that stops answering fails the transfer after it.
+    write_timeout_s: float = 30.0
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s"):
+        for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
         if self.heartbeat_s >= self.liveness_s:

@@ -234,6 +234,9 @@ class KVReceiver:
             if self._ctx is not None:
                 self._ctx.term()
 
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._ticker.cancel()
         try:
             self._loop.submit(_close()).result(5)

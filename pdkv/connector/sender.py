@@ -234,6 +234,10 @@ class KVSender:
                 log.exception("pdkv: sender tick failed")
 
     def close(self) -> None:
+        """Stop listening and release the loop; idempotent."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self._ticker.cancel()
         self.server.close()
         self._loop.stop()

@@ -62,7 +62,7 @@ class EventLoopThread:
         self.loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, timeout: float = 5.0) -> None:
-        if not self.loop.is_running():
+        if self.loop.is_closed():
             return
 
         async def _cancel_all() -> None:
@@ -77,6 +77,8 @@ class EventLoopThread:
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 Handler = Callable[[bytes, Any], Awaitable[None]]

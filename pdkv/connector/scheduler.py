@@ -1,0 +1,160 @@
+"""Scheduler-side hooks (seed steps 11-13, 16-18, 23, 33, 36-37), without importing vLLM.
+
+`ConnectorScheduler` reads duck-typed vLLM Request / KVCacheBlocks objects
+and produces one `StepMeta` per scheduler step for the workers.
+
+The rule that replaces the seed's step-23 defect: P sends whenever its
+request finished with the whole prompt computed, whether it stopped by
+length, by EOS or by a stop token. A P request that ends any other way
+(aborted, error, prompt not computed) is reported to the worker as
+cancelled, which answers D's pull with an error at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdkv.connector.config import ParamsError, check_decode_params, classify_params
+from pdkv.connector.receiver import PullSpec
+from pdkv.geometry import blocks_for
+from pdkv.protocol import DecodeParams
+
+log = logging.getLogger("pdkv.connector")
+
+# vLLM's RequestStatus names for a finish that leaves the prompt's KV complete and valid.
+SENDABLE_FINISHES = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
+
+
+@dataclass
+class StepMeta:
+    """What the scheduler tells every worker in one step."""
+
+    registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
+    ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
+    cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
+    pulls: list[PullSpec] = field(default_factory=list)  # D
+    aborts: list[str] = field(default_factory=list)  # D: d_req_ids whose pull is no longer wanted
+    first_tokens: dict[str, float] = field(default_factory=dict)  # D: d_req_id -> unix time
+
+    def empty(self) -> bool:
+        return not (self.registered or self.ready or self.cancelled or self.pulls or self.aborts or self.first_tokens)
+
+
+def _status_name(request: Any) -> str:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", str(status))
+
+
+class ConnectorScheduler:
+    def __init__(self, *, is_producer: bool, is_consumer: bool, block_size: int) -> None:
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.block_size = block_size
+        self._next = StepMeta()
+        self._local_hit: dict[str, int] = {}  # D: request id -> block-aligned local prefix tokens
+        self._pulling: set[str] = set()  # D: pulls started and not yet reported
+        self._arrived: set[str] = set()  # D: KV arrived, first token not yet scheduled
+
+    # --- both -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if not self.is_consumer:
+            log.error("pdkv: request %s asks for remote prefill on an engine that is not kv_consumer; computing it here", request.request_id)
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_hit[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if params.get("do_remote_prefill") and self.is_consumer:
+            params["do_remote_prefill"] = False  # one transfer per request
+            local = self._local_hit.pop(rid, 0)
+            if num_external_tokens <= 0:
+                return
+            spec = self._pull_spec(request, blocks, local)
+            self._next.pulls.append(spec)
+            self._pulling.add(rid)
+        elif params.get("do_remote_decode") and self.is_producer and not params.get("_pdkv_registered"):
+            tid = params.get("transfer_id")
+            if isinstance(tid, str) and tid:
+                params["_pdkv_registered"] = True
+                self._next.registered[rid] = tid
+            else:
+                log.error("pdkv: prefill request %s has do_remote_decode without a transfer_id; its KV will not be sent", rid)
+
+    def _pull_spec(self, request: Any, blocks: Any, local_tokens: int) -> PullSpec:
+        rid = request.request_id
+        first = local_tokens // self.block_size
+        wanted = blocks_for(len(request.prompt_token_ids or ()), self.block_size)
+        (all_ids,) = blocks.get_block_ids()
+        block_ids = list(all_ids[first:wanted])
+        tid = str((request.kv_transfer_params or {}).get("transfer_id") or "")
+        try:
+            role, p = classify_params(request.kv_transfer_params)
+            assert role == "decode" and isinstance(p, DecodeParams)
+            check_decode_params(p)
+        except ParamsError as exc:
+            log.error("pdkv: request %s: %s", rid, exc)
+            return PullSpec(rid, tid or f"invalid-{rid}", "", "", block_ids, first, error=str(exc))
+        return PullSpec(rid, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, block_ids, first)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Return (delay_free, params): P keeps the blocks of a request whose KV it will send."""
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if not params:
+            return False, None
+        if self.is_consumer and rid in self._pulling:
+            # D's request ended while its KV is still coming: tell P to stop.
+            # vLLM itself holds these blocks until the pull is reported done.
+            self._next.aborts.append(rid)
+            return False, None
+        self._arrived.discard(rid)
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        tid = params.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            return False, None
+        status = _status_name(request)
+        prompt_done = request.num_computed_tokens >= request.num_prompt_tokens
+        if status in SENDABLE_FINISHES and prompt_done and block_ids:
+            wanted = blocks_for(request.num_prompt_tokens, self.block_size)
+            self._next.ready[rid] = (tid, list(block_ids[:wanted]))
+            return True, None
+        reason = f"prefill request {rid} finished as {status}" + ("" if prompt_done else " before its prompt was computed")
+        log.warning("pdkv: %s; telling the decode side not to wait for %s", reason, tid)
+        self._next.cancelled[tid] = reason
+        return False, None
+
+    def update_connector_output(self, finished_recving: set[str] | None, failed_recving: set[str] | None) -> None:
+        failed = failed_recving or set()
+        for rid in finished_recving or ():
+            if rid in self._pulling:
+                self._pulling.discard(rid)
+                if rid not in failed:
+                    self._arrived.add(rid)
+
+    def build_meta(self, num_scheduled_tokens: dict[str, int] | None) -> StepMeta:
+        """Everything gathered since the last step; the caller sends it to the workers."""
+        meta, self._next = self._next, StepMeta()
+        if self._arrived and num_scheduled_tokens:
+            now = time.time()
+            for rid in [r for r in self._arrived if r in num_scheduled_tokens]:
+                meta.first_tokens[rid] = now
+                self._arrived.discard(rid)
+        return meta
+
+    def has_pending_push_work(self) -> bool:
+        """True while news for the workers waits: keeps an idle engine stepping so it gets delivered."""
+        return not self._next.empty()

@@ -1,0 +1,246 @@
+"""P's and D's worker-side classes over real ZMQ, a real bootstrap server and real Mooncake tcp on loopback.
+
+No vLLM: the scheduler's news is applied by hand, as the connector's
+worker hooks would. Every wait is bounded in seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap.server import start_background
+from pdkv.connector.receiver import KVReceiver, PullSpec, Results
+from pdkv.connector.sender import KVSender
+from pdkv.connector.state import SendLimits
+from pdkv.protocol import RegisterRequest
+from pdkv.transport.base import Region
+from pdkv.transport.mooncake import MooncakeTransport
+
+LAYERS = 3
+BLOCKS = 16
+BLOCK_LEN = 512  # bytes of one block in one layer's region
+ENGINE = "engine-p"
+
+
+@dataclass
+class Side:
+    mem: np.ndarray  # LAYERS x BLOCKS x BLOCK_LEN bytes
+    transport: MooncakeTransport
+
+    @property
+    def regions(self) -> list[Region]:
+        base = self.mem.ctypes.data
+        return [Region(base + layer * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for layer in range(LAYERS)]
+
+    def block(self, layer: int, b: int) -> np.ndarray:
+        return self.mem[layer, b]
+
+
+def make_side(stack: ExitStack, fill: int | None) -> Side:
+    rng = np.random.default_rng(fill)
+    mem = rng.integers(0, 255, size=(LAYERS, BLOCKS, BLOCK_LEN), dtype=np.uint8) if fill is not None else np.zeros((LAYERS, BLOCKS, BLOCK_LEN), np.uint8)
+    t = stack.enter_context(MooncakeTransport("127.0.0.1", "tcp", write_timeout_s=3.0))
+    t.register([(mem.ctypes.data, mem.nbytes)])
+    return Side(mem, t)
+
+
+@dataclass
+class Pair:
+    p: Side
+    d: Side
+    sender: KVSender
+    receiver: KVReceiver
+    bootstrap_url: str
+
+    def spec(self, d_req: str, tid: str, blocks: list[int], first: int = 0) -> PullSpec:
+        return PullSpec(d_req, tid, self.bootstrap_url, ENGINE, blocks, first)
+
+
+def wait_results(receiver: KVReceiver, want: set[str], timeout: float = 10.0) -> Results:
+    got = Results()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = receiver.take_results()
+        got.finished |= r.finished
+        got.failed.update(r.failed)
+        if want <= got.finished:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"pulls {want - got.finished} did not conclude within {timeout} s")
+
+
+def wait_freed(sender: KVSender, want: set[str], timeout: float = 10.0) -> float:
+    got: set[str] = set()
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        got |= sender.take_finished()
+        if want <= got:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"P requests {want - got} were not freed within {timeout} s")
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    with ExitStack() as stack:
+        bs = start_background("127.0.0.1", 0)
+        stack.callback(bs.stop)
+
+        def make(limits: SendLimits | None = None, liveness_s: float = 2.0) -> Pair:
+            p = make_side(stack, fill=1)
+            d = make_side(stack, fill=None)
+            sender = stack.enter_context(
+                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2)
+            )
+            with BootstrapClient(bs.url) as c:
+                c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
+            receiver = stack.enter_context(KVReceiver(d.transport.session_address, d.regions, liveness_s=liveness_s))
+            return Pair(p, d, sender, receiver, bs.url)
+
+        yield make
+
+
+def assert_copied(pair: Pair, p_blocks: list[int], d_blocks: list[int]) -> None:
+    for layer in range(LAYERS):
+        for pb, db in zip(p_blocks, d_blocks, strict=True):
+            assert np.array_equal(pair.p.block(layer, pb), pair.d.block(layer, db)), f"layer {layer} block {pb}->{db}"
+
+
+def assert_untouched(pair: Pair, d_blocks: list[int]) -> None:
+    for layer in range(LAYERS):
+        for b in range(BLOCKS):
+            if b not in d_blocks:
+                assert not pair.d.block(layer, b).any(), f"layer {layer} block {b} was written"
+
+
+def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
+    pair = make_pair()
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])})
+    time.sleep(0.05)
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6, 7, 12])])
+    res = wait_results(pair.receiver, {"d1"})
+    assert res.failed == {}
+    assert_copied(pair, [2, 3, 4, 9], [5, 6, 7, 12])
+    assert_untouched(pair, [5, 6, 7, 12])
+    wait_freed(pair.sender, {"p1"})
+    trace = pair.sender.trace.get("x1")
+    assert trace is not None and trace.status == "sent"
+    assert trace.bytes == 4 * LAYERS * BLOCK_LEN
+    assert trace.descriptors == 2 * LAYERS  # runs 2-4 -> 5-7 and 9 -> 12, per layer
+    for ev in ("registered", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
+        assert ev in trace.events
+
+
+def test_pull_before_p_finished_waits_then_arrives(make_pair):
+    pair = make_pair()
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0, 1])])  # D first, P has not even registered
+    time.sleep(0.5)  # longer than a heartbeat: D must stay waiting, not fail
+    assert pair.receiver.take_results().finished == set()
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [10, 11])})
+    res = wait_results(pair.receiver, {"d1"})
+    assert res.failed == {}
+    assert_copied(pair, [10, 11], [0, 1])
+
+
+def test_prefix_hit_on_d_pulls_only_the_missing_blocks(make_pair):
+    pair = make_pair()
+    pair.sender.apply_step(ready={"p1": ("x1", [1, 2, 3, 4])})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [8, 9], first=2)])
+    assert wait_results(pair.receiver, {"d1"}).failed == {}
+    assert_copied(pair, [3, 4], [8, 9])
+    assert_untouched(pair, [8, 9])
+
+
+def test_cancelled_prefill_fails_the_waiting_pull_at_once(make_pair):
+    pair = make_pair(liveness_s=5.0)
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ABORTED"})
+    res = wait_results(pair.receiver, {"d1"}, timeout=3)
+    assert time.monotonic() - t0 < 1.0
+    assert "FINISHED_ABORTED" in res.failed["d1"]
+    assert_untouched(pair, [])
+
+
+def test_pull_after_the_cancel_is_answered_at_once(make_pair):
+    pair = make_pair(liveness_s=5.0)
+    pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ERROR"})
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    res = wait_results(pair.receiver, {"d1"}, timeout=3)
+    assert time.monotonic() - t0 < 1.0 and "FINISHED_ERROR" in res.failed["d1"]
+
+
+def test_unknown_transfer_fails_once_ps_wait_bound_passes(make_pair):
+    pair = make_pair(SendLimits(unknown_wait_s=0.8), liveness_s=5.0)
+    t0 = time.monotonic()
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "never-seen", [0])])
+    res = wait_results(pair.receiver, {"d1"}, timeout=5)
+    elapsed = time.monotonic() - t0
+    assert 0.7 <= elapsed < 2.5
+    assert "never saw" in res.failed["d1"]
+
+
+def test_blocks_nobody_pulls_are_freed_after_expiry(make_pair):
+    pair = make_pair(SendLimits(expiry_s=0.5))
+    pair.sender.apply_step(ready={"p1": ("x1", [1])})
+    waited = wait_freed(pair.sender, {"p1"}, timeout=3)
+    assert 0.3 <= waited < 2.0
+    assert pair.sender.trace.get("x1").status == "expired"
+
+
+def test_p_dying_fails_the_pull_within_the_liveness_bound(make_pair):
+    pair = make_pair(liveness_s=1.0)
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    time.sleep(0.3)
+    pair.sender.close()  # P's worker is gone; its heartbeats stop
+    t0 = time.monotonic()
+    res = wait_results(pair.receiver, {"d1"}, timeout=5)
+    assert time.monotonic() - t0 < 2.0
+    assert "silent" in res.failed["d1"]
+
+
+def test_unreachable_bootstrap_fails_the_pull(make_pair):
+    pair = make_pair()
+    spec = PullSpec("d1", "x1", "http://127.0.0.1:9", ENGINE, [0])
+    pair.receiver.apply_step(pulls=[spec])
+    res = wait_results(pair.receiver, {"d1"}, timeout=10)
+    assert "cannot reach the prefill engine" in res.failed["d1"]
+
+
+def test_d_dying_before_the_write_frees_ps_blocks_and_reports(make_pair):
+    pair = make_pair()
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    time.sleep(0.3)
+    pair.d.transport.close()  # D's memory and transfer engine are gone
+    pair.sender.apply_step(ready={"p1": ("x1", [3])})
+    waited = wait_freed(pair.sender, {"p1"}, timeout=8)
+    assert waited < 5.0
+    t = pair.sender.trace.get("x1")
+    assert t.status == "failed" and t.error
+
+
+def test_decode_abort_releases_ps_blocks(make_pair):
+    pair = make_pair()
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    time.sleep(0.3)
+    pair.receiver.apply_step(aborts=["d1"])
+    res = wait_results(pair.receiver, {"d1"}, timeout=3)
+    assert "d1" in res.failed
+    pair.sender.apply_step(ready={"p1": ("x1", [3])})
+    wait_freed(pair.sender, {"p1"}, timeout=3)
+    assert_untouched(pair, [])
