@@ -28,6 +28,7 @@ COMMANDS: list[str] = [
     "model",
     "bootstrap",
     "proxy",
+    "doctor",
 ]
 
 HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
@@ -41,6 +42,8 @@ Examples:
   pdkv bootstrap --host 0.0.0.0 --port 8998
 
   pdkv proxy --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
+
+  pdkv doctor --device mlx5_0
 """
 
 

@@ -1,0 +1,40 @@
+"""`pdkv doctor`: why P/D over Mooncake will or will not work on this host, and how to fix it.
+
+One function per check (`check_<name>(host, options) -> CheckResult`), run by
+`run_doctor` with a time bound each. Every sysfs, procfs and /dev read goes
+through `Host.root`, a `SysRoot` set by PDKV_SYS_ROOT (default "/"), so the
+checks run unchanged against fixture trees.
+"""
+
+from pdkv.doctor.model import (
+    DEFAULT_PORTS,
+    CheckResult,
+    DmabufProbe,
+    DoctorOptions,
+    DoctorReport,
+    GpuInfo,
+    GpuInventory,
+    GpuLookupError,
+    Host,
+    Status,
+)
+from pdkv.doctor.runner import CHECKS, check_name, run_checks, run_doctor
+from pdkv.doctor.sysroot import SysRoot
+
+__all__ = [
+    "CHECKS",
+    "DEFAULT_PORTS",
+    "CheckResult",
+    "DmabufProbe",
+    "DoctorOptions",
+    "DoctorReport",
+    "GpuInfo",
+    "GpuInventory",
+    "GpuLookupError",
+    "Host",
+    "Status",
+    "SysRoot",
+    "check_name",
+    "run_checks",
+    "run_doctor",
+]

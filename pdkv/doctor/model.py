@@ -1,0 +1,121 @@
+"""What a doctor check returns, what the run is asked to do, and the host it looks at.
+
+Every check is a function `check_x(host, options) -> CheckResult`. `Host` holds
+every way a check reaches the machine (sysfs/procfs/dev through one root,
+environment, NVML, network addresses, the CUDA DMA-BUF probe), so tests swap in
+fixture trees and fakes for what cannot exist here (an RDMA NIC, a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from typing import Literal
+
+import msgspec
+
+from pdkv.doctor.sysroot import SysRoot
+
+Protocol = Literal["rdma", "tcp"]
+
+# Proxy, bootstrap, and the seed's P and D HTTP ports.
+DEFAULT_PORTS: tuple[int, ...] = (8000, 8998, 8010, 8020)
+
+
+class Status(StrEnum):
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+# Order of rows in the table: what needs fixing first.
+STATUS_ORDER = {Status.FAIL: 0, Status.WARN: 1, Status.PASS: 2, Status.SKIP: 3}
+
+
+class CheckResult(msgspec.Struct, frozen=True):
+    """One verdict: `detail` says what was seen, `hint` is a one-line fix (empty when nothing to fix)."""
+
+    name: str
+    status: Status
+    detail: str
+    hint: str = ""
+
+
+class DoctorOptions(msgspec.Struct, frozen=True):
+    protocol: Protocol = "rdma"
+    device: str | None = None
+    ports: tuple[int, ...] = DEFAULT_PORTS
+    skip_mooncake: bool = False
+    check_timeout_s: float = 5.0
+    mooncake_timeout_s: float = 30.0
+
+
+class DoctorReport(msgspec.Struct, frozen=True):
+    ok: bool
+    protocol: str
+    device: str | None
+    sys_root: str
+    elapsed_s: float
+    counts: dict[str, int]
+    checks: list[CheckResult]
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [c for c in self.checks if c.status is Status.FAIL]
+
+
+class GpuInfo(msgspec.Struct, frozen=True):
+    index: int
+    name: str
+    memory_bytes: int
+    pci_bus_id: str  # as NVML gives it, e.g. "00000000:18:00.0"
+
+
+class GpuInventory(msgspec.Struct, frozen=True):
+    gpus: list[GpuInfo]
+    driver: str = ""
+    cuda: str = ""
+
+
+class GpuLookupError(Exception):
+    """NVML could not list GPUs; `missing` is True when there is no NVML or no driver at all."""
+
+    def __init__(self, message: str, *, missing: bool) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class DmabufProbe(msgspec.Struct, frozen=True):
+    """What the CUDA driver says of CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, per GPU; None if it cannot say."""
+
+    supported: list[bool] | None
+    detail: str
+
+
+class Host(msgspec.Struct, frozen=True):
+    """The machine as the checks see it. `Host.local()` is the real one."""
+
+    root: SysRoot
+    env: Mapping[str, str]
+    gpus: Callable[[], GpuInventory]
+    net_addrs: Callable[[], dict[str, list[str]]]
+    dmabuf: Callable[[], DmabufProbe]
+
+    @classmethod
+    def local(cls, root: str | None = None, env: Mapping[str, str] | None = None) -> Host:
+        from pdkv.doctor.gpu import cuda_dmabuf_probe, nvml_gpus, once
+        from pdkv.doctor.network import local_addresses
+
+        environ = dict(os.environ if env is None else env)
+        return cls(
+            root=SysRoot(root if root is not None else environ.get("PDKV_SYS_ROOT", "/")),
+            env=environ,
+            gpus=once(nvml_gpus),
+            net_addrs=local_addresses,
+            dmabuf=cuda_dmabuf_probe,
+        )
+
+
+Check = Callable[[Host, DoctorOptions], CheckResult]
