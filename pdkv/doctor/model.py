@@ -49,6 +49,7 @@ class DoctorOptions(msgspec.Struct, frozen=True):
     ports: tuple[int, ...] = DEFAULT_PORTS
     skip_mooncake: bool = False
     check_timeout_s: float = 5.0
+    gpu_timeout_s: float = 20.0  # NVML and cuInit wake every GPU; slow without persistence mode
     mooncake_timeout_s: float = 30.0
 
 

@@ -45,6 +45,8 @@ def time_bound(check: Check, options: DoctorOptions) -> float:
     if check is check_mooncake:
         # Its own subprocess timeout fires first; this only covers the spawn itself.
         return options.mooncake_timeout_s + 5.0
+    if check in (check_gpus, check_gpudirect_rdma, check_gpu_nic_numa):
+        return max(options.gpu_timeout_s, options.check_timeout_s)
     return options.check_timeout_s
 
 
