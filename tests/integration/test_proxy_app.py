@@ -1,0 +1,401 @@
+"""The proxy against stub P and D servers (real aiohttp servers on 127.0.0.1) and a real
+pdkv bootstrap server: rewriting, readiness, engine-id refresh, health, and every
+failure coupling. Each test finishes in a few seconds; every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from aiohttp import web
+
+from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.protocol import RegisterRequest
+from pdkv.proxy.routing import build_config
+from pdkv.proxy.server import BackgroundProxy
+from pdkv.service import BackgroundService
+
+EVENT = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
+
+
+class Stub:
+    """A P or D server whose behaviour a test changes between requests.
+
+    behaviour keys: status (int), delay (s before answering), hang (never answer),
+    chunks (SSE events when streaming), gap (s between them), first_then_hang
+    (stream one event, then wait), healthy (bool for /health), body (error body).
+    `seen` holds (headers, json body) per request; `cancelled` counts requests whose
+    client (the proxy) went away before the answer was complete.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.behaviour: dict[str, Any] = {"status": 200, "delay": 0.0, "chunks": 3, "gap": 0.0, "healthy": True}
+        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.cancelled = 0
+        self.completed = 0
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        self.service = BackgroundService(app)
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if self.behaviour["healthy"] else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": f"model-from-{self.name}"}]})
+
+    async def _wait(self, request: web.Request, seconds: float | None) -> bool:
+        """Sleep `seconds` (None: until the client goes); False if the client went away."""
+        end = None if seconds is None else time.monotonic() + seconds
+        while end is None or time.monotonic() < end:
+            if request.transport is None or request.transport.is_closing():
+                self.cancelled += 1
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        b = dict(self.behaviour)
+        body = await request.json()
+        self.seen.append(({k.lower(): v for k, v in request.headers.items()}, body))
+        if b.get("hang"):
+            await self._wait(request, None)
+            return web.Response(status=499)
+        if b["status"] != 200:
+            if not await self._wait(request, b["delay"]):
+                return web.Response(status=499)
+            self.completed += 1
+            return web.json_response(b.get("body", {"error": {"message": f"{self.name} says no"}}), status=b["status"])
+        if not body.get("stream"):
+            if not await self._wait(request, b["delay"]):
+                return web.Response(status=499)
+            self.completed += 1
+            return web.json_response({"choices": [{"index": 0, "text": f"{self.name} answer", "finish_reason": "length"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if not await self._wait(request, b["delay"]):
+            return resp
+        for i in range(b["chunks"]):
+            await resp.write(EVENT)
+            if b.get("first_then_hang"):
+                await self._wait(request, None)
+                return resp
+            if b["gap"] and not await self._wait(request, b["gap"]):
+                return resp
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.completed += 1
+        return resp
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Deployment:
+    """Stub P(s) and D(s), one real bootstrap server per P, and a proxy in front."""
+
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, **config: Any) -> None:
+        self.prefills = [Stub(f"p{i}") for i in range(n_prefill)]
+        self.decodes = [Stub(f"d{i}") for i in range(n_decode)]
+        self.engines = {0: "engine-a"} if engines is None else engines
+        self.config_overrides = {"health_interval": 0.1, "health_timeout": 1.0, "unhealthy_after": 1, **config}
+        self.bootstraps: list[Any] = []
+        self.proxy: BackgroundProxy | None = None
+
+    def register(self, index: int, engine_id: str, dp_rank: int = 0) -> None:
+        with BootstrapClient(self.bootstraps[index].url, retries=0) as bs:
+            # The side-channel address must accept TCP for the bootstrap's liveness probe:
+            # P's own HTTP port does.
+            port = self.prefills[index].service.port
+            bs.register(RegisterRequest(engine_id=engine_id, dp_rank=dp_rank, tp_rank=0, pp_rank=0,
+                                        addr=f"tcp://127.0.0.1:{port}"))
+
+    def deregister(self, index: int, engine_id: str) -> None:
+        with BootstrapClient(self.bootstraps[index].url, retries=0) as bs:
+            bs.deregister(engine_id)
+
+    def __enter__(self) -> Deployment:
+        for s in (*self.prefills, *self.decodes):
+            s.service.start()
+        for i, _ in enumerate(self.prefills):
+            self.bootstraps.append(start_background(probe=ProbePolicy(interval=0)))
+            for rank, engine in self.engines.items():
+                self.register(i, engine, rank)
+        cfg = build_config(
+            [f"{p.url},{b.url}" for p, b in zip(self.prefills, self.bootstraps)],
+            [d.url for d in self.decodes],
+            port=0,
+            **self.config_overrides,
+        )
+        self.proxy = BackgroundProxy(cfg).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        for b in self.bootstraps:
+            b.stop()
+        for s in (*self.prefills, *self.decodes):
+            s.service.stop()
+
+    @property
+    def url(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
+
+
+@pytest.fixture
+def deployment() -> Iterator[Deployment]:
+    with Deployment() as dep:
+        yield dep
+
+
+REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 16, "stream": True, "stop": ["\n\n"], "stop_token_ids": [7]}
+
+
+def _events(text: str) -> list[str]:
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def test_stream_is_forwarded_and_both_copies_rewritten(deployment: Deployment):
+    with deployment.client() as c:
+        r = c.post("/v1/completions", json=REQUEST, headers={"X-Request-Id": "req-42"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "req-42"
+    assert _events(r.text) == [json.dumps({"choices": [{"index": 0, "text": "tok"}]}, separators=(",", ":"))] * 3 + ["[DONE]"]
+    (p_headers, p_body), = deployment.prefills[0].seen
+    (d_headers, d_body), = deployment.decodes[0].seen
+    assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and p_body["stream"] is False
+    assert "stop" not in p_body and "stop_token_ids" not in p_body
+    assert p_body["kv_transfer_params"] == {"transfer_id": "xfer-req-42", "do_remote_decode": True, "do_remote_prefill": False}
+    assert p_headers["x-request-id"] == "req-42" and "x-data-parallel-rank" not in p_headers
+    assert d_body["max_tokens"] == 16 and d_body["stream"] is True and d_body["stop"] == ["\n\n"]
+    assert d_body["kv_transfer_params"] == {
+        "transfer_id": "xfer-req-42",
+        "remote_bootstrap_addr": deployment.bootstraps[0].url,
+        "remote_engine_id": "engine-a",
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+    }
+    assert d_headers["x-request-id"] == "req-42"
+
+
+def test_timings_are_recorded_per_request(deployment: Deployment):
+    with deployment.client() as c:
+        assert c.post("/v1/completions", json=REQUEST, headers={"X-Request-Id": "t-1"}).status_code == 200
+        t = c.get("/pdkv/requests/t-1").json()
+        assert c.get("/pdkv/requests/xfer-t-1").json() == t
+        recent = c.get("/pdkv/requests", params={"limit": 5}).json()
+        assert c.get("/pdkv/requests/nope").status_code == 404
+    assert recent[0]["request_id"] == "t-1"
+    assert t["status"] == 200 and t["prefill_status"] == 200 and t["stream"] is True and "error" not in t
+    assert t["received"] <= t["prefill_dispatched"] <= t["decode_dispatched"] <= t["decode_first_byte"] <= t["last_byte"]
+    assert t["prefill_dispatched"] <= t["prefill_responded"]
+
+
+def test_non_stream_and_chat_and_models(deployment: Deployment):
+    with deployment.client() as c:
+        r = c.post("/v1/completions", json={**REQUEST, "stream": False})
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9})
+        models = c.get("/v1/models")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d0 answer"
+    assert chat.status_code == 200 and chat.json()["choices"][0]["text"] == "d0 answer"
+    p_chat = deployment.prefills[0].seen[-1][1]
+    assert p_chat["max_completion_tokens"] == 1 and p_chat["max_tokens"] == 1
+    assert deployment.decodes[0].seen[-1][1]["max_completion_tokens"] == 9
+    assert models.json()["data"][0]["id"] == "model-from-d0"
+
+
+def test_not_ready_until_an_engine_registers_then_ready():
+    with Deployment(engines={}) as dep, dep.client() as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and "no engine registered" in r.json()["reason"]
+        refused = c.post("/v1/completions", json=REQUEST)
+        assert refused.status_code == 503 and refused.json()["error"]["cause"] == "no_backend"
+        dep.register(0, "engine-late")
+        _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
+        assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        assert dep.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-late"
+
+
+def test_engine_id_is_reread_when_prefill_restarts(deployment: Deployment):
+    with deployment.client() as c:
+        deployment.deregister(0, "engine-a")
+        deployment.register(0, "engine-b")
+        _wait_for(lambda: c.get("/health").json()["backends"][0]["engines"] == {"0": "engine-b"}, what="new engine id")
+        assert c.post("/v1/completions", json=REQUEST).status_code == 200
+    assert deployment.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-b"
+
+
+def test_failed_bootstrap_query_drops_the_engine_id(deployment: Deployment):
+    with deployment.client() as c:
+        deployment.bootstraps[0].stop()
+        _wait_for(lambda: c.get("/health").status_code == 503, what="prefill taken out")
+        body = c.get("/health").json()
+        assert body["backends"][0]["engines"] == {} and "bootstrap" in body["reason"]
+
+
+def test_dp_ranks_each_get_their_engine_id():
+    with Deployment(engines={0: "engine-r0", 1: "engine-r1"}) as dep, dep.client() as c:
+        for _ in range(4):
+            assert c.post("/v1/completions", json=REQUEST).status_code == 200
+    pairs = [(h["x-data-parallel-rank"], d[1]["kv_transfer_params"]["remote_engine_id"])
+             for (h, _), d in zip(dep.prefills[0].seen, dep.decodes[0].seen)]
+    assert sorted(pairs) == [("0", "engine-r0"), ("0", "engine-r0"), ("1", "engine-r1"), ("1", "engine-r1")]
+
+
+@pytest.mark.parametrize(("p_status", "client_status"), [(500, 502), (400, 400)])
+def test_prefill_error_cancels_decode_at_once(deployment: Deployment, p_status: int, client_status: int):
+    deployment.prefills[0].behaviour.update(status=p_status)
+    deployment.decodes[0].behaviour.update(hang=True)  # D waits for KV that will never come
+    with deployment.client() as c:
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json=REQUEST)
+        elapsed = time.monotonic() - t0
+    assert r.status_code == client_status
+    err = r.json()["error"]
+    assert err["cause"] == "prefill_status" and "p0 says no" in err["message"]
+    assert elapsed < 2.0
+    _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
+
+
+def test_prefill_timeout_cancels_both():
+    with Deployment(prefill_timeout=0.5) as dep, dep.client() as c:
+        dep.prefills[0].behaviour.update(hang=True)
+        dep.decodes[0].behaviour.update(hang=True)
+        t0 = time.monotonic()
+        r = c.post("/v1/completions", json={**REQUEST, "stream": False})
+        elapsed = time.monotonic() - t0
+        assert r.status_code == 504 and r.json()["error"]["cause"] == "prefill_timeout"
+        assert 0.4 < elapsed < 2.5
+        _wait_for(lambda: dep.decodes[0].cancelled == 1 and dep.prefills[0].cancelled == 1, what="both cancelled")
+        assert 'pdkv_proxy_errors_total{cause="prefill_timeout"} 1' in c.get("/metrics").text
+
+
+def test_prefill_failing_mid_stream_ends_the_stream_with_an_error_event(deployment: Deployment):
+    deployment.prefills[0].behaviour.update(status=500, delay=0.3)
+    deployment.decodes[0].behaviour.update(first_then_hang=True)
+    with deployment.client() as c:
+        r = c.post("/v1/completions", json=REQUEST)
+    assert r.status_code == 200
+    events = _events(r.text)
+    assert events[0].startswith('{"choices"')
+    assert json.loads(events[1])["error"]["cause"] == "prefill_status" and events[-1] == "[DONE]"
+    _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
+
+
+def test_decode_error_reaches_the_client_and_cancels_prefill(deployment: Deployment):
+    deployment.prefills[0].behaviour.update(hang=True)
+    deployment.decodes[0].behaviour.update(status=400, body={"error": {"message": "prompt too long for D"}})
+    with deployment.client() as c:
+        r = c.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 400 and r.json() == {"error": {"message": "prompt too long for D"}}
+        _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P cancelled")
+        assert c.get("/pdkv/requests").json()[0]["error"] == "decode_status"
+
+
+def test_decode_first_byte_timeout():
+    with Deployment(decode_first_byte_timeout=0.5) as dep, dep.client() as c:
+        dep.decodes[0].behaviour.update(hang=True)
+        r = c.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 504 and r.json()["error"]["cause"] == "decode_timeout"
+        _wait_for(lambda: dep.decodes[0].cancelled == 1, what="D cancelled")
+
+
+def test_client_disconnect_cancels_both_upstream_requests(deployment: Deployment):
+    deployment.prefills[0].behaviour.update(hang=True)
+    deployment.decodes[0].behaviour.update(hang=True)
+    body = json.dumps(REQUEST).encode()
+    port = deployment.proxy.port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        _wait_for(lambda: len(deployment.decodes[0].seen) == 1 and len(deployment.prefills[0].seen) == 1, what="dispatch")
+    _wait_for(lambda: deployment.prefills[0].cancelled == 1 and deployment.decodes[0].cancelled == 1, what="both cancelled")
+    with deployment.client() as c:
+        _wait_for(lambda: c.get("/pdkv/requests/gone-1").json().get("error") == "client_disconnect", what="record")
+
+
+def test_unhealthy_decode_is_taken_out_and_put_back():
+    with Deployment(n_decode=2) as dep, dep.client() as c:
+        dep.decodes[1].behaviour.update(healthy=False)
+        _wait_for(lambda: not c.get("/health").json()["backends"][2]["up"], what="d1 out")
+        for _ in range(4):
+            assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        assert len(dep.decodes[1].seen) == 0 and len(dep.decodes[0].seen) == 4
+        dep.decodes[1].behaviour.update(healthy=True)
+        _wait_for(lambda: c.get("/health").json()["backends"][2]["up"], what="d1 back")
+        for _ in range(4):
+            assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        assert len(dep.decodes[1].seen) == 2 and len(dep.decodes[0].seen) == 6
+        assert 'pdkv_proxy_backend_up{role="decode",url="%s"} 1' % dep.decodes[1].url in c.get("/metrics").text
+
+
+def test_unreachable_decode_is_taken_out_on_connect_failure():
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nothing listens there now
+    with Deployment(health_interval=30.0) as dep:
+        dep.proxy.stop()
+        cfg = build_config([f"{dep.prefills[0].url},{dep.bootstraps[0].url}"], [dep.decodes[0].url, dead_url],
+                           port=0, health_interval=30.0, unhealthy_after=5)
+        with BackgroundProxy(cfg) as proxy, httpx.Client(base_url=proxy.url, timeout=10, trust_env=False) as c:
+            # The first health round already found it down; force it up to test the request path.
+            proxy.call(lambda: _force_up(proxy))
+            statuses = [c.post("/v1/completions", json=REQUEST).status_code for _ in range(4)]
+            assert statuses.count(502) == 1 and statuses.count(200) == 3
+            assert not c.get("/health").json()["backends"][2]["up"]
+
+
+def _force_up(proxy: BackgroundProxy) -> None:
+    for d in proxy.app.backends.decodes:
+        d.up = True
+    proxy.app.backends._rebuild()
+
+
+def test_least_outstanding_avoids_a_busy_decode():
+    with Deployment(n_decode=2, policy="least-outstanding") as dep:
+        for d in dep.decodes:  # whichever gets the first request holds it for 1 s
+            d.behaviour.update(delay=1.0)
+        results: list[int] = []
+
+        def slow() -> None:
+            with dep.client() as c:
+                results.append(c.post("/v1/completions", json=REQUEST).status_code)
+
+        thread = threading.Thread(target=slow)
+        thread.start()
+        _wait_for(lambda: len(dep.decodes[0].seen) + len(dep.decodes[1].seen) == 1, what="first request")
+        for d in dep.decodes:
+            d.behaviour.update(delay=0.0)
+        with dep.client() as c:
+            for _ in range(3):
+                assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        thread.join(5)
+        busy = 0 if dep.decodes[0].seen else 1
+        assert len(dep.decodes[busy].seen) == 1 and len(dep.decodes[1 - busy].seen) == 3 and results == [200]
