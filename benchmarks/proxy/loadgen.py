@@ -4,7 +4,7 @@
 /v1/completions requests back to back for `duration` seconds (after `warmup`).
 Time to first byte (TTFB) is measured from writing the request to the first
 byte of the response body. Prints one JSON line:
-{"concurrency", "requests", "errors", "duration_s", "rps", "ttfb_p50_ms", "ttfb_p99_ms", "latency_p50_ms"}.
+{"concurrency", "requests", "all_requests" (warm-up included), "errors", "duration_s", "rps", "ttfb_p50_ms", "ttfb_p99_ms", "latency_p50_ms"}.
 
 Run: python benchmarks/proxy/loadgen.py --url http://127.0.0.1:8000 --concurrency 32 --duration 3
 """
@@ -88,6 +88,7 @@ async def worker(host: str, port: int, request: bytes, stop_at: float, record_fr
             conn.transport.close()
             conn = None
             continue
+        out["all"] += 1
         if t0 >= record_from and end <= stop_at:
             if conn.status == 200:
                 out["ttfb"].append(first - t0)
@@ -113,7 +114,7 @@ async def run(url: str, concurrency: int, duration: float, warmup: float, path: 
         % (path.encode(), host.encode(), port, len(BODY))
         + BODY
     )
-    out: dict = {"ttfb": [], "lat": [], "errors": 0}
+    out: dict = {"ttfb": [], "lat": [], "errors": 0, "all": 0}
     start = time.perf_counter()
     record_from = start + warmup
     stop_at = record_from + duration
@@ -122,6 +123,7 @@ async def run(url: str, concurrency: int, duration: float, warmup: float, path: 
     return {
         "concurrency": concurrency,
         "requests": n,
+        "all_requests": out["all"],
         "errors": out["errors"],
         "duration_s": duration,
         "rps": n / duration,
