@@ -28,7 +28,7 @@ def nvml_gpus() -> GpuInventory:
     except ImportError as exc:
         raise GpuLookupError("pynvml is not installed (pip install nvidia-ml-py)", missing=True) from exc
     absent = tuple(
-        getattr(pynvml, n) for n in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded", "NVMLError_NoPermission") if hasattr(pynvml, n)
+        getattr(pynvml, n) for n in ("NVMLError_LibraryNotFound", "NVMLError_DriverNotLoaded") if hasattr(pynvml, n)
     )
     try:
         pynvml.nvmlInit()

@@ -16,10 +16,6 @@ class SysRoot:
     def __repr__(self) -> str:
         return f"SysRoot({str(self.root)!r})"
 
-    @property
-    def is_real(self) -> bool:
-        return self.root.resolve() == Path("/")
-
     def path(self, rel: str) -> Path:
         return self.root / rel.lstrip("/")
 
