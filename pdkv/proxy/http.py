@@ -99,6 +99,11 @@ class ServerConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._current.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
+    def on_headers_complete(self) -> None:
+        # curl and others wait up to a second for this before sending a large body.
+        if self._current.headers.get("expect", "").lower() == "100-continue" and not self.closed:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size > MAX_BODY:
@@ -272,7 +277,6 @@ class UpstreamConnection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.idle_since = 0.0
         self.closed = False
-        self._want_ct = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -292,9 +296,6 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
             if ex is not None:
                 ex.fail(UpstreamError("disconnect", f"{self.pool.origin} sent a malformed response: {exc}"))
-
-    def on_message_begin(self) -> None:
-        self._want_ct = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.exchange is not None and len(name) == 12 and name.lower() == b"content-type":

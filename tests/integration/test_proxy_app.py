@@ -399,3 +399,18 @@ def test_least_outstanding_avoids_a_busy_decode():
         thread.join(5)
         busy = 0 if dep.decodes[0].seen else 1
         assert len(dep.decodes[busy].seen) == 1 and len(dep.decodes[1 - busy].seen) == 3 and results == [200]
+
+
+def test_expect_100_continue_is_answered_before_the_body(deployment: Deployment):
+    body = json.dumps({**REQUEST, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", deployment.proxy.port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        answer = b""
+        while b"d0 answer" not in answer:
+            chunk = s.recv(4096)
+            assert chunk, "connection closed before the answer"
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 OK")
