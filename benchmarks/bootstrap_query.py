@@ -7,6 +7,7 @@ percentiles. Every answer is checked against the registry registered.
 
     python benchmarks/bootstrap_query.py                      # 200 clients, keep-alive
     python benchmarks/bootstrap_query.py --new-connection     # a TCP connect per query, as vLLM's D does
+    python benchmarks/bootstrap_query.py --interval-ms 50     # each client paced to one query per 50 ms
     python benchmarks/bootstrap_query.py --url http://10.0.0.2:8998 --json
 
 Exit status 1 if p99 exceeds --target-p99-ms (default 50 ms).
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import selectors
 import subprocess
 import sys
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import msgspec
+import psutil
 
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.protocol import RegisterRequest
@@ -41,6 +44,7 @@ class Result(msgspec.Struct):
     requests: int
     errors: int
     new_connection: bool
+    interval_ms: float
     workers_registered: int
     body_bytes: int
     seconds: float
@@ -49,13 +53,14 @@ class Result(msgspec.Struct):
     p90_ms: float
     p99_ms: float
     max_ms: float
+    server_cpu_us_per_query: float | None
     target_p99_ms: float
     ok: bool
 
 
 @contextlib.contextmanager
-def local_server() -> Iterator[str]:
-    """`pdkv bootstrap` on a free loopback port in a child process; yields its URL."""
+def local_server() -> Iterator[tuple[str, int]]:
+    """`pdkv bootstrap` on a free loopback port in a child process; yields (URL, pid)."""
     cmd = [sys.executable, "-m", "pdkv", "bootstrap", "--port", "0", "--json", "--quiet", "--probe-interval", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -63,7 +68,7 @@ def local_server() -> Iterator[str]:
             sel.register(proc.stdout, selectors.EVENT_READ)
             if not sel.select(timeout=20):
                 raise SystemExit("pdkv bootstrap did not start within 20 s")
-        yield json.loads(proc.stdout.readline())["url"]
+        yield json.loads(proc.stdout.readline())["url"], proc.pid
     finally:
         proc.terminate()
         try:
@@ -92,12 +97,20 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool
     return status, body, headers.get("connection", "").lower() == "close"
 
 
-async def one_client(host: str, port: int, n: int, expected: bytes, new_connection: bool, start: asyncio.Event, latencies: list[float]) -> int:
+async def one_client(
+    host: str, port: int, n: int, expected: bytes, new_connection: bool, interval: float, start: asyncio.Event, latencies: list[float]
+) -> int:
     request = f"GET /query HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
     errors = 0
     reader = writer = None
     await start.wait()
+    if interval:
+        await asyncio.sleep(random.uniform(0, interval))  # spread the clients over one interval
+    next_at = time.perf_counter()
     for _ in range(n):
+        if interval:
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
         t0 = time.perf_counter()
         try:
             if writer is None:
@@ -127,12 +140,12 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-async def load(url: str, clients: int, requests: int, expected: bytes, new_connection: bool) -> tuple[list[float], int, float]:
+async def load(url: str, clients: int, requests: int, expected: bytes, new_connection: bool, interval: float) -> tuple[list[float], int, float]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     start = asyncio.Event()
     latencies: list[float] = []
-    tasks = [asyncio.create_task(one_client(host, port, requests, expected, new_connection, start, latencies)) for _ in range(clients)]
+    tasks = [asyncio.create_task(one_client(host, port, requests, expected, new_connection, interval, start, latencies)) for _ in range(clients)]
     await asyncio.sleep(0.05)  # every client waits on the start line
     t0 = time.perf_counter()
     start.set()
@@ -148,14 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=4, help="DP ranks to register")
     parser.add_argument("--tp", type=int, default=8, help="TP ranks per DP rank")
     parser.add_argument("--new-connection", action="store_true", help="open a TCP connection per query")
+    parser.add_argument("--interval-ms", type=float, default=0.0, help="pace each client to one query per interval (0: back to back)")
     parser.add_argument("--target-p99-ms", type=float, default=50.0)
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
 
     with contextlib.ExitStack() as stack:
-        url = args.url or stack.enter_context(local_server())
+        url, pid = (args.url, None) if args.url else stack.enter_context(local_server())
         expected = populate(url, args.dp, args.tp)
-        latencies, errors, seconds = asyncio.run(load(url, args.clients, args.requests, expected, args.new_connection))
+        server = psutil.Process(pid) if pid else None
+        cpu_before = sum(server.cpu_times()[:2]) if server else 0.0
+        latencies, errors, seconds = asyncio.run(
+            load(url, args.clients, args.requests, expected, args.new_connection, args.interval_ms / 1000)
+        )
+        cpu_used = sum(server.cpu_times()[:2]) - cpu_before if server else None
     ms = sorted(x * 1000 for x in latencies)
     total = args.clients * args.requests
     result = Result(
@@ -164,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=total,
         errors=errors,
         new_connection=args.new_connection,
+        interval_ms=args.interval_ms,
         workers_registered=args.dp * args.tp,
         body_bytes=len(expected),
         seconds=round(seconds, 3),
@@ -172,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         p90_ms=round(percentile(ms, 90), 2),
         p99_ms=round(percentile(ms, 99), 2),
         max_ms=round(ms[-1], 2) if ms else float("nan"),
+        server_cpu_us_per_query=round(cpu_used / total * 1e6, 1) if cpu_used is not None else None,
         target_p99_ms=args.target_p99_ms,
         ok=errors == 0 and percentile(ms, 99) <= args.target_p99_ms,
     )
@@ -179,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         print(msgspec.json.encode(result).decode())
     else:
         mode = "new connection per query" if args.new_connection else "keep-alive"
+        mode += f", one query per {args.interval_ms:g} ms per client" if args.interval_ms else ", back to back"
         print(f"bootstrap /query at {url}: {args.clients} concurrent clients x {args.requests} queries ({mode}), "
               f"{result.workers_registered} workers registered ({result.body_bytes} B answer)")
         print(f"  {total} queries in {result.seconds} s = {result.per_second:,.0f}/s, errors {errors}")
         print(f"  latency p50 {result.p50_ms} ms  p90 {result.p90_ms} ms  p99 {result.p99_ms} ms  max {result.max_ms} ms")
+        if result.server_cpu_us_per_query is not None:
+            print(f"  server CPU {result.server_cpu_us_per_query} us per query")
         print(f"  p99 target {args.target_p99_ms:g} ms: {'met' if result.ok else 'MISSED'}")
     return 0 if result.ok else 1
 
