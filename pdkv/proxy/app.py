@@ -135,7 +135,8 @@ class ProxyApp:
                 return
             await self.proxy(req, conn, path)
         elif method != "GET":
-            conn.respond(404 if path not in ("/health", "/metrics", "/v1/models") else 405, error_body(404, f"no route {method} {path}", "bad_request"))
+            status = 405 if path in ("/health", "/metrics", "/v1/models") or path.startswith("/pdkv/") else 404
+            conn.respond(status, error_body(status, f"no route {method} {path}", "bad_request"))
         elif path == "/health":
             ready, reason = self.backends.readiness()
             body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report()}
