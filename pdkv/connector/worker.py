@@ -1,0 +1,126 @@
+"""Worker-side hooks (seed steps 1-5, 14, 19, 32, 35): KV tensors in, sender or receiver running.
+
+`ConnectorWorker` needs only numbers from vLLM (ranks, block count, the
+KV tensors), so the vLLM-facing class stays a thin shell around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url
+from pdkv.connector.layout import TensorInfo, memory_ranges, regions_for_caches
+from pdkv.connector.receiver import KVReceiver, Results
+from pdkv.connector.scheduler import StepMeta
+from pdkv.connector.sender import KVSender
+from pdkv.connector.state import SendLimits
+from pdkv.connector.timing import TraceLog
+from pdkv.errors import StartError
+from pdkv.protocol import RegisterRequest
+
+log = logging.getLogger("pdkv.connector")
+
+
+def advertised_host(config: ConnectorConfig) -> str:
+    """The address peers use to reach this worker: the config's, else VLLM_HOST_IP, else loopback."""
+    return config.side_channel_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+
+
+class ConnectorWorker:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        engine_id: str,
+        is_producer: bool,
+        tp_rank: int,
+        tp_size: int,
+        dp_rank: int,
+        num_blocks: int,
+    ) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.is_producer = is_producer
+        self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
+        self.num_blocks = num_blocks
+        self.host = advertised_host(config)
+        self.transport: Any = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.bootstrap: Any = None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
+        """Steps 1, 3-5: start Mooncake, register the KV memory, start the side channel (P) or receiver (D)."""
+        from pdkv.transport.mooncake import MooncakeTransport
+
+        tensors = [TensorInfo.of(name, kv_caches[name]) for name in layer_order]
+        regions = regions_for_caches(tensors, self.num_blocks)
+        log.info(
+            "pdkv: %d KV regions of %d blocks x %d B (%s); first tensor %s stride %s",
+            len(regions), self.num_blocks, regions[0].block_len, "producer" if self.is_producer else "consumer",
+            tensors[0].shape, tensors[0].stride,
+        )
+        self.transport = MooncakeTransport(
+            self.host, self.config.mooncake_protocol, self.config.device_name, write_timeout_s=self.config.write_timeout_s
+        )
+        self.transport.register(memory_ranges(regions))
+        role = "prefill" if self.is_producer else "decode"
+        trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
+        if not self.is_producer:
+            self.receiver = KVReceiver(
+                self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                liveness_s=self.config.liveness_s, trace=trace,
+            )
+            return
+        if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:
+            from pdkv.bootstrap.server import start_background
+
+            host, port = bootstrap_bind(self.config)
+            self.bootstrap = start_background(host, port)
+            log.info("pdkv: bootstrap server listening on %s:%d", host, port)
+        limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
+        self.sender = KVSender(
+            self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,
+        )
+        self._register_with_bootstrap()
+
+    def _register_with_bootstrap(self) -> None:
+        from pdkv.bootstrap.client import BootstrapClient
+
+        assert self.sender is not None
+        url = bootstrap_url(self.config, self.host)
+        req = RegisterRequest(engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0, addr=self.sender.address)
+        try:
+            # Other TP ranks may come up before TP0's in-worker server: retry for a few seconds.
+            with BootstrapClient(url, timeout=2.0, retries=8) as bs:
+                bs.register(req)
+        except Exception as exc:
+            raise StartError(f"could not register with the bootstrap server at {url}: {exc}") from exc
+        log.info("pdkv: registered %s (tp %d) side channel %s at %s", self.engine_id, self.tp_rank, self.sender.address, url)
+
+    def start_step(self, meta: StepMeta) -> None:
+        """Steps 14 and 19: hand the scheduler's news to the sender or receiver; never blocks."""
+        if self.sender is not None:
+            self.sender.apply_step(meta.registered, meta.ready, meta.cancelled)
+        if self.receiver is not None:
+            self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens)
+
+    def results(self) -> tuple[set[str], Results]:
+        """Steps 32 and 35: (P requests whose blocks may be freed, D pulls concluded)."""
+        sent = self.sender.take_finished() if self.sender is not None else set()
+        recv = self.receiver.take_results() if self.receiver is not None else Results()
+        for rid, why in recv.failed.items():
+            log.error("pdkv: request %s fails: KV transfer %s: %s", rid, recv.transfer_ids.get(rid, "?"), why)
+        return sent, recv
+
+    def close(self) -> None:
+        for part in (self.sender, self.receiver):
+            if part is not None:
+                part.close()
+        if self.transport is not None:
+            self.transport.close()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
