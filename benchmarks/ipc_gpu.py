@@ -55,7 +55,6 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=63)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json")
-    ap.add_argument("--tune", action="store_true", help="also sweep chunk size, block and warps")
     args = ap.parse_args()
 
     import torch
@@ -85,18 +84,30 @@ def main() -> None:
             descs = plan_descriptors(lb, rb, local, remote, coalesce=layout != "per-block")
             nbytes = sum(d.length for d in descs)
             t0 = time.perf_counter()
-            t.write("d", descs)
+            t.write_blocks("d", lb, rb, local, remote)
             cold = (time.perf_counter() - t0) * 1e3
             parent.send(rb)
             got = parent.recv()
             assert parent.recv() == "clean"
             want = [int(x.view(NUM_BLOCKS, BLOCK_LEN)[lb].to(torch.int64).sum()) for x in src]
             verified = got == want
-            times = []
+            times, dtimes = [], []
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                t.write_blocks("d", lb, rb, local, remote)
+                times.append((time.perf_counter() - t0) * 1e3)
             for _ in range(args.iters):
                 t0 = time.perf_counter()
                 t.write("d", descs)
-                times.append((time.perf_counter() - t0) * 1e3)
+                dtimes.append((time.perf_counter() - t0) * 1e3)
+            t.profile = True
+            kb, kd = [], []
+            for _ in range(20):
+                t.write_blocks("d", lb, rb, local, remote)
+                kb.append(t.last_kernel_ms)
+                t.write("d", descs)
+                kd.append(t.last_kernel_ms)
+            t.profile = False
             # Plain copy_: one call per descriptor, same process, cuda:0 -> cuda:1.
             pairs = []
             for d in descs:
@@ -116,35 +127,10 @@ def main() -> None:
                 "layout": layout, "bytes": nbytes, "descriptors": len(descs), "verified": verified, "cold_ms": cold,
                 "ipc_p50_ms": statistics.median(times), "ipc_p99_ms": pct(times, 99), "ipc_min_ms": min(times),
                 "ipc_gbps_p50": nbytes / statistics.median(times) / 1e6,
+                "descriptor_write_p50_ms": statistics.median(dtimes),
+                "block_kernel_p50_ms": statistics.median(kb), "chunk_kernel_p50_ms": statistics.median(kd),
                 "copy_p50_ms": statistics.median(ctimes), "copy_over_ipc": statistics.median(ctimes) / statistics.median(times),
             }
-            if args.tune:
-                from pdkv.transport.cuda_ipc import plan_chunks
-
-                best = None
-                for chunk in (64 * 1024, 256 * 1024, 1024 * 1024):
-                    for block, warps in ((1024, 4), (2048, 8), (4096, 16), (8192, 16)):
-                        t.chunk_bytes, t.block, t.num_warps = chunk, block, warps
-                        tt = []
-                        for _ in range(10):
-                            t0 = time.perf_counter()
-                            t.write("d", descs)
-                            tt.append((time.perf_counter() - t0) * 1e3)
-                        chunks = plan_chunks(descs, t._local_map, t._peers["d"][0], chunk)
-                        ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        ks = []
-                        for _ in range(10):
-                            ev0.record(t._stream)
-                            t._launch(chunks)
-                            ev1.record(t._stream)
-                            t._stream.synchronize()
-                            ks.append(ev0.elapsed_time(ev1))
-                        combo = {"chunk": chunk, "block": block, "warps": warps, "write_p50_ms": statistics.median(tt), "kernel_p50_ms": statistics.median(ks)}
-                        print("  tune", json.dumps(combo))
-                        if best is None or combo["write_p50_ms"] < best["write_p50_ms"]:
-                            best = combo
-                row["best"] = best
-                t.chunk_bytes, t.block, t.num_warps = 64 * 1024, 1024, 8
             rows.append(row)
             print(json.dumps(row))
     parent.send("stop")

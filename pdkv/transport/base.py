@@ -57,3 +57,27 @@ class Transport(Protocol):
 
     def close(self) -> None:
         ...
+
+
+def write_blocks(
+    transport: Transport,
+    peer: str,
+    local_blocks: list[int],
+    remote_blocks: list[int],
+    local_regions: list[Region],
+    remote_regions: list[Region],
+) -> int:
+    """Copy `local_blocks` of every local region into `remote_blocks` of its remote twin; return the bytes moved.
+
+    Transports that move whole blocks better than descriptor lists (the CUDA
+    IPC kernel) provide their own `write_blocks`; the rest get the planner's
+    coalesced descriptors. Every block id is bounds-checked either way.
+    """
+    own = getattr(transport, "write_blocks", None)
+    if own is not None:
+        return own(peer, local_blocks, remote_blocks, local_regions, remote_regions)
+    from pdkv.transport.planner import plan_descriptors
+
+    descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions)
+    transport.write(peer, descriptors)
+    return sum(d.length for d in descriptors)

@@ -73,8 +73,18 @@ def test_ipc_write_lands_exactly_and_refuses_out_of_range():
                 got = parent.recv()
                 want = [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
                 assert got == want
+            # The block kernel path: scattered blocks, then the same bytes are checked.
+            lblocks, rblocks = [5, 6, 40, 2], [60, 61, 8, 30]
+            assert t.write_blocks("d", lblocks, rblocks, local, remote) == LAYERS * 4 * BLOCK_LEN
+            parent.send(rblocks)
+            assert parent.recv() == [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
             with pytest.raises(TransferError, match="outside"):
                 t.write("d", [Descriptor(src[0].data_ptr(), remote_bases[0] + BLOCKS * BLOCK_LEN - 16, 32)])
+            with pytest.raises(TransferError, match="outside"):
+                t.write_blocks("d", [0], [BLOCKS], local, remote)
+            # A region that claims more blocks than D exported is refused too.
+            with pytest.raises(TransferError, match="outside"):
+                t.write_blocks("d", [0], [0], local, [Region(remote_bases[0], BLOCK_LEN, BLOCKS + 1)] + remote[1:])
     finally:
         parent.send("stop")
         proc.join(30)
