@@ -1,0 +1,137 @@
+"""Baselines for `pdkv bench --baseline`: bare TransferEngine calls, and Mooncake's own transfer_engine_bench.
+
+The bare loop calls `batch_transfer_sync_write` on the same engine with the
+same descriptors as pdkv (cut into the same calls of at most max_batch), with
+no pdkv code between the clock reads, so the
+ratio of the two is what pdkv's transport adds. transfer_engine_bench moves
+fixed-size blocks between two processes of its own (host memory), shaped
+here like the case: its block is the case's descriptor length, its batch the
+descriptor count.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdkv.errors import StartError, TransferError
+
+
+def bare_write_ms(engine: Any, peer: str, srcs: list[int], dsts: list[int], lens: list[int], max_batch: int) -> float:
+    """batch_transfer_sync_write over the descriptors in calls of `max_batch` (as the transport cuts them), timed."""
+    rc = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(lens), max_batch):
+        rc = engine.batch_transfer_sync_write(peer, srcs[i : i + max_batch], dsts[i : i + max_batch], lens[i : i + max_batch])
+        if rc != 0:
+            break
+    ms = (time.perf_counter() - t0) * 1e3
+    if rc != 0:
+        raise TransferError(f"bare TransferEngine write of {sum(lens):,} B to {peer} failed (rc {rc})")
+    return ms
+
+
+class TebResult(msgspec.Struct, frozen=True):
+    """transfer_engine_bench's own figure for blocks of `block_size` B in batches of `batch_size`."""
+
+    gbps: float
+    batches: int
+    seconds: float
+    block_size: int
+    batch_size: int
+    memory: str = "cpu"
+
+
+def find_transfer_engine_bench() -> str | None:
+    """The transfer_engine_bench binary the Mooncake wheel ships, or None."""
+    try:
+        import mooncake
+    except ImportError:
+        return None
+    path = Path(mooncake.__file__).parent / "transfer_engine_bench"
+    if path.is_file() and os.access(path, os.X_OK):
+        return str(path)
+    return shutil.which("transfer_engine_bench")
+
+
+_LISTEN = re.compile(r"listening on ([\w.\-:\[\]]+):(\d+)")
+_RESULT = re.compile(r"batch count (\d+), throughput ([\d.]+) GB/s")
+
+
+def run_transfer_engine_bench(
+    *,
+    block_size: int,
+    batch_size: int,
+    protocol: str = "tcp",
+    device_name: str = "",
+    hostname: str = "127.0.0.1",
+    seconds: int = 2,
+    start_timeout_s: float = 30.0,
+) -> TebResult:
+    """Run transfer_engine_bench's target and initiator on this host (P2P handshake, write) and parse its throughput."""
+    binary = find_transfer_engine_bench()
+    if binary is None:
+        raise StartError("this Mooncake wheel ships no transfer_engine_bench")
+    buffer = max(block_size * batch_size, 1 << 26)
+    common = [
+        "--metadata_server=P2PHANDSHAKE",
+        f"--protocol={protocol}",
+        f"--local_server_name={hostname}",
+        f"--buffer_size={buffer}",
+        "--report_unit=GB",
+    ]
+    if device_name:
+        common.append(f"--device_name={device_name}")
+    env = {**os.environ, "MC_LOG_LEVEL": "INFO"}  # the listening line and the result are INFO lines
+    with tempfile.TemporaryFile("w+") as log:
+        target = subprocess.Popen([binary, "--mode=target", *common], stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            port = _wait_for_port(log, target, start_timeout_s)
+            init = subprocess.run(
+                [
+                    binary,
+                    "--mode=initiator",
+                    *common,
+                    f"--segment_id={hostname}:{port}",
+                    "--operation=write",
+                    f"--duration={seconds}",
+                    "--threads=1",
+                    f"--batch_size={batch_size}",
+                    f"--block_size={block_size}",
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=seconds + start_timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            raise TransferError("transfer_engine_bench did not finish in time") from None
+        finally:
+            target.kill()
+            target.wait(10)
+    found = _RESULT.search(init.stdout + init.stderr)
+    if init.returncode != 0 or not found:
+        tail = (init.stdout + init.stderr).strip().splitlines()[-3:]
+        raise TransferError(f"transfer_engine_bench failed (exit {init.returncode}): {' | '.join(tail)}")
+    return TebResult(float(found.group(2)), int(found.group(1)), float(seconds), block_size, batch_size)
+
+
+def _wait_for_port(log: Any, proc: subprocess.Popen, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        log.seek(0)
+        found = _LISTEN.search(log.read())
+        if found:
+            return int(found.group(2))
+        if proc.poll() is not None:
+            raise StartError(f"transfer_engine_bench target exited with {proc.returncode}")
+        time.sleep(0.05)
+    raise StartError(f"transfer_engine_bench target did not listen within {timeout_s:g} s")

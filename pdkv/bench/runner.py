@@ -1,0 +1,318 @@
+"""`pdkv bench`: KV transfer measured exactly as the connector performs it, over pdkv's transport and planner.
+
+P's side (this process) allocates per-layer KV regions shaped like the
+model's, registers them, asks D's side (a BenchTarget: a child process by
+default, or `pdkv bench serve` on another host) for its regions, plans the
+descriptors per layout, and times `Transport.write`. Every case verifies the
+bytes that arrived against the source (BLAKE2b of the transferred ranges on
+both sides) after the cold transfer and again after the timed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+import msgspec
+
+from pdkv.bench.layout import Timing, block_ids, blocks_needed, coalesces, expand_layouts, summarize
+from pdkv.errors import PdkvError, StartError, TransferError, UsageError
+from pdkv.geometry import KVGeometry, plan_transfer
+from pdkv.transport.base import Descriptor
+from pdkv.transport.planner import plan_descriptors
+
+DEFAULT_LINK_GBPS = 400.0
+TARGET_START_TIMEOUT_S = 60.0
+
+Progress = Callable[[str, int, int], None]
+
+
+class BenchSpec(msgspec.Struct, frozen=True):
+    """One `pdkv bench` run: every (blocks, layout) pair is a case."""
+
+    geometry: KVGeometry
+    block_size: int = 16
+    blocks: list[int] = msgspec.field(default_factory=lambda: [63])
+    layouts: list[str] = msgspec.field(default_factory=lambda: ["contiguous"])
+    protocol: str = "tcp"
+    device: str = ""
+    hostname: str = "127.0.0.1"
+    src: str = "cpu"
+    dst: str = "cpu"
+    iters: int = 20
+    warmup: int = 2
+    seed: int = 0
+    link_gbps: float | None = None
+    baseline: bool = False
+    transfer_engine_bench: bool = True
+    target: str | None = None
+    settings: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class BaselineResult(msgspec.Struct, frozen=True):
+    """The same descriptors through bare TransferEngine calls, interleaved with pdkv's iterations."""
+
+    bare: Timing
+    p50_ratio: float  # pdkv p50 / bare p50: 1.00 means pdkv adds nothing
+    teb_gbps: float | None = None
+    teb_ratio: float | None = None  # pdkv GB/s at p50 / transfer_engine_bench GB/s
+    teb_note: str | None = None
+
+
+class CaseResult(msgspec.Struct, frozen=True):
+    layout: str
+    blocks: int
+    bytes: int
+    plan_bytes: int
+    descriptors: int
+    plan_ms: float
+    cold_ms: float
+    timing: Timing
+    verified: bool
+    baseline: BaselineResult | None = None
+
+
+class BenchReport(msgspec.Struct, frozen=True):
+    geometry: KVGeometry
+    block_size: int
+    block_len: int
+    protocol: str
+    device: str
+    src: str
+    dst: str
+    link_gbps: float
+    link_source: str
+    target: str
+    peer: str
+    mc_settings: dict[str, str]
+    cases: list[CaseResult]
+
+
+def link_rate(spec: BenchSpec) -> tuple[float, str]:
+    """The link rate to compare against, and where it came from: --link-gbps, the device's sysfs rate, or 400."""
+    from pdkv.transport.mooncake import link_gbps_of
+
+    if spec.link_gbps is not None:
+        if spec.link_gbps <= 0:
+            raise UsageError(f"--link-gbps must be positive, got {spec.link_gbps}")
+        return spec.link_gbps, "--link-gbps"
+    if spec.device:
+        rate = link_gbps_of(spec.device)
+        if rate:
+            return rate, f"sysfs {spec.device.split(',')[0]}"
+    return DEFAULT_LINK_GBPS, "default"
+
+
+def check_spec(spec: BenchSpec) -> None:
+    if spec.iters <= 0:
+        raise UsageError(f"--iters must be positive, got {spec.iters}")
+    if spec.warmup < 0:
+        raise UsageError(f"--warmup must not be negative, got {spec.warmup}")
+    if not spec.blocks or any(n <= 0 for n in spec.blocks):
+        raise UsageError("--blocks must be positive")
+    expand_layouts(spec.layouts)
+
+
+def _local_target_main(conn, protocol: str, device: str, dst: str, settings: dict[str, str]) -> None:
+    from pdkv.bench.control import BenchTarget
+
+    try:
+        target = BenchTarget("127.0.0.1", 0, protocol=protocol, device_name=device, dst=dst, settings=settings)
+    except PdkvError as exc:
+        conn.send(("error", exc.message, exc.hint))
+        return
+    with target:
+        conn.send(("ready", target.address, None))
+        parent = os.getppid()
+        target.serve(once=True, alive=lambda: os.getppid() == parent)
+
+
+@contextlib.contextmanager
+def local_target(spec: BenchSpec, timeout_s: float = TARGET_START_TIMEOUT_S) -> Iterator[str]:
+    """Start a BenchTarget in a child process on 127.0.0.1 and yield its control address."""
+    ctx = mp.get_context("spawn")  # no fork: CUDA and Mooncake threads do not survive it
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_local_target_main,
+        args=(writer, spec.protocol, spec.device, spec.dst, dict(spec.settings)),
+        name="pdkv-bench-target",
+        daemon=True,
+    )
+    proc.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout_s):
+            raise StartError(f"the local bench target did not start within {timeout_s:g} s")
+        try:
+            kind, value, hint = reader.recv()
+        except EOFError:
+            raise StartError(f"the local bench target exited with {proc.exitcode} before it was ready") from None
+        if kind != "ready":
+            raise StartError(f"the local bench target could not start: {value}", hint=hint)
+        yield value
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        reader.close()
+
+
+def verify_transfer(client, memory, descriptors: list[Descriptor], what: str) -> None:
+    """Compare D's bytes over every descriptor's destination with P's source bytes; TransferError on a mismatch."""
+    remote = client.checksum([(d.dst, d.length) for d in descriptors])
+    local = memory.digest([(d.src, d.length) for d in descriptors])
+    if remote != local:
+        nbytes = sum(d.length for d in descriptors)
+        raise TransferError(
+            f"bytes that arrived differ from the source ({what}: {nbytes:,} B in {len(descriptors)} descriptors)",
+            hint="the transfer wrote wrong or partial data; rerun with MC_LOG_LEVEL=INFO and check both hosts' memory",
+        )
+
+
+def run_bench(spec: BenchSpec, on_progress: Progress | None = None) -> BenchReport:
+    """Run every case of `spec` and return the report; TransferError if any transfer fails or arrives corrupted."""
+    check_spec(spec)
+    link_gbps, link_source = link_rate(spec)
+    with contextlib.ExitStack() as stack:
+        address = spec.target or stack.enter_context(local_target(spec))
+        return _run(spec, address, link_gbps, link_source, on_progress, stack)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_progress: Progress | None, stack) -> BenchReport:
+    from pdkv.bench.control import Bye, Refill, TargetClient
+    from pdkv.bench.memory import KVMemory
+    from pdkv.transport import open_transport
+
+    g = spec.geometry
+    layouts = expand_layouts(spec.layouts)
+    block_len = g.block_bytes_per_layer(spec.block_size)
+    num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
+    client = stack.enter_context(TargetClient(address))
+    transport = stack.enter_context(open_transport(spec.protocol, spec.hostname, spec.device, settings=spec.settings))
+    memory = KVMemory(spec.src, g.layers, block_len, num_blocks)
+    stack.callback(memory.close)
+    memory.fill(spec.seed)
+    transport.register(memory.spans)
+    stack.callback(transport.unregister, memory.spans)
+    ready = client.setup(g.layers, block_len, num_blocks, spec.seed + 1)
+    stack.callback(lambda: _say_bye(client, Bye()))
+    peer = ready.session
+    cases: list[CaseResult] = []
+    for index, (n, layout) in enumerate((n, lay) for n in spec.blocks for lay in layouts):
+        label = f"{layout}, {n} blocks"
+        local_ids, remote_ids = block_ids(layout, n, spec.seed)
+        t0 = time.perf_counter()
+        descriptors = transport_plan(local_ids, remote_ids, memory.regions, ready.regions, coalesces(layout))
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        nbytes = sum(d.length for d in descriptors)
+        plan_bytes = plan_transfer(g, prompt_tokens=n * spec.block_size, block_size=spec.block_size).transfer_bytes
+        if nbytes != plan_bytes:
+            raise TransferError(f"{label}: descriptors carry {nbytes:,} B but pdkv plan says {plan_bytes:,} B")
+        client.call(Refill(spec.seed + 2 + index))  # D's blocks hold other bytes until the cold write lands
+        total = 1 + spec.warmup + spec.iters
+        t0 = time.perf_counter()
+        transport.write(peer, descriptors)
+        cold_ms = (time.perf_counter() - t0) * 1e3
+        verify_transfer(client, memory, descriptors, f"{label}, cold")
+        if on_progress:
+            on_progress(label, 1, total)
+        samples, bare = _timed_loop(spec, transport, peer, descriptors, label, total, on_progress)
+        verify_transfer(client, memory, descriptors, f"{label}, after {spec.iters} timed writes")
+        timing = summarize(samples, nbytes, link_gbps)
+        baseline = _baseline(spec, timing, bare, nbytes, link_gbps, descriptors, transport.max_batch) if spec.baseline else None
+        cases.append(CaseResult(layout, n, nbytes, plan_bytes, len(descriptors), plan_ms, cold_ms, timing, True, baseline))
+    return BenchReport(
+        geometry=g,
+        block_size=spec.block_size,
+        block_len=block_len,
+        protocol=spec.protocol,
+        device=spec.device,
+        src=memory.device,
+        dst=ready.device,
+        link_gbps=link_gbps,
+        link_source=link_source,
+        target=address,
+        peer=peer,
+        mc_settings=transport.mc_settings,
+        cases=cases,
+    )
+
+
+def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool) -> list[Descriptor]:
+    """The connector's planning step: block ids and both sides' regions to descriptors."""
+    return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce)
+
+
+def _timed_loop(spec: BenchSpec, transport, peer: str, descriptors: list[Descriptor], label: str, total: int, on_progress):
+    from pdkv.bench.baseline import bare_write_ms
+
+    engine = transport.engine if spec.baseline else None
+    srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
+    samples: list[float] = []
+    bare: list[float] = []
+    for i in range(spec.warmup + spec.iters):
+        timed = i >= spec.warmup
+        # pdkv and bare alternate which goes first, so neither always meets a warmer or colder link.
+        order = (0, 1) if i % 2 == 0 else (1, 0)
+        for which in order:
+            if which == 0:
+                t0 = time.perf_counter()
+                transport.write(peer, descriptors)
+                ms = (time.perf_counter() - t0) * 1e3
+                if timed:
+                    samples.append(ms)
+            elif engine is not None:
+                ms = bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)
+                if timed:
+                    bare.append(ms)
+        if on_progress:
+            on_progress(label, 2 + i, total)
+    return samples, bare
+
+
+def _baseline(
+    spec: BenchSpec, timing: Timing, bare: list[float], nbytes: int, link_gbps: float, descriptors: list[Descriptor], max_batch: int
+) -> BaselineResult:
+    from pdkv.bench.baseline import find_transfer_engine_bench, run_transfer_engine_bench
+
+    bare_timing = summarize(bare, nbytes, link_gbps)
+    teb_gbps = teb_ratio = None
+    note: str | None = None
+    if not spec.transfer_engine_bench:
+        note = "not asked for"
+    elif spec.target is not None:
+        note = "not run in two-host mode"
+    elif find_transfer_engine_bench() is None:
+        note = "this Mooncake wheel ships no transfer_engine_bench"
+    else:
+        lengths = {d.length for d in descriptors}
+        try:
+            teb = run_transfer_engine_bench(
+                block_size=max(lengths),
+                batch_size=min(len(descriptors), max_batch),
+                protocol=spec.protocol,
+                device_name=spec.device,
+                hostname=spec.hostname,
+            )
+            teb_gbps, teb_ratio = teb.gbps, timing.gbps_p50 / teb.gbps if teb.gbps else None
+            note = "host memory" if (spec.src, spec.dst) != ("cpu", "cpu") else None
+        except PdkvError as exc:
+            note = exc.message
+    return BaselineResult(bare_timing, timing.p50_ms / bare_timing.p50_ms, teb_gbps, teb_ratio, note)
+
+
+def _say_bye(client, bye) -> None:
+    with contextlib.suppress(PdkvError):
+        client.call(bye)
+
+
+def settings_from_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """MC_* settings for a bench run: Mooncake's INFO chatter off unless the user set MC_LOG_LEVEL."""
+    out = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    out.update(extra or {})
+    return out

@@ -1,0 +1,268 @@
+"""`pdkv bench`: time KV transfer the way the connector performs it; `serve` is the decode side for two hosts."""
+
+from __future__ import annotations
+
+import csv
+import socket
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pdkv.cli.options import BlockSizeOpt, DtypeOpt, HeadDimOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, resolve_geometry
+from pdkv.cli.output import console, err_console, print_json
+from pdkv.errors import UsageError
+
+HELP = """Measure KV transfer exactly as the connector performs it: a model's per-layer
+KV regions, registered with Mooncake, blocks written by pdkv's planner and
+transport into a second process (or, with `run --target`, another host).
+
+Reports bytes (equal to `pdkv plan`'s), descriptors after coalescing, the cold
+first transfer, min/p50/p90/p99/max, GB/s and percent of the link, and the
+planning time apart. Every case checks the bytes that arrived against the
+source and fails (exit 1) on a mismatch.
+
+Examples:
+
+  pdkv bench --layers 36 --kv-heads 8 --head-dim 128 --blocks 63 --layout all --baseline
+
+  pdkv bench --model ./Qwen3-8B --sweep blocks=1,16,63,256 --sweep layout=all --csv bench.csv
+
+  pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --protocol tcp --json
+
+  pdkv bench serve --host 0.0.0.0 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0
+
+  pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --protocol rdma --device mlx5_0 --src cuda:0
+"""
+
+SERVE_HELP = """Run the decode side of a two-host benchmark: answers `pdkv bench run --target`
+from the prefill host, allocating KV regions on --dst and hashing what arrived.
+Serves until Ctrl-C (or, with --once, until one run ends).
+
+Examples:
+
+  pdkv bench serve --host 0.0.0.0 --port 18600
+
+  pdkv bench serve --host 10.0.0.2 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0 --json
+"""
+
+bench_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
+
+
+def _parse_settings(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"cannot read --mc {item!r}", hint="write it as MC_NAME=VALUE, e.g. --mc MC_TCP_SLICE_SIZE=1048576")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _address_towards(target: str) -> str:
+    """This host's address on the route to `target` (UDP connect sends nothing)."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def _check_target(target: str) -> None:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--target {target!r} is not HOST:PORT", hint="use the address `pdkv bench serve` printed")
+
+
+def bench(
+    ctx: typer.Context,
+    blocks: int = typer.Option(63, "--blocks", help="KV blocks per transfer (63 = a 1000-token prompt at block size 16)."),
+    model: ModelOpt = None,
+    layers: LayersOpt = None,
+    kv_heads: KvHeadsOpt = None,
+    head_dim: HeadDimOpt = None,
+    dtype: DtypeOpt = None,
+    block_size: BlockSizeOpt = 16,
+    protocol: str = typer.Option("tcp", "--protocol", help="Mooncake protocol: tcp or rdma."),
+    device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0; also where the link rate is read."),
+    src: str = typer.Option("cpu", "--src", help="Where P's KV lives: cpu or cuda:N."),
+    dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N (local target only)."),
+    layout: list[str] = typer.Option(["contiguous"], "--layout", help="contiguous, per-block, scattered or all; repeatable."),
+    iters: int = typer.Option(20, "--iters", help="Timed transfers per case."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed transfers after the cold one."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the source bytes and the scattered block ids."),
+    sweep: list[str] = typer.Option([], "--sweep", help="Vary blocks or layout: blocks=1,16,63,256 or layout=all; repeatable."),
+    baseline: bool = typer.Option(False, "--baseline", help="Also time bare TransferEngine calls and Mooncake's transfer_engine_bench."),
+    link_gbps: float | None = typer.Option(None, "--link-gbps", help="Link rate in Gb/s [default: sysfs rate of --device, else 400]."),
+    target: str | None = typer.Option(None, "--target", help="HOST:PORT of `pdkv bench serve` (default: a local child process)."),
+    hostname: str | None = typer.Option(None, "--hostname", help="Address this side's Mooncake advertises [default: route to the target]."),
+    mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
+    csv_file: Path | None = typer.Option(None, "--csv", help="Also write one row per case to this CSV file."),
+    json_out: JsonOpt = False,
+) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    from pdkv.bench.layout import expand_layouts, parse_sweep
+    from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
+
+    geometry = resolve_geometry(model, layers, kv_heads, head_dim, dtype)
+    swept = parse_sweep(sweep)
+    if target is not None:
+        _check_target(target)
+    spec = BenchSpec(
+        geometry=geometry,
+        block_size=block_size,
+        blocks=swept.get("blocks", [blocks]),
+        layouts=swept.get("layout", expand_layouts(layout)),
+        protocol=protocol,
+        device=device,
+        hostname=hostname or (_address_towards(target) if target else "127.0.0.1"),
+        src=src,
+        dst=dst,
+        iters=iters,
+        warmup=warmup,
+        seed=seed,
+        link_gbps=link_gbps,
+        baseline=baseline,
+        target=target,
+        settings=settings_from_env(_parse_settings(mc)),
+    )
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=not err_console.is_terminal,
+    ) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = progress.add_task(label, total=total)
+            progress.update(tasks[label], completed=done)
+
+        report = run_bench(spec, on_progress)
+    if csv_file is not None:
+        _write_csv(csv_file, report)
+    if json_out:
+        print_json(report)
+        return
+    _render(report)
+
+
+def _table(title: str, columns: tuple[str, ...]) -> Table:
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_header=True, header_style="bold", pad_edge=False)
+    for name in columns:
+        table.add_column(name, justify="left" if name == "layout" else "right")
+    return table
+
+
+def _render(report) -> None:
+    g = report.geometry
+    console.print(
+        f"[bold]pdkv bench[/]: {g.layers} layers x {g.kv_heads} KV heads x {g.head_dim} x {g.dtype_bytes} B, "
+        f"{report.block_size}-token blocks ({report.block_len:,} B per layer), {report.protocol} {report.src} -> {report.dst} "
+        f"via {report.peer}, link {report.link_gbps:g} Gb/s ({report.link_source})"
+    )
+    moved = _table("what moves", ("layout", "blocks", "bytes", "descriptors", "plan ms", "cold ms", "verified"))
+    times = _table(
+        f"transfer, ms over {report.cases[0].timing.iters} writes",
+        ("layout", "blocks", "min", "p50", "p90", "p99", "max"),
+    )
+    rate = _table(f"rate (link {report.link_gbps:g} Gb/s)", ("layout", "blocks", "GB/s at p50", "GB/s over the run", "% of link at p50"))
+    base = _table("baseline (same descriptors)", ("layout", "blocks", "pdkv p50", "bare p50", "pdkv/bare", "teb GB/s", "pdkv/teb"))
+    for c in report.cases:
+        t, key = c.timing, (c.layout, str(c.blocks))
+        moved.add_row(*key, f"{c.bytes:,}", str(c.descriptors), f"{c.plan_ms:.2f}", f"{c.cold_ms:.1f}", "yes" if c.verified else "NO")
+        times.add_row(
+            *key,
+            *(f"{v:.2f}" for v in (t.min_ms, t.p50_ms, t.p90_ms, t.p99_ms, t.max_ms)),
+        )
+        rate.add_row(*key, f"{t.gbps_p50:.2f}", f"{t.gbps_run:.2f}", f"{t.link_pct_p50:.2f}")
+        if (b := c.baseline) is not None:
+            teb = f"{b.teb_gbps:.2f}" if b.teb_gbps is not None else "-"
+            ratio = f"{b.teb_ratio:.2f}" if b.teb_ratio is not None else "-"
+            base.add_row(*key, f"{t.p50_ms:.2f}", f"{b.bare.p50_ms:.2f}", f"{b.p50_ratio:.3f}", teb, ratio)
+    console.print(moved)
+    console.print(times)
+    console.print(rate)
+    if base.row_count:
+        console.print(base)
+        notes = sorted({f"{c.layout}: {c.baseline.teb_note}" for c in report.cases if c.baseline and c.baseline.teb_note})
+        for note in notes:
+            console.print(f"[dim]transfer_engine_bench {note}[/]")
+
+
+CSV_FIELDS = [
+    "layout", "blocks", "bytes", "plan_bytes", "descriptors", "plan_ms", "cold_ms",
+    "min_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms", "gbps_p50", "gbps_run", "link_pct_p50",
+    "bare_p50_ms", "p50_ratio", "teb_gbps", "teb_ratio", "verified", "protocol", "src", "dst", "link_gbps",
+]  # fmt: skip
+
+
+def _write_csv(path: Path, report) -> None:
+    try:
+        with path.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+            writer.writeheader()
+            for c in report.cases:
+                t, b = c.timing, c.baseline
+                writer.writerow(
+                    {
+                        "layout": c.layout, "blocks": c.blocks, "bytes": c.bytes, "plan_bytes": c.plan_bytes,
+                        "descriptors": c.descriptors, "plan_ms": f"{c.plan_ms:.4f}", "cold_ms": f"{c.cold_ms:.4f}",
+                        "min_ms": f"{t.min_ms:.4f}", "p50_ms": f"{t.p50_ms:.4f}", "p90_ms": f"{t.p90_ms:.4f}",
+                        "p99_ms": f"{t.p99_ms:.4f}", "max_ms": f"{t.max_ms:.4f}", "mean_ms": f"{t.mean_ms:.4f}",
+                        "gbps_p50": f"{t.gbps_p50:.4f}", "gbps_run": f"{t.gbps_run:.4f}", "link_pct_p50": f"{t.link_pct_p50:.3f}",
+                        "bare_p50_ms": f"{b.bare.p50_ms:.4f}" if b else "", "p50_ratio": f"{b.p50_ratio:.4f}" if b else "",
+                        "teb_gbps": b.teb_gbps if b and b.teb_gbps is not None else "",
+                        "teb_ratio": f"{b.teb_ratio:.4f}" if b and b.teb_ratio is not None else "",
+                        "verified": c.verified, "protocol": report.protocol, "src": report.src, "dst": report.dst,
+                        "link_gbps": report.link_gbps,
+                    }
+                )  # fmt: skip
+    except OSError as exc:
+        raise UsageError(f"cannot write --csv {path}: {exc.strerror or exc}") from None
+
+
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for the control channel (0.0.0.0 for all)."),
+    port: int = typer.Option(18600, "--port", help="Control port; 0 picks a free one."),
+    advertise: str | None = typer.Option(None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."),
+    protocol: str = typer.Option("tcp", "--protocol", help="Mooncake protocol: tcp or rdma."),
+    device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
+    dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
+    once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
+    mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
+    json_out: JsonOpt = False,
+) -> None:
+    from pdkv.bench.control import BenchTarget
+    from pdkv.bench.runner import settings_from_env
+
+    with BenchTarget(
+        host, port, advertise=advertise, protocol=protocol, device_name=device, dst=dst, settings=settings_from_env(_parse_settings(mc))
+    ) as target:
+        if json_out:
+            print_json({"address": target.address, "session": target.transport.session_address, "protocol": protocol, "dst": target.dst})
+        else:
+            console.print(
+                f"bench target on [bold]{target.address}[/] ({protocol}, KV on {target.dst}); "
+                f"on the prefill host run: pdkv bench run --target {target.address} ..."
+            )
+        try:
+            target.serve(once=once)
+        except KeyboardInterrupt:
+            err_console.print("bench target stopped")
+
+
+def register(app: typer.Typer) -> None:
+    bench_app.callback(invoke_without_command=True)(bench)
+    bench_app.command("run", help="Run the benchmark against `pdkv bench serve` (--target) or a local target.\n\n" + HELP)(bench)
+    bench_app.command("serve", help=SERVE_HELP)(serve)
+    app.add_typer(bench_app, name="bench", help=HELP)
