@@ -29,6 +29,7 @@ COMMANDS: list[str] = [
     "bootstrap",
     "proxy",
     "doctor",
+    "bench",
 ]
 
 HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
@@ -44,6 +45,8 @@ Examples:
   pdkv proxy --prefill http://10.0.0.2:8100 --decode http://10.0.0.3:8200
 
   pdkv doctor --device mlx5_0
+
+  pdkv bench --model ./Qwen3-8B --blocks 63 --layout all --baseline
 """
 
 

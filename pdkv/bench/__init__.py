@@ -1,0 +1,7 @@
+"""`pdkv bench`: KV transfer measured through pdkv's own transport and planner.
+
+`layout` (pure: block ids per layout, sweeps, statistics), `memory` (per-layer
+KV buffers on cpu or cuda:N), `control` (the decode side and its ZMQ control
+channel), `baseline` (bare TransferEngine calls, transfer_engine_bench),
+`runner` (run_bench: one report for every case).
+"""
