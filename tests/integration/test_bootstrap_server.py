@@ -407,6 +407,12 @@ def test_same_answers_as_vllms_own_bootstrap_server(server):
                     answers[url] = (classes, http.get("/query").json())
         assert answers[vllm_url][0] == [2, 2, 2, 4, 4, 2, 4, 4]
         assert answers[server.url] == answers[vllm_url]
+        # pdkv's client reads vLLM's server, and says what it lacks.
+        with BootstrapClient(vllm_url) as client:
+            assert {dp: e.engine_id for dp, e in client.query().items()} == {0: "eng-a", 1: "eng-b"}
+            with pytest.raises(RemoteError) as info:
+                client.deregister("eng-a")
+        assert info.value.status == 404 and "only /register and /query" in (info.value.hint or "")
     finally:
         proc.stdin.close()
         try:

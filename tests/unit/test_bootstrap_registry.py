@@ -3,6 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pdkv.bootstrap.client import backoff_delay, normalize_url
 from pdkv.bootstrap.registry import BootstrapRegistry, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
 from pdkv.protocol import EngineEntry, RegisterRequest, split_worker_addr
@@ -173,3 +174,15 @@ def test_register_request_decodes_what_vllm_sends():
     # vLLM posts pydantic's model_dump(): exactly these five keys.
     body = b'{"engine_id":"7c1d","dp_rank":0,"tp_rank":1,"pp_rank":0,"addr":"tcp://10.1.2.3:41234"}'
     assert msgspec.json.decode(body, type=RegisterRequest) == req(engine="7c1d", tp=1, addr="tcp://10.1.2.3:41234")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("10.0.0.2:8998", "http://10.0.0.2:8998"), ("http://h:1/", "http://h:1"), (" https://h:1 ", "https://h:1"), ("http://[::1]:8998", "http://[::1]:8998")],
+)
+def test_client_urls_are_normalized(given, expected):
+    assert normalize_url(given) == expected
+
+
+def test_client_backoff_doubles_and_is_capped():
+    assert [backoff_delay(i) for i in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
