@@ -114,6 +114,13 @@ def check_spec(spec: BenchSpec) -> None:
     if not spec.blocks or any(n <= 0 for n in spec.blocks):
         raise UsageError("--blocks must be positive")
     expand_layouts(spec.layouts)
+    from pdkv.bench.memory import parse_device
+    from pdkv.transport.mooncake import check_protocol
+
+    parse_device(spec.src)
+    parse_device(spec.dst)
+    # Before any process starts: a wrong protocol or a missing RDMA device fails here, in seconds.
+    check_protocol(spec.protocol, spec.device)
 
 
 def _local_target_main(conn, protocol: str, device: str, dst: str, settings: dict[str, str]) -> None:

@@ -1,0 +1,131 @@
+"""run_bench over real Mooncake tcp on 127.0.0.1: a local child target, an in-thread `serve`, corruption caught."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from pdkv.bench.control import BenchTarget, Checksum, Digest, TargetClient
+from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
+from pdkv.errors import RemoteError, StartError, TransferError, UnreachableError
+from pdkv.geometry import dense_geometry, plan_transfer
+
+pytest.importorskip("mooncake")
+
+TINY = dense_geometry(2, 2, 32, "bfloat16")  # the tiny model: 4,096 B per block per layer at block size 16
+QUIET = settings_from_env()
+
+
+def spec(**kw) -> BenchSpec:
+    base = dict(geometry=TINY, blocks=[5], iters=3, warmup=1, settings=QUIET, transfer_engine_bench=False)
+    base.update(kw)
+    return BenchSpec(**base)
+
+
+class CorruptingTarget(BenchTarget):
+    """A real target whose memory gets one byte flipped in the first range before every checksum."""
+
+    def handle(self, req):
+        if isinstance(req, Checksum) and self.memory is not None:
+            self.memory.flip(req.ranges[0][0] + 7)
+        return super().handle(req)
+
+
+def serve_in_thread(target: BenchTarget):
+    stop = threading.Event()
+    thread = threading.Thread(target=target.serve, kwargs={"stop": stop}, daemon=True)
+    thread.start()
+    return stop, thread
+
+
+@pytest.fixture
+def served():
+    targets = []
+
+    def start(cls=BenchTarget):
+        t = cls("127.0.0.1", 0, settings=QUIET)
+        stop, thread = serve_in_thread(t)
+        targets.append((t, stop, thread))
+        return t
+
+    yield start
+    for t, stop, thread in targets:
+        stop.set()
+        thread.join(5)
+        t.close()
+
+
+def test_local_target_all_layouts_verified_with_bare_baseline():
+    report = run_bench(spec(layouts=["all"], baseline=True))
+    assert [c.layout for c in report.cases] == ["contiguous", "per-block", "scattered"]
+    want = plan_transfer(TINY, prompt_tokens=5 * 16).transfer_bytes
+    for c in report.cases:
+        assert c.bytes == c.plan_bytes == want == 5 * 2 * 4096
+        assert c.verified and c.timing.iters == 3 and c.cold_ms > 0
+        assert c.timing.min_ms <= c.timing.p50_ms <= c.timing.p99_ms <= c.timing.max_ms
+        assert c.baseline is not None and c.baseline.bare.iters == 3 and c.baseline.p50_ratio > 0
+        assert c.baseline.teb_note == "not asked for"
+    assert [c.descriptors for c in report.cases] == [2, 10, 10]
+    assert report.peer.startswith("127.0.0.1:") and report.src == report.dst == "cpu"
+
+
+def test_two_host_mode_against_serve(served):
+    target = served()
+    report = run_bench(spec(blocks=[1, 3], target=target.address, baseline=True, transfer_engine_bench=True))
+    assert [(c.blocks, c.descriptors) for c in report.cases] == [(1, 2), (3, 2)]
+    assert report.target == target.address
+    assert all(c.baseline.teb_note == "not run in two-host mode" for c in report.cases)
+    assert target.requests >= 6  # setup, refill + 2 checksums per case, bye
+
+
+def test_corrupted_destination_is_caught(served):
+    target = served(CorruptingTarget)
+    with pytest.raises(TransferError, match="differ from the source") as info:
+        run_bench(spec(target=target.address))
+    assert "cold" in info.value.message
+
+
+def test_target_refuses_ranges_outside_its_memory(served):
+    target = served()
+    with TargetClient(target.address, timeout_s=10) as client:
+        ready = client.setup(2, 4096, 4, seed=1)
+        inside = (ready.regions[0].base, 4096)
+        assert isinstance(client.call(Checksum([inside])), Digest)
+        with pytest.raises(RemoteError, match="outside"):
+            client.checksum([(ready.regions[0].base + 3 * 4096, 8192)])
+
+
+def test_unanswering_target_is_bounded():
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        start = time.monotonic()
+        with TargetClient(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=1) as client, pytest.raises(UnreachableError):
+            client.setup(1, 4096, 1, seed=0)
+        assert time.monotonic() - start < 5
+
+
+def test_rdma_without_a_device_fails_before_any_process_starts():
+    # This host has no RDMA device: the child refuses rdma instead of silently using tcp.
+    with pytest.raises(StartError, match="RDMA"):
+        run_bench(spec(protocol="rdma", device="mlx5_0"))
+
+
+@pytest.mark.skipif(
+    __import__("pdkv.bench.baseline", fromlist=["x"]).find_transfer_engine_bench() is None,
+    reason="this Mooncake wheel ships no transfer_engine_bench",
+)
+def test_transfer_engine_bench_runs_alongside():
+    report = run_bench(spec(blocks=[4], baseline=True, transfer_engine_bench=True, iters=2))
+    b = report.cases[0].baseline
+    assert b.teb_note is None and b.teb_gbps > 0 and b.teb_ratio == pytest.approx(report.cases[0].timing.gbps_p50 / b.teb_gbps)
+
+
+def test_local_target_start_failure_is_reported_not_awaited():
+    from pdkv.bench.runner import local_target
+
+    start = time.monotonic()
+    with pytest.raises(StartError, match="not a Mooncake setting"), local_target(spec(settings={"NOT_MC": "1"})):
+        pass
+    assert time.monotonic() - start < 30
