@@ -332,33 +332,38 @@ class ManagedProcess:
             return False
         return r.status_code < 500
 
-    def wait_healthy(self, timeout: float, *, interval: float = 0.5, should_stop: Callable[[], bool] | None = None) -> float:
+    def probe(self, deadline: float) -> bool:
+        """One health probe: True when healthy. Raises StartError (with the log tail)
+        when the process has exited or `deadline` (a time.monotonic() value) has passed."""
+        assert self.proc is not None, "start() first"
+        code = self.proc.poll()
+        if code is not None:
+            raise StartError(
+                f"{self.name} exited with code {code} before it was healthy; log {self.log_path}:\n{self.log_tail()}",
+                hint=f"read {self.log_path}",
+            )
+        if self.check_health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            self.ready_at = time.monotonic()
+            return True
+        if time.monotonic() >= deadline:
+            waited = time.monotonic() - (self.started_at or time.monotonic())
+            raise StartError(
+                f"{self.name} was not healthy at {self.plan.url}{self.plan.health_path} after {waited:.0f} s; "
+                f"log {self.log_path}:\n{self.log_tail()}",
+                hint="raise the start-up timeout or read the log",
+            )
+        return False
+
+    def wait_healthy(self, timeout: float, *, interval: float = 0.5) -> float:
         """Wait until the health URL answers; return seconds since start.
 
         Raises StartError (with the log tail) when the process exits first or
         `timeout` passes.
         """
-        assert self.proc is not None, "start() first"
         deadline = time.monotonic() + timeout
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise StartError(
-                    f"{self.name} exited with code {code} before it was healthy; log {self.log_path}:\n{self.log_tail()}",
-                    hint=f"read {self.log_path}",
-                )
-            if self.check_health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
-                self.ready_at = time.monotonic()
-                return self.ready_at - (self.started_at or self.ready_at)
-            if should_stop is not None and should_stop():
-                raise StartError(f"{self.name}: start-up interrupted")
-            if time.monotonic() >= deadline:
-                raise StartError(
-                    f"{self.name} was not healthy at {self.plan.url}{self.plan.health_path} within {timeout:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}",
-                    hint="raise the start-up timeout or read the log",
-                )
+        while not self.probe(deadline):
             time.sleep(interval)
+        return (self.ready_at or 0.0) - (self.started_at or 0.0)
 
     def stop(self, grace: float = 10.0) -> int | None:
         """SIGTERM the process group, wait up to `grace` s, then SIGKILL what is left. Returns the exit code."""

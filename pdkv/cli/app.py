@@ -29,7 +29,10 @@ COMMANDS: list[str] = [
     "bootstrap",
     "proxy",
     "doctor",
+    "up",
+    "status",
     "bench",
+    "trace",
 ]
 
 HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
@@ -46,7 +49,13 @@ Examples:
 
   pdkv doctor --device mlx5_0
 
+  pdkv up                                # a local 1P1D: bootstrap, prefill, decode, proxy
+
+  pdkv status --proxy http://127.0.0.1:8000
+
   pdkv bench --model ./Qwen3-8B --blocks 63 --layout all --baseline
+
+  pdkv trace --proxy http://127.0.0.1:8000 --html trace.html
 """
 
 

@@ -1,0 +1,290 @@
+"""`pdkv up`: start one P/D role, a deploy.toml, or the built-in local 1P1D, and supervise it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from pdkv.cli.options import JsonOpt
+from pdkv.cli.output import console, err_console, print_json
+
+HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a whole local 1P1D.
+
+With no arguments, starts bootstrap, prefill, decode and proxy on this host
+(on CPU with the embedded tiny model when no GPU is present), waits for each
+to be healthy, streams their logs (also to .pdkv/logs/) and stops them all on
+Ctrl-C. Pre-flight checks (ports, model, P/D agreement, bootstrap) run first.
+
+Examples:
+
+  pdkv up
+
+  pdkv up -f deploy.toml
+
+  pdkv up --role prefill --model /models/Qwen3-8B --gpu 0 --device mlx5_0
+
+  pdkv up --role decode --model /models/Qwen3-8B --gpu 2 --port 8200 --dry-run --json
+
+  pdkv up --role prefill --model M --bootstrap http://10.0.0.2:8998 -- --enforce-eager
+"""
+
+COLORS = {"bootstrap": "magenta", "prefill": "cyan", "decode": "green", "proxy": "yellow"}
+STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
+STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "failed": "red", "exited": "red", "stopped": "dim"}
+
+
+def _command_line(env: dict[str, str], argv: list[str]) -> str:
+    return shlex.join([f"{k}={v}" for k, v in env.items()] + argv)
+
+
+def _part_doc(part: Any) -> dict[str, Any]:
+    plan = part.plan
+    return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env, "command": _command_line(plan.env, plan.argv)}
+
+
+def _split_cores() -> tuple[str, str]:
+    n = os.cpu_count() or 2
+    if n < 2:
+        return "0", "0"
+    half = n // 2
+    one = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
+    return one(0, half - 1), one(half, n - 1)
+
+
+def _role_parts(role: str, **kw: Any) -> tuple[list[Any], list[str]]:
+    from pdkv.deploy import Part
+    from pdkv.errors import UsageError
+    from pdkv.launch import EngineSpec, engine_plan
+
+    if role not in ("prefill", "decode"):
+        raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
+    if kw["bootstrap_url"] and role == "decode":
+        raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
+    spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
+    plan = engine_plan(spec, name=role)
+    ports = [(spec.host, spec.port)]
+    if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
+        ports.append(("0.0.0.0", spec.bootstrap_port))
+    return [Part(kind=role, plan=plan, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
+
+
+def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
+    table = Table(title="pdkv up", show_header=True, expand=False)
+    for col in ("part", "state", "url", "pid", "ready after"):
+        table.add_column(col)
+    for proc in sup.procs:
+        state = sup.states[proc.name]
+        ready = f"{sup.ready_s[proc.name]:.1f} s" if proc.name in sup.ready_s else ""
+        table.add_row(
+            Text(proc.name, style=COLORS.get(kinds[proc.name], "")),
+            Text(state, style=STATE_STYLE.get(state, "")),
+            proc.url,
+            str(proc.pid or ""),
+            ready,
+        )
+    return table
+
+
+def _ready_message(parts: list[Any], served: str | None, trace: bool) -> Group:
+    proxy = next((p for p in parts if p.kind == "proxy"), None)
+    target = proxy or next(p for p in parts if p.kind in ("prefill", "decode"))
+    model = served or (target.spec.model if target.spec else "MODEL")
+    body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
+    lines = [Text("ready. Send a request:", style="bold green"), Text(f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")]
+    if proxy is not None:
+        lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
+        if importlib.util.find_spec("pdkv.cli.trace") is not None:
+            lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
+    lines.append(Text("Ctrl-C stops every part.", style="dim"))
+    return Group(*lines)
+
+
+def _run_trace_hook(parts: list[Any]) -> None:
+    """`--trace`: hand the ready deployment to `pdkv trace`, where this install has it."""
+    proxy = next((p for p in parts if p.kind == "proxy"), None)
+    if proxy is None or importlib.util.find_spec("pdkv.cli.trace") is None:
+        err_console.print("--trace: `pdkv trace` is not available here; the deployment runs without it")
+        return
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "pdkv", "trace", "--proxy", proxy.plan.url], check=False)
+
+
+def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool) -> None:
+    from pdkv.errors import PdkvError
+    from pdkv.deploy import Supervisor
+
+    kinds = {p.plan.name: p.kind for p in parts}
+    width = max(len(n) for n in kinds)
+    live: Live | None = None
+
+    def on_line(name: str, line: str) -> None:
+        prefix = Text(f"{name:<{width}} | ", style=COLORS.get(kinds[name], ""))
+        (live.console if live else console).print(prefix + Text(line), highlight=False, soft_wrap=True)
+
+    def emit(event: str, **fields: Any) -> None:
+        if json_out:
+            sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+            sys.stdout.flush()
+
+    # Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
+    stages = [STAGES[p.kind] for p in parts]
+    sup = Supervisor([p.plan for p in parts], log_dir, on_line=on_line if show_logs and not json_out else None, stages=stages)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
+    try:
+        if not json_out:
+            live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
+            sup.on_change = lambda: live.update(_status_table(sup, kinds))
+            live.start()
+        emit("starting", parts=[{"name": p.plan.name, "url": p.plan.url} for p in parts], log_dir=str(log_dir))
+        try:
+            total = sup.start_all(timeout)
+        finally:
+            if live is not None:
+                live.stop()
+                live = None
+        emit("ready", ready_s=round(total, 1), parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
+        if not json_out:
+            console.print(f"all {len(parts)} parts ready in {total:.1f} s; logs in {log_dir}/")
+            console.print(_ready_message(parts, served, trace))
+        if trace:
+            _run_trace_hook(parts)
+        dead = sup.wait_for_exit()
+        tail = dead.log_tail(20)
+        emit("exited", name=dead.name, code=dead.poll())
+        raise PdkvError(f"{dead.name} exited with code {dead.poll()}; stopping the rest.\n{tail}", hint=f"read {dead.log_path}")
+    except KeyboardInterrupt:
+        if not json_out:
+            err_console.print("stopping every part ...")
+    finally:
+        if live is not None:
+            live.stop()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        try:
+            sup.stop_all()
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous)
+        emit("stopped", pids=sup.pids())
+        if not json_out:
+            err_console.print("stopped.")
+
+
+def up(
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Deployment file (TOML) to start.")] = None,
+    role: Annotated[str | None, typer.Option("--role", help="Start one engine: prefill or decode.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model directory or hub id (default: the embedded tiny model).")] = None,
+    connector: Annotated[str, typer.Option("--connector", help="KV connector: pdkv or mooncake (vLLM's own).")] = "pdkv",
+    protocol: Annotated[str | None, typer.Option("--protocol", help="Mooncake protocol: rdma or tcp.")] = None,
+    device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
+    gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
+    host: Annotated[str, typer.Option("--host", help="Address the engine listens on (with --role).")] = "0.0.0.0",
+    host_ip: Annotated[str | None, typer.Option("--host-ip", help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
+    bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port", help="Port of P's in-worker bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT).")] = None,
+    bootstrap: Annotated[str | None, typer.Option("--bootstrap", help="URL of a standalone bootstrap server for P.")] = None,
+    block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV block (CPU: a multiple of 32).")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
+    platform: Annotated[str | None, typer.Option("--platform", help="gpu or cpu (default: gpu when one is present).")] = None,
+    omp_bind: Annotated[str | None, typer.Option("--omp-bind", help="CPU cores for the engine's OpenMP threads, e.g. 0 or 0-3 (CPU only).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact commands and environment; start nothing.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
+    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
+    trace: Annotated[bool, typer.Option("--trace", help="Once ready, hand the deployment to `pdkv trace` (where available).")] = False,
+    json_out: JsonOpt = False,
+    extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
+) -> None:
+    from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
+    from pdkv.errors import UsageError
+
+    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", None), "--protocol"), (platform, ("gpu", "cpu", None), "--platform")):
+        if value not in allowed:
+            raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
+    if file is not None and role is not None:
+        raise UsageError("give either -f FILE or --role, not both")
+    gpus = gpu_count()
+    served: str | None = None
+    uses_tiny = model is None and file is None
+    if file is not None:
+        dep = load_deployment(file)
+        if extra:
+            dep = _with_extra(dep, list(extra))
+        parts, boots, served, timeout = deployment_parts(dep), external_bootstraps(dep), dep.served_model_name, min(timeout, dep.startup_timeout)
+    elif role is not None:
+        plat = platform or ("gpu" if gpus else "cpu")
+        parts, boots = _role_parts(
+            role,
+            model=model or str(tiny_model_path()),
+            host=host,
+            port=port or (8100 if role == "prefill" else 8200),
+            connector=connector,
+            protocol=protocol or ("tcp" if plat == "cpu" else "rdma"),
+            device=device,
+            platform=plat,
+            gpu=gpu,
+            tp=tp,
+            block_size=block_size if block_size is not None else (32 if plat == "cpu" else None),
+            # P's in-worker bootstrap port is set explicitly, so two prefills on one host never share 8998 by accident.
+            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else 8998,
+            bootstrap_url=bootstrap,
+            host_ip=host_ip,
+            omp_bind=omp_bind,
+            served_model_name="tiny" if uses_tiny else None,
+            extra_args=tuple(extra or ()),
+        )
+        served = "tiny" if uses_tiny else None
+    else:
+        dep = local_deployment(gpus=0 if platform == "cpu" else gpus, model=model, connector=connector, protocol=protocol, device=device, proxy_port=port or 8000)  # type: ignore[arg-type]
+        if dep.platform == "cpu":
+            p_cores, d_cores = _split_cores()
+            dep = _with_cores(dep, p_cores, d_cores)
+        if extra:
+            dep = _with_extra(dep, list(extra))
+        parts, boots, served = deployment_parts(dep), [], dep.served_model_name
+
+    if dry_run:
+        docs = [_part_doc(p) for p in parts]
+        if json_out:
+            print_json({"parts": docs})
+            return
+        for doc in docs:
+            console.print(Text(f"# {doc['name']} ({doc['url']})", style=COLORS.get(doc["kind"], "")))
+            console.print(doc["command"], highlight=False, markup=False, soft_wrap=True)
+        return
+
+    if uses_tiny:
+        with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
+            ensure_tiny_model()
+    raise_problems(preflight(parts, boots))
+    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace)
+
+
+def _with_cores(dep: Any, p_cores: str, d_cores: str) -> Any:
+    import msgspec
+
+    prefill = [msgspec.structs.replace(e, omp_bind=p_cores) for e in dep.prefill]
+    decode = [msgspec.structs.replace(e, omp_bind=d_cores) for e in dep.decode]
+    return msgspec.structs.replace(dep, prefill=prefill, decode=decode)
+
+
+def _with_extra(dep: Any, extra: list[str]) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(dep, extra_args=[*dep.extra_args, *extra])
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up", help=HELP)(up)

@@ -1,0 +1,157 @@
+"""Pre-flight: every reason a deployment would fail to start, found before any part starts.
+
+Each problem names the part, what is wrong and the fix; `raise_problems`
+turns them into one PreflightError, one problem per line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
+from pdkv.errors import ConfigError
+
+
+class Problem(msgspec.Struct, frozen=True):
+    """One pre-flight failure: which part, what is wrong, what to do about it."""
+
+    part: str
+    what: str
+    fix: str
+
+    def line(self) -> str:
+        return f"{self.part}: {self.what}; fix: {self.fix}"
+
+
+def port_free(host: str, port: int) -> bool:
+    """True when a server could listen on host:port now (binds and releases it; sends nothing)."""
+    import socket
+
+    bind_host = "" if host in ("0.0.0.0", "*") else host
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers themselves bind
+        try:
+            s.bind((bind_host, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(parts: list[Part]) -> list[Problem]:
+    problems: list[Problem] = []
+    seen: dict[int, str] = {}
+    for part in parts:
+        for host, port in part.ports:
+            if port in seen:
+                problems.append(Problem(part.plan.name, f"port {port} is also given to {seen[port]}", "give each part its own port"))
+                continue
+            seen[port] = part.plan.name
+            if not port_free(host, port):
+                problems.append(Problem(part.plan.name, f"port {port} on {host} is in use", f"stop what holds it (ss -ltnp 'sport = :{port}') or choose another port"))
+    return problems
+
+
+def _canonical_dtype(dtype: str | None) -> str:
+    from pdkv.geometry import DTYPE_BYTES
+
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    d = (dtype or "auto").lower()
+    return aliases.get(d, d) if d == "auto" or d in DTYPE_BYTES else d
+
+
+def _engine_facts(part: Part) -> tuple[dict[str, Any] | None, Problem | None]:
+    """The model config of an engine part, or the problem reading it (None, None for a hub id)."""
+    from pdkv.geometry import load_config
+
+    assert part.spec is not None
+    model = part.spec.model
+    path = Path(model).expanduser()
+    if not path.exists():
+        if "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
+            return None, None  # a hub id: vLLM resolves it; nothing local to read
+        return None, Problem(part.plan.name, f"model {model} does not exist", "pass a model directory holding config.json (or `pdkv model tiny DIR`)")
+    try:
+        return load_config(path), None
+    except ConfigError as exc:
+        return None, Problem(part.plan.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json")
+
+
+def check_engines(parts: list[Part]) -> list[Problem]:
+    """Model configs readable, CPU block sizes valid, and every D agrees with every P."""
+    problems: list[Problem] = []
+    engines = [p for p in parts if p.spec is not None]
+    configs: dict[str, dict[str, Any] | None] = {}
+    for part in engines:
+        config, problem = _engine_facts(part)
+        configs[part.plan.name] = config
+        if problem:
+            problems.append(problem)
+        spec = part.spec
+        assert spec is not None
+        if spec.platform == "cpu" and spec.block_size is not None and spec.block_size % CPU_BLOCK_MULTIPLE:
+            problems.append(Problem(part.plan.name, f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs", f"set block_size = {CPU_BLOCK_MULTIPLE}"))
+    for d in (p for p in engines if p.kind == "decode"):
+        for p in (p for p in engines if p.kind == "prefill"):
+            problems += _disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))
+    return problems
+
+
+def _disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> list[Problem]:
+    ps, ds = p.spec, d.spec
+    assert ps is not None and ds is not None
+    pair = f"{p.plan.name}/{d.plan.name}"
+    out: list[Problem] = []
+    same_model = Path(ps.model).expanduser().resolve() == Path(ds.model).expanduser().resolve() or ps.model == ds.model
+    if not same_model and (p_config is None or d_config is None or p_config != d_config):
+        out.append(Problem(pair, f"P serves {ps.model} but D serves {ds.model}", "serve the same model on both (model = ... in deploy.toml)"))
+    p_dtype = _canonical_dtype(ps.dtype if ps.dtype not in (None, "auto") else (p_config or {}).get("torch_dtype"))
+    d_dtype = _canonical_dtype(ds.dtype if ds.dtype not in (None, "auto") else (d_config or {}).get("torch_dtype"))
+    if p_dtype != d_dtype:
+        out.append(Problem(pair, f"P's dtype {p_dtype} differs from D's {d_dtype}: the KV bytes would not match", "set the same dtype on both"))
+    if ps.block_size != ds.block_size:
+        def show(b: int | None) -> str:
+            return "vLLM's default" if b is None else str(b)
+
+        out.append(Problem(pair, f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}", "set the same block_size on both"))
+    if max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
+        out.append(Problem(pair, f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped", "use TP sizes where one divides the other"))
+    return out
+
+
+def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
+    """Each external bootstrap answers GET /query within `timeout`."""
+    import httpx
+
+    problems = []
+    for url in urls:
+        base = url if "://" in url else f"http://{url}"
+        try:
+            r = httpx.get(base.rstrip("/") + "/query", timeout=timeout)
+            r.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            problems.append(Problem("bootstrap", f"{base} answered {exc.response.status_code} to GET /query", "point at a Mooncake bootstrap server (pdkv bootstrap)"))
+        except httpx.HTTPError as exc:
+            problems.append(Problem("bootstrap", f"{base} is unreachable ({type(exc).__name__})", "start it (pdkv bootstrap --port PORT) or fix the bootstrap URL"))
+    return problems
+
+
+def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Problem]:
+    """Every pre-flight problem of `parts`, in start order; empty when all is well."""
+    return check_ports(parts) + check_engines(parts) + check_bootstraps(list(bootstrap_urls))
+
+
+def raise_problems(problems: list[Problem]) -> None:
+    """Raise one PreflightError whose message holds each problem on its own line."""
+    from pdkv.errors import PreflightError
+
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise PreflightError(f"pre-flight: {problems[0].part}: {problems[0].what}", hint=problems[0].fix)
+    lines = "\n".join(f"  {p.line()}" for p in problems)
+    raise PreflightError(f"pre-flight found {len(problems)} problems:\n{lines}", hint="nothing was started")

@@ -1,0 +1,146 @@
+"""`pdkv status`: the health of each part, the bootstrap registrations and the proxy's figures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from pdkv.deploy.topology import Deployment, deployment_parts
+
+
+class PartHealth(msgspec.Struct, frozen=True):
+    name: str
+    kind: str
+    url: str
+    up: bool
+    detail: str = ""
+
+
+class Registration(msgspec.Struct, frozen=True):
+    bootstrap: str
+    dp_rank: int
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    addr: str
+
+
+class ProxyFigures(msgspec.Struct, frozen=True):
+    url: str
+    in_flight: dict[str, int]
+    requests: int
+    errors: dict[str, int]
+    recent_errors: list[dict[str, Any]]
+
+
+class StatusReport(msgspec.Struct, frozen=True):
+    parts: list[PartHealth]
+    registrations: list[Registration]
+    proxy: ProxyFigures | None
+
+    @property
+    def ok(self) -> bool:
+        return all(p.up for p in self.parts)
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample in Prometheus text exposition."""
+    import re
+
+    sample = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
+    label = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+    out = []
+    for line in text.splitlines():
+        m = sample.match(line)
+        if not m or line.startswith("#"):
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.append((m.group(1), dict(label.findall(m.group(2) or "")), value))
+    return out
+
+
+def _get(client: Any, url: str) -> tuple[int | None, Any, str]:
+    """(status, parsed JSON or text, error) of GET url; status None when unreachable."""
+    import httpx
+
+    try:
+        r = client.get(url)
+    except httpx.HTTPError as exc:
+        return None, None, f"unreachable ({type(exc).__name__})"
+    try:
+        body = r.json()
+    except ValueError:
+        body = r.text
+    return r.status_code, body, ""
+
+
+def status_targets(dep: Deployment) -> tuple[list[tuple[str, str, str]], list[str], str | None]:
+    """(parts as (name, kind, url), bootstrap URLs, proxy URL) that `pdkv status -f` polls."""
+    parts = deployment_parts(dep)
+    targets = [(p.plan.name, p.kind, p.plan.url) for p in parts]
+    boots = sorted({p.bootstrap_url for p in parts if p.bootstrap_url})
+    proxy = next((p.plan.url for p in parts if p.kind == "proxy"), None)
+    return targets, boots, proxy
+
+
+def collect_status(*, proxy_url: str | None = None, targets: Sequence[tuple[str, str, str]] = (), bootstraps: Sequence[str] = (), timeout: float = 2.0) -> StatusReport:
+    """Poll every part's /health, each bootstrap's /query and the proxy's /metrics.
+
+    Given only a proxy URL, the parts and bootstraps are those the proxy's
+    /health reports.
+    """
+    import httpx
+
+    targets, boots = list(targets), list(bootstraps)
+    parts: list[PartHealth] = []
+    figures: ProxyFigures | None = None
+    with httpx.Client(timeout=timeout) as client:
+        if proxy_url:
+            status, body, err = _get(client, proxy_url.rstrip("/") + "/health")
+            if not any(kind == "proxy" for _, kind, _ in targets):
+                reason = err or (body.get("reason", "") if isinstance(body, dict) else "")
+                parts.append(PartHealth("proxy", "proxy", proxy_url, status == 200, "" if status == 200 else reason or f"answered {status}"))
+            if isinstance(body, dict) and not targets:
+                for i, b in enumerate(body.get("backends", [])):
+                    targets.append((f"{b.get('role', '?')}-{i}", str(b.get("role", "?")), str(b.get("url", ""))))
+                    if b.get("bootstrap"):
+                        boots.append(str(b["bootstrap"]))
+            figures = _proxy_figures(client, proxy_url) if status is not None else None
+        for name, kind, url in targets:
+            status, body, err = _get(client, url.rstrip("/") + "/health")
+            up = status is not None and 200 <= status < 300
+            parts.append(PartHealth(name, kind, url, up, "" if up else err or f"answered {status}"))
+            if kind == "proxy" and figures is None and status is not None:
+                figures = _proxy_figures(client, url)
+        registrations: list[Registration] = []
+        for boot in sorted(set(boots)):
+            status, body, _ = _get(client, boot.rstrip("/") + "/query")
+            if status == 200 and isinstance(body, dict):
+                for dp, entry in sorted(body.items()):
+                    for tp, pps in sorted((entry.get("worker_addr") or {}).items()):
+                        for pp, addr in sorted(pps.items()):
+                            registrations.append(Registration(boot, int(dp), str(entry.get("engine_id")), int(tp), int(pp), str(addr)))
+    return StatusReport(parts=parts, registrations=registrations, proxy=figures)
+
+
+def _proxy_figures(client: Any, url: str) -> ProxyFigures | None:
+    status, text, _ = _get(client, url.rstrip("/") + "/metrics")
+    if status != 200 or not isinstance(text, str):
+        return None
+    in_flight: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    requests = 0
+    for name, labels, value in parse_prometheus(text):
+        if name == "pdkv_proxy_outstanding":
+            in_flight[labels.get("url", "?")] = int(value)
+        elif name == "pdkv_proxy_errors_total" and value:
+            errors[labels.get("cause", "?")] = int(value)
+        elif name == "pdkv_proxy_requests_total":
+            requests += int(value)
+    status, recent, _ = _get(client, url.rstrip("/") + "/pdkv/requests?errors=1&limit=5")
+    return ProxyFigures(url, in_flight, requests, errors, recent if status == 200 and isinstance(recent, list) else [])

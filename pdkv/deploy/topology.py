@@ -1,0 +1,308 @@
+"""A P/D deployment on one host: its topology (from deploy.toml or built in)
+and the launch plan of every part.
+
+Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
+Each prefill gets its own bootstrap: vLLM's registry holds one engine per
+DP rank, so two prefills sharing one would refuse each other.
+
+    model = "/models/Qwen3-8B"   # every engine's default
+    connector = "pdkv"           # or "mooncake"
+    protocol = "rdma"            # or "tcp"
+    [bootstrap]                  # mode = "standalone" | "in-worker" | "external"
+    port = 8998
+    [[prefill]]
+    gpu = "0"
+    port = 8100
+    [[decode]]
+    gpu = "2"
+    port = 8200
+    [proxy]
+    port = 8000
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pdkv.errors import ConfigError
+from pdkv.launch import (
+    Connector,
+    EngineSpec,
+    LaunchPlan,
+    Platform,
+    Protocol,
+    bootstrap_address,
+    connect_host,
+    engine_plan,
+    http_url,
+    routable_ip,
+)
+
+BootstrapMode = Literal["standalone", "in-worker", "external"]
+PartKind = Literal["bootstrap", "prefill", "decode", "proxy"]
+TINY_SERVED_NAME = "tiny"
+CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend accepts only multiples of 32
+
+
+class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One [[prefill]] or [[decode]] table; unset fields fall back to the deployment's."""
+
+    port: int
+    gpu: str | None = None
+    omp_bind: str | None = None
+    model: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    tp: int = 1
+    max_model_len: int | None = None
+    bootstrap_url: str | None = None
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: BootstrapMode = "standalone"
+    port: int = 8998
+    url: str | None = None
+
+
+class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    port: int = 8000
+    extra_args: list[str] = []
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything `pdkv up -f deploy.toml` starts on this host."""
+
+    model: str
+    served_model_name: str | None = None
+    connector: Connector = "pdkv"
+    protocol: Protocol = "rdma"
+    device: str = ""
+    platform: Platform = "gpu"
+    host: str = "0.0.0.0"
+    host_ip: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    startup_timeout: float = 900.0
+    bootstrap: BootstrapEntry = BootstrapEntry()
+    prefill: list[EngineEntry] = []
+    decode: list[EngineEntry] = []
+    proxy: ProxyEntry | None = ProxyEntry()
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class Part(msgspec.Struct, frozen=True):
+    """One process of the deployment: what it is, its launch plan, the ports it will hold."""
+
+    kind: PartKind
+    plan: LaunchPlan
+    ports: list[tuple[str, int]]
+    bootstrap_url: str | None = None
+    spec: EngineSpec | None = None
+
+
+def load_deployment(path: str | Path) -> Deployment:
+    """Read and validate a deploy.toml; every problem is a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no deployment file at {path}", hint="pass -f deploy.toml (see examples/deploy.toml)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return deployment_from_dict(data, source=str(path))
+
+
+def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") -> Deployment:
+    try:
+        dep = msgspec.convert(data, Deployment)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}", hint="see examples/deploy.toml for the fields") from None
+    if not dep.prefill or not dep.decode:
+        raise ConfigError(f"{source}: a deployment needs at least one [[prefill]] and one [[decode]]")
+    if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
+        raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
+    return dep
+
+
+# --- the built-in local topology -----------------------------------------------
+
+
+def gpu_count() -> int:
+    """How many NVIDIA GPUs this host shows, without starting CUDA."""
+    devices = [d for d in glob.glob("/dev/nvidia[0-9]*") if d[len("/dev/nvidia"):].isdigit()]
+    if devices:
+        return len(devices)
+    return 0 if shutil.which("nvidia-smi") is None else 1
+
+
+def rdma_devices() -> list[str]:
+    return sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDKV_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkv")
+    return Path(root)
+
+
+def tiny_model_path() -> Path:
+    return cache_dir() / "tiny-model"
+
+
+def ensure_tiny_model(path: Path | None = None) -> Path:
+    """The embedded tiny model in the cache, written (atomically) when missing."""
+    from pdkv.tinymodel import write_tiny_model
+
+    path = path or tiny_model_path()
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    write_tiny_model(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+def local_deployment(
+    *,
+    gpus: int,
+    model: str | None = None,
+    connector: Connector = "pdkv",
+    protocol: Protocol | None = None,
+    device: str = "",
+    proxy_port: int = 8000,
+) -> Deployment:
+    """1P1D on this host. Without a GPU: CPU, the tiny model, Mooncake tcp, P on core 0 and D on core 1."""
+    if gpus == 0:
+        return Deployment(
+            model=model or str(tiny_model_path()),
+            served_model_name=None if model else TINY_SERVED_NAME,
+            connector=connector,
+            protocol=protocol or "tcp",
+            device=device,
+            platform="cpu",
+            host="127.0.0.1",
+            host_ip="127.0.0.1",
+            block_size=CPU_BLOCK_MULTIPLE,
+            max_model_len=2048,
+            bootstrap=BootstrapEntry(mode="standalone", port=8998),
+            prefill=[EngineEntry(port=8100, omp_bind="0")],
+            decode=[EngineEntry(port=8200, omp_bind="1")],
+            proxy=ProxyEntry(port=proxy_port),
+        )
+    nics = rdma_devices()
+    # One GPU: both engines share it, so each takes a share of its memory.
+    share = [] if gpus > 1 else ["--gpu-memory-utilization", "0.4"]
+    return Deployment(
+        model=model or str(tiny_model_path()),
+        served_model_name=None if model else TINY_SERVED_NAME,
+        connector=connector,
+        protocol=protocol or ("rdma" if nics else "tcp"),
+        device=device or (nics[0] if nics and protocol != "tcp" else ""),
+        platform="gpu",
+        host="127.0.0.1",
+        host_ip="127.0.0.1",
+        bootstrap=BootstrapEntry(mode="standalone", port=8998),
+        prefill=[EngineEntry(port=8100, gpu="0", extra_args=share)],
+        decode=[EngineEntry(port=8200, gpu="1" if gpus > 1 else "0", extra_args=share)],
+        proxy=ProxyEntry(port=proxy_port),
+    )
+
+
+# --- launch plans ----------------------------------------------------------------
+
+
+def _pdkv_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdkv", *args]
+
+
+def engine_spec(dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None) -> EngineSpec:
+    return EngineSpec(
+        model=entry.model or dep.model,
+        host=dep.host,
+        port=entry.port,
+        role=role,
+        connector=dep.connector,
+        protocol=dep.protocol,
+        device=dep.device,
+        platform=dep.platform,
+        gpu=entry.gpu,
+        tp=entry.tp,
+        dtype=entry.dtype or dep.dtype,
+        block_size=entry.block_size if entry.block_size is not None else dep.block_size,
+        max_model_len=entry.max_model_len or dep.max_model_len,
+        served_model_name=dep.served_model_name if entry.model is None else None,
+        bootstrap_port=bootstrap_port,
+        bootstrap_url=bootstrap_url,
+        host_ip=dep.host_ip,
+        omp_bind=entry.omp_bind,
+        extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
+        extra_env={**dep.env, **entry.env},
+    )
+
+
+def deployment_parts(dep: Deployment) -> list[Part]:
+    """Every process of `dep`, in start order, with its exact command and environment."""
+    parts: list[Part] = []
+    prefills: list[Part] = []
+    boot = dep.bootstrap
+    connect = connect_host(dep.host)
+    # Bootstrap URLs travel to D (through the proxy), so they carry an address D can reach.
+    advertised = dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") else dep.host)
+    for i, entry in enumerate(dep.prefill):
+        port = boot.port + i
+        bootstrap_port: int | None = None
+        if entry.bootstrap_url or boot.mode == "external":
+            url = entry.bootstrap_url or boot.url
+        elif boot.mode == "standalone":
+            url = http_url(advertised, port)
+            plan = LaunchPlan(
+                name=f"bootstrap-{i}",
+                argv=_pdkv_argv("bootstrap", "--host", dep.host, "--port", str(port)),
+                env={},
+                url=http_url(connect, port),
+            )
+            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)]))
+        else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
+            url, bootstrap_port = http_url(advertised, port), port
+        # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
+        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port)
+        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else [])
+        prefills.append(Part(kind="prefill", plan=engine_plan(spec, name=f"prefill-{i}"), ports=ports, bootstrap_url=url, spec=spec))
+    parts += prefills
+    decodes = []
+    for i, entry in enumerate(dep.decode):
+        spec = engine_spec(dep, entry, "decode", None, None)
+        decodes.append(Part(kind="decode", plan=engine_plan(spec, name=f"decode-{i}"), ports=[(dep.host, entry.port)], spec=spec))
+    parts += decodes
+    if dep.proxy is not None:
+        argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port)]
+        for p in prefills:
+            argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
+        for d in decodes:
+            argv += ["--decode", d.plan.url]
+        plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(connect, dep.proxy.port))
+        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)]))
+    return parts
+
+
+def external_bootstraps(dep: Deployment) -> list[str]:
+    urls = [e.bootstrap_url for e in dep.prefill if e.bootstrap_url]
+    if dep.bootstrap.mode == "external" and dep.bootstrap.url:
+        urls.append(dep.bootstrap.url)
+    for url in urls:
+        bootstrap_address(url)  # validates the form
+    return sorted(set(urls))

@@ -1,0 +1,149 @@
+"""`pdkv up`: --dry-run output for both roles and connectors, and each pre-flight failure (nothing starts)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from pdkv.cli import run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dry_run(capsys, *args: str) -> list[dict]:
+    code = run(["up", "--dry-run", "--json", *args])  # first: anything after "--" goes to vLLM
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out)["parts"]
+
+
+@pytest.mark.parametrize("connector", ["pdkv", "mooncake"])
+@pytest.mark.parametrize(("role", "kv_role", "port"), [("prefill", "kv_producer", "8100"), ("decode", "kv_consumer", "8200")])
+def test_dry_run_json_for_each_role_and_connector(capsys, connector: str, role: str, kv_role: str, port: str) -> None:
+    (part,) = dry_run(capsys, "--role", role, "--model", "/models/Qwen3-8B", "--connector", connector, "--platform", "gpu",
+                      "--gpu", "2", "--device", "mlx5_0", "--host-ip", "10.0.0.5")
+    argv = part["argv"]
+    assert part["name"] == role and part["url"] == f"http://127.0.0.1:{port}"
+    assert argv[argv.index("--port") + 1] == port
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_role"] == kv_role
+    assert config["kv_connector"] == {"pdkv": "PdkvConnector", "mooncake": "MooncakeConnector"}[connector]
+    assert ("kv_connector_module_path" in config) == (connector == "pdkv")
+    assert config["kv_connector_extra_config"] == {"mooncake_protocol": "rdma", "device_name": "mlx5_0"}
+    expected_env = {"CUDA_VISIBLE_DEVICES": "2", "VLLM_HOST_IP": "10.0.0.5"}
+    if role == "prefill":
+        expected_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = "8998"
+    assert part["env"] == expected_env
+    assert part["command"].startswith("CUDA_VISIBLE_DEVICES=2 VLLM_HOST_IP=10.0.0.5 ")
+
+
+def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> None:
+    (part,) = dry_run(capsys, "--role", "prefill", "--model", "m", "--platform", "gpu", "--bootstrap", "http://10.0.0.2:7000",
+                      "--protocol", "tcp", "--host-ip", "10.0.0.5", "--", "--enforce-eager", "--max-num-seqs", "8")
+    argv = part["argv"]
+    assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "8"]
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"] == {"mooncake_protocol": "tcp", "bootstrap_server_address": "10.0.0.2:7000"}
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in part["env"]
+
+
+def test_dry_run_cpu_role_sets_cpu_env(capsys) -> None:
+    (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "cpu", "--omp-bind", "1", "--host-ip", "127.0.0.1")
+    assert part["env"] == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert part["argv"][part["argv"].index("--block-size") + 1] == "32"
+
+
+def test_dry_run_local_topology(capsys) -> None:
+    parts = dry_run(capsys, "--platform", "cpu")
+    assert [p["name"] for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    proxy = parts[3]["argv"]
+    assert proxy[proxy.index("--prefill") + 1] == "http://127.0.0.1:8100,http://127.0.0.1:8998"
+    binds = {p["name"]: p["env"].get("VLLM_CPU_OMP_THREADS_BIND") for p in parts[1:3]}
+    assert binds["prefill-0"] != binds["decode-0"]
+
+
+def test_dry_run_human_output_is_a_pastable_command(capsys) -> None:
+    code = run(["up", "--role", "decode", "--model", "m", "--platform", "gpu", "--gpu", "1", "--host-ip", "10.0.0.5", "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "# decode (http://127.0.0.1:8200)" in out
+    assert "CUDA_VISIBLE_DEVICES=1 VLLM_HOST_IP=10.0.0.5" in out and "--kv-transfer-config" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--role", "middle"], "unknown role"),
+        (["--connector", "nixl", "--role", "prefill"], "--connector"),
+        (["--role", "decode", "--bootstrap", "http://127.0.0.1:1"], "--bootstrap is for prefill"),
+        (["-f", "x.toml", "--role", "prefill"], "either -f FILE or --role"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, args: list[str], match: str) -> None:
+    assert run(["up", *args, "--dry-run"]) == 2
+    assert match in capsys.readouterr().err
+
+
+# --- pre-flight: each failure is one line naming the fix, exit 3, nothing started ----------
+
+
+def preflight_fails(capsys, *args: str) -> str:
+    # --timeout 1 bounds the damage should a regression let pre-flight pass.
+    code = run(["up", *args, "--timeout", "1", "--quiet", "--json"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "pre-flight" in err
+    return err
+
+
+def test_preflight_port_taken(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
+                              "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
+    assert f"port {port} on 127.0.0.1 is in use" in err
+    assert "hint: stop what holds it" in err
+    assert not list(tmp_path.iterdir())  # no part was started, so no log was opened
+
+
+def test_preflight_mismatched_block_size(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text(
+        f'model = "{qwen3_8b}"\nplatform = "cpu"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
+        f"[bootstrap]\nport = {free_port()}\n[[prefill]]\nport = {free_port()}\n"
+        f"[[decode]]\nport = {free_port()}\nblock_size = 64\n[proxy]\nport = {free_port()}\n"
+    )
+    err = preflight_fails(capsys, "-f", str(deploy), "--log-dir", str(tmp_path / "logs"))
+    assert "prefill-0/decode-0: block size differs: P 32, D 64" in err
+    assert "hint: set the same block_size on both" in err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_preflight_unreachable_bootstrap(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
+    closed = free_port()  # nothing listens here
+    err = preflight_fails(capsys, "--role", "prefill", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
+                          "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap", f"http://127.0.0.1:{closed}",
+                          "--log-dir", str(tmp_path))
+    assert f"bootstrap: http://127.0.0.1:{closed} is unreachable" in err
+    assert "hint: start it (pdkv bootstrap --port PORT) or fix the bootstrap URL" in err
+
+
+def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(tmp_path / "no-model"), "--platform", "cpu", "--host", "127.0.0.1",
+                              "--host-ip", "127.0.0.1", "--port", str(port), "--block-size", "16", "--log-dir", str(tmp_path))
+    lines = err.strip().splitlines()
+    assert lines[0] == "pdkv: error: pre-flight found 3 problems:"
+    assert len([line for line in lines if "; fix: " in line]) == 3

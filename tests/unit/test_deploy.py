@@ -1,0 +1,180 @@
+"""Deployment topology, launch plans and the pure pre-flight checks (engine agreement)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from pdkv.deploy import deployment_parts, load_deployment, local_deployment
+from pdkv.deploy.preflight import check_engines, raise_problems
+from pdkv.deploy.status import parse_prometheus
+from pdkv.deploy.topology import deployment_from_dict
+from pdkv.errors import ConfigError, PreflightError
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deploy.toml"
+
+
+def kv_config(part) -> dict:
+    argv = part.plan.argv
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+def test_example_file_loads_and_plans_in_start_order() -> None:
+    dep = load_deployment(EXAMPLE)
+    parts = deployment_parts(dep)
+    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    boot, prefill, decode, proxy = parts
+    assert boot.plan.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
+    assert prefill.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.plan.env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert kv_config(prefill)["kv_connector_extra_config"] == {"mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"]}
+    assert kv_config(decode)["kv_role"] == "kv_consumer"
+    i = proxy.plan.argv.index("--prefill")
+    assert proxy.plan.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
+    assert proxy.plan.argv[proxy.plan.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
+
+
+def _dep(**overrides) -> dict:
+    base = {"model": "/m", "host_ip": "10.0.0.5", "prefill": [{"port": 8100}, {"port": 8101}], "decode": [{"port": 8200}]}
+    return {**base, **overrides}
+
+
+def test_each_prefill_gets_its_own_standalone_bootstrap() -> None:
+    parts = deployment_parts(deployment_from_dict(_dep()))
+    boots = [p for p in parts if p.kind == "bootstrap"]
+    assert [b.ports for b in boots] == [[("0.0.0.0", 8998)], [("0.0.0.0", 8999)]]
+    prefills = [p for p in parts if p.kind == "prefill"]
+    assert [p.bootstrap_url for p in prefills] == ["http://10.0.0.5:8998", "http://10.0.0.5:8999"]
+
+
+def test_in_worker_bootstrap_sets_the_port_env_per_prefill() -> None:
+    parts = deployment_parts(deployment_from_dict(_dep(bootstrap={"mode": "in-worker", "port": 9000})))
+    assert not [p for p in parts if p.kind == "bootstrap"]
+    prefills = [p for p in parts if p.kind == "prefill"]
+    assert [p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
+    assert all("bootstrap_server_address" not in kv_config(p)["kv_connector_extra_config"] for p in prefills)
+    assert [("0.0.0.0", 9001)] == prefills[1].ports[1:]
+
+
+def test_external_bootstrap_is_passed_to_prefill() -> None:
+    dep = deployment_from_dict(_dep(prefill=[{"port": 8100}], bootstrap={"mode": "external", "url": "http://10.0.0.9:7000"}))
+    prefill = next(p for p in deployment_parts(dep) if p.kind == "prefill")
+    assert kv_config(prefill)["kv_connector_extra_config"]["bootstrap_server_address"] == "10.0.0.9:7000"
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"model": "/m", "prefill": [{"port": 1}]}, "at least one"),
+        (_dep(colour="blue"), "colour"),
+        (_dep(connector="nixl"), "connector"),
+        (_dep(bootstrap={"mode": "external"}), "needs url"),
+    ],
+)
+def test_bad_deployments_are_config_errors(data: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        deployment_from_dict(data)
+
+
+def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text("model = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_deployment(path)
+    with pytest.raises(ConfigError, match="no deployment file"):
+        load_deployment(tmp_path / "missing.toml")
+
+
+def test_local_cpu_topology() -> None:
+    dep = local_deployment(gpus=0)
+    parts = deployment_parts(dep)
+    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    prefill, decode = parts[1], parts[2]
+    for part, core in ((prefill, "0"), (decode, "1")):
+        assert part.plan.env["VLLM_CPU_OMP_THREADS_BIND"] == core
+        assert part.plan.env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert part.plan.env["HF_HUB_OFFLINE"] == "1"
+        assert kv_config(part)["kv_connector"] == "PdkvConnector"
+        assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+        argv = part.plan.argv
+        assert argv[argv.index("--block-size") + 1] == "32"
+        assert argv[argv.index("--served-model-name") + 1] == "tiny"
+
+
+def test_local_gpu_topology_splits_gpus() -> None:
+    parts = deployment_parts(local_deployment(gpus=2, model="/models/q"))
+    assert [p.plan.env.get("CUDA_VISIBLE_DEVICES") for p in parts if p.spec] == ["0", "1"]
+    one = deployment_parts(local_deployment(gpus=1, model="/models/q"))
+    assert all("--gpu-memory-utilization" in p.plan.argv for p in one if p.spec)
+
+
+# --- engine agreement (reads config.json files only) ------------------------------
+
+
+def _model(tmp_path: Path, name: str, **config) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16", **config}))
+    return str(d)
+
+
+def _parts(p: dict, d: dict, **top):
+    data = {"model": top.pop("model"), "host_ip": "127.0.0.1", "prefill": [{"port": 8100, **p}], "decode": [{"port": 8200, **d}], **top}
+    return deployment_parts(deployment_from_dict(data))
+
+
+def test_agreeing_engines_have_no_problems(tmp_path: Path) -> None:
+    assert check_engines(_parts({}, {}, model=_model(tmp_path, "m"), block_size=16)) == []
+
+
+def test_block_size_mismatch(tmp_path: Path) -> None:
+    problems = check_engines(_parts({"block_size": 32}, {"block_size": 64}, model=_model(tmp_path, "m")))
+    assert [p.what for p in problems] == ["block size differs: P 32, D 64"]
+    assert "same block_size" in problems[0].fix
+
+
+def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
+    other = _model(tmp_path, "other", num_hidden_layers=4)
+    problems = check_engines(_parts({"dtype": "float16", "tp": 2}, {"model": other, "tp": 3}, model=_model(tmp_path, "m")))
+    text = " | ".join(p.what for p in problems)
+    assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
+
+
+def test_same_config_under_another_path_is_the_same_model(tmp_path: Path) -> None:
+    assert check_engines(_parts({}, {"model": _model(tmp_path, "copy")}, model=_model(tmp_path, "m"))) == []
+
+
+def test_unreadable_and_missing_models(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    problems = check_engines(_parts({}, {"model": str(tmp_path / "nope")}, model=str(broken)))
+    assert any("config unreadable" in p.what for p in problems)
+    assert any("does not exist" in p.what for p in problems)
+
+
+def test_cpu_block_size_must_be_a_multiple_of_32(tmp_path: Path) -> None:
+    problems = check_engines(_parts({}, {}, model=_model(tmp_path, "m"), platform="cpu", block_size=16))
+    assert {p.part for p in problems} == {"prefill-0", "decode-0"}
+    assert all("multiple of 32" in p.what for p in problems)
+
+
+def test_problems_become_one_preflight_error_one_line_each(tmp_path: Path) -> None:
+    problems = check_engines(_parts({"block_size": 32}, {"block_size": 64, "dtype": "float32"}, model=_model(tmp_path, "m")))
+    with pytest.raises(PreflightError) as info:
+        raise_problems(problems)
+    lines = info.value.message.splitlines()
+    assert lines[0] == "pre-flight found 2 problems:" and len(lines) == 3
+    assert all("fix:" in line for line in lines[1:])
+    raise_problems([])  # no problems, no error
+
+
+def test_parse_prometheus_reads_the_proxys_metrics() -> None:
+    from pdkv.proxy.metrics import ProxyMetrics
+
+    text = ProxyMetrics().render([("prefill", "http://127.0.0.1:8100", True, 3), ("decode", "http://127.0.0.1:8200", False, 0)])
+    samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in parse_prometheus(text)}
+    assert samples[("pdkv_proxy_outstanding", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
+    assert samples[("pdkv_proxy_backend_up", '[["role","decode"],["url","http://127.0.0.1:8200"]]')] == 0

@@ -1,0 +1,125 @@
+"""pdkv.launch's pure half: the vLLM command line and environment built from an EngineSpec."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import sys
+
+import pytest
+
+from pdkv.errors import StartError, UsageError
+from pdkv.launch import (
+    API_SERVER_MODULE,
+    EngineSpec,
+    bootstrap_address,
+    engine_argv,
+    engine_env,
+    engine_plan,
+    http_url,
+    kv_transfer_config,
+    routable_ip,
+    vllm_console_script_works,
+)
+
+
+def kv_config_of(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize(("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_roles_map_to_vllm_kv_roles(role: str, kv_role: str) -> None:
+    config = kv_transfer_config(EngineSpec(model="m", role=role, host_ip="10.0.0.1"))
+    assert config is not None and config["kv_role"] == kv_role
+
+
+def test_pdkv_connector_is_loaded_from_its_module() -> None:
+    config = kv_transfer_config(EngineSpec(model="m", role="prefill", connector="pdkv", protocol="tcp"))
+    assert config == {
+        "kv_connector": "PdkvConnector",
+        "kv_connector_module_path": "pdkv.connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+    }
+
+
+def test_mooncake_connector_uses_vllm_key_names() -> None:
+    spec = EngineSpec(model="m", role="prefill", connector="mooncake", protocol="rdma", device="mlx5_0", bootstrap_url="http://10.0.0.2:8998/")
+    config = kv_transfer_config(spec)
+    assert config == {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "10.0.0.2:8998"},
+    }
+
+
+def test_decode_is_not_told_a_bootstrap_address() -> None:
+    config = kv_transfer_config(EngineSpec(model="m", role="decode", bootstrap_url="http://10.0.0.2:8998"))
+    assert config is not None and "bootstrap_server_address" not in config["kv_connector_extra_config"]
+
+
+def test_colocated_engine_has_no_kv_transfer_config() -> None:
+    argv = engine_argv(EngineSpec(model="m", launcher="module"))
+    assert "--kv-transfer-config" not in argv
+
+
+def test_module_launcher_command_line() -> None:
+    spec = EngineSpec(model="/models/q", host="127.0.0.1", port=8100, role="prefill", tp=2, dtype="bfloat16", block_size=32,
+                      max_model_len=2048, served_model_name="q", launcher="module", extra_args=("--enforce-eager",))
+    argv = engine_argv(spec)
+    assert argv[:5] == [sys.executable, "-m", API_SERVER_MODULE, "--model", "/models/q"]
+    flags = dict(zip(argv[5:-3:2], argv[6:-3:2], strict=True))
+    assert flags == {"--host": "127.0.0.1", "--port": "8100", "--served-model-name": "q", "--tensor-parallel-size": "2",
+                     "--dtype": "bfloat16", "--block-size": "32", "--max-model-len": "2048"}
+    assert argv[-3] == "--kv-transfer-config" and argv[-1] == "--enforce-eager"
+
+
+def test_serve_launcher_command_line() -> None:
+    argv = engine_argv(EngineSpec(model="/models/q", port=9000, launcher="serve"))
+    assert argv[:3] == ["vllm", "serve", "/models/q"]
+    assert "--model" not in argv
+
+
+def test_auto_launcher_follows_the_console_script_check() -> None:
+    argv = engine_argv(EngineSpec(model="m"))
+    assert (argv[0] == "vllm") == vllm_console_script_works()
+
+
+def test_gpu_env() -> None:
+    env = engine_env(EngineSpec(model="m", role="prefill", gpu="0,1", host_ip="10.0.0.5", bootstrap_port=9000))
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.5", "VLLM_MOONCAKE_BOOTSTRAP_PORT": "9000"}
+
+
+def test_cpu_env() -> None:
+    env = engine_env(EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind="1", cpu_kvcache_gib=2,
+                                extra_env={"PDKV_X": "1"}))
+    assert env == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "1", "PDKV_X": "1"}
+
+
+def test_advertised_address_is_never_loopback_unless_asked() -> None:
+    try:
+        expected = routable_ip()
+    except StartError:
+        pytest.skip("this host has no routable address")
+    assert not ipaddress.ip_address(expected).is_loopback
+    assert engine_env(EngineSpec(model="m", role="prefill"))["VLLM_HOST_IP"] == expected
+
+
+def test_bootstrap_address_forms() -> None:
+    assert bootstrap_address("http://10.0.0.2:8998") == "10.0.0.2:8998"
+    assert bootstrap_address("10.0.0.2:8998") == "10.0.0.2:8998"
+    assert bootstrap_address("http://[fd00::2]:8998/") == "[fd00::2]:8998"
+    with pytest.raises(UsageError):
+        bootstrap_address("http://10.0.0.2")
+
+
+def test_http_url_reaches_wildcard_binds_locally() -> None:
+    assert http_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert http_url("::", 8000) == "http://[::1]:8000"
+    assert http_url("10.1.2.3", 81) == "http://10.1.2.3:81"
+
+
+def test_plan_rejects_bad_port() -> None:
+    with pytest.raises(UsageError):
+        engine_plan(EngineSpec(model="m", port=70000))

@@ -1,0 +1,90 @@
+"""ManagedProcess with real child processes (no sockets): process groups, logs, early exit."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdkv.errors import StartError
+from pdkv.launch import LaunchPlan, ManagedProcess
+
+# A parent that starts a grandchild in the same process group, prints both pids, then waits.
+FAMILY = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print('pids', child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _plan(code: str, name: str = "child") -> LaunchPlan:
+    return LaunchPlan(name=name, argv=[sys.executable, "-c", code], env={"PDKV_TEST_VALUE": "42"}, url="http://127.0.0.1:1")
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
+    lines: list[str] = []
+    proc = ManagedProcess(_plan(FAMILY), tmp_path / "family.log", on_line=lines.append).start()
+    try:
+        _wait_for(lambda: any(line.startswith("pids") for line in lines))
+        grandchild = int(next(line for line in lines if line.startswith("pids")).split()[1])
+        assert os.getpgid(grandchild) == proc.pid  # its own group, led by the child
+        assert _alive(grandchild)
+    finally:
+        code = proc.stop(grace=5)
+    assert code is not None
+    assert not _alive(proc.pid)
+    _wait_for(lambda: not _alive(grandchild), timeout=5)
+    assert "pids" in (tmp_path / "family.log").read_text()  # tee'd to the log as well
+
+
+def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
+    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    lines: list[str] = []
+    proc = ManagedProcess(_plan(code), tmp_path / "stubborn.log", on_line=lines.append).start()
+    _wait_for(lambda: "ready" in lines)
+    t0 = time.monotonic()
+    assert proc.stop(grace=0.5) == -9
+    assert time.monotonic() - t0 < 5
+
+
+def test_early_exit_raises_start_error_with_the_log_tail(tmp_path: Path) -> None:
+    code = "import os, sys\nprint('value', os.environ['PDKV_TEST_VALUE'])\nprint('engine failed: out of cheese', file=sys.stderr)\nsys.exit(7)\n"
+    proc = ManagedProcess(_plan(code, "engine"), tmp_path / "engine.log").start()
+    proc.proc.wait(timeout=10)
+    with pytest.raises(StartError) as info:
+        proc.wait_healthy(timeout=5)
+    assert "engine exited with code 7" in info.value.message
+    assert "out of cheese" in info.value.message and "value 42" in info.value.message
+    assert proc.stop() == 7
+
+
+def test_context_manager_stops_on_error(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError), ManagedProcess(_plan("import time; time.sleep(60)"), tmp_path / "x.log") as proc:
+        pid = proc.pid
+        raise RuntimeError("test body failed")
+    assert pid is not None and not _alive(pid)
+
+
+def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
+    plan = LaunchPlan(name="ghost", argv=["/nonexistent/vllm"], env={}, url="http://127.0.0.1:1")
+    with pytest.raises(StartError, match="cannot run"):
+        ManagedProcess(plan, tmp_path / "ghost.log").start()
