@@ -1,0 +1,278 @@
+"""Assembling one request's timeline from the proxy's, the client's and the connector's records (pure).
+
+The TTFT decomposition is a chain of anchors, each phase the gap between
+two consecutive ones, so the phases add up to the proxy's TTFT by
+construction; what a trace measures is where inside that time the request
+was. With pdkv's connector the chain is the seed's:
+
+    received -> prefill_dispatched          proxy forward         (8-10)
+    -> p_computed                           P queue + prefill     (11-15)
+    -> p_finished                           P next step           (23-27)
+    -> transfer_start                       wait for D's pull     (16-22; ~0 when D asked first)
+    -> notified                             transfer              (28-30)
+    -> first_token_scheduled                D notified            (34-37)
+    -> decode_first_byte                    D one-token forward   (38-39)
+
+`p_computed` (the end of P's prefill) is the connector's event of that name
+when it records one, else P's scheduled time plus vLLM's own prefill time
+for the request (from P's /metrics), else the two P phases merge into one.
+Any other missing anchor merges its two neighbouring phases likewise.
+Without the connector's records (vLLM's MooncakeConnector) the chain is the
+proxy's alone: forward, P's request as the proxy sees it, and the wait from
+P's answer to D's first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from pdkv.protocol import ProxyTiming, TransferTrace
+from pdkv.trace.model import (
+    ClientTiming,
+    Lane,
+    Phase,
+    PhaseStats,
+    Trace,
+    TraceEvent,
+    TraceSummary,
+    TransferFacts,
+)
+
+# name -> (seed steps, lane, what happens). Connector event names are pdkv.connector.timing's.
+EVENTS: dict[str, tuple[str, Lane, str]] = {
+    "client_sent": ("8", "client", "client sends the request"),
+    "received": ("8", "proxy", "proxy receives the request"),
+    "prefill_dispatched": ("9", "proxy", "proxy sends P its copy (max_tokens 1)"),
+    "decode_dispatched": ("10", "proxy", "proxy sends D its copy (remote prefill)"),
+    "registered": ("12-14", "P", "P schedules the prompt; its worker records the pending send"),
+    "pull_scheduled": ("17-19", "D", "D allocates blocks and waits for remote KV"),
+    "pull_sent": ("20-21", "D", "D tells P where to write (side channel)"),
+    "pull_received": ("22", "P", "P receives D's pull"),
+    "p_computed": ("15, 23", "P", "P's prefill done: one token, request finished"),
+    "prefill_responded": ("24-25", "proxy", "P's answer reaches the proxy (discarded)"),
+    "p_finished": ("26-27", "P", "P's next step hands the block ids to the sender"),
+    "transfer_start": ("28", "P", "P starts the KV write"),
+    "transfer_end": ("29", "P", "KV write done"),
+    "reply_sent": ("30-31", "P", "P tells D the KV is there"),
+    "notified": ("34", "D", "D's receiver learns the KV arrived"),
+    "freed": ("32-33", "P", "P frees the prompt's blocks"),
+    "reported": ("35-36", "D", "D's worker reports the pull finished"),
+    "first_token_scheduled": ("37-38", "D", "D schedules the one-token forward"),
+    "decode_first_byte": ("39", "proxy", "D's first token reaches the proxy"),
+    "client_first_token": ("39", "client", "client receives the first token"),
+    "last_byte": ("42", "proxy", "D's last byte leaves the proxy"),
+    "client_done": ("43", "client", "client receives the whole answer"),
+}
+
+# (anchor, name of the phase that starts there, its steps)
+PDKV_CHAIN: tuple[tuple[str, str, str], ...] = (
+    ("received", "proxy forward", "8-10"),
+    ("prefill_dispatched", "P queue + prefill", "11-15"),
+    ("p_computed", "P next step", "23-27"),
+    ("p_finished", "wait for D's pull", "16-22"),
+    ("transfer_start", "transfer", "28-30"),
+    ("notified", "D notified", "34-37"),
+    ("first_token_scheduled", "D one-token forward", "38-39"),
+    ("decode_first_byte", "", ""),
+)
+PROXY_CHAIN: tuple[tuple[str, str, str], ...] = (
+    ("received", "proxy forward", "8-10"),
+    ("prefill_dispatched", "P request (seen by the proxy)", "11-25"),
+    ("prefill_responded", "P answered -> D's first token", "26-39"),
+    ("decode_first_byte", "", ""),
+)
+SKEW_NOTE_MS = 0.2  # anchors out of order by less than this are timer resolution, not clocks
+
+
+def link_floor_ms(nbytes: int, link_gbps: float) -> float:
+    """The time `nbytes` take at `link_gbps` gigabits per second, in ms (pdkv.geometry's formula)."""
+    return nbytes * 8 / (link_gbps * 1e9) * 1e3
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) with linear interpolation between ranks; values must be non-empty."""
+    s = sorted(values)
+    if not s:
+        raise ValueError("percentile of no values")
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def critical_record(records: Sequence[TransferTrace]) -> TransferTrace | None:
+    """The P worker's record the decode waited on longest: the latest transfer end (or any event)."""
+    if not records:
+        return None
+    return max(records, key=lambda r: (r.events.get("transfer_end", 0.0), max(r.events.values(), default=0.0)))
+
+
+def _times(
+    proxy: ProxyTiming, client: ClientTiming | None, record: TransferTrace | None, p_prefill_s: float | None
+) -> tuple[dict[str, float], list[str]]:
+    at: dict[str, float] = {}
+    notes: list[str] = []
+    for name in ("received", "prefill_dispatched", "decode_dispatched", "prefill_responded", "decode_first_byte", "last_byte"):
+        v = getattr(proxy, name)
+        if v:
+            at[name] = v
+    if client is not None:
+        at["client_sent"] = client.sent
+        if client.first_token is not None:
+            at["client_first_token"] = client.first_token
+        if client.done is not None:
+            at["client_done"] = client.done
+    if record is not None:
+        at.update({k: v for k, v in record.events.items() if k in EVENTS})
+        if "p_computed" not in at and "registered" in at and p_prefill_s is not None:
+            at["p_computed"] = at["registered"] + p_prefill_s
+            notes.append("end of P's prefill = P's scheduling (registered) + vLLM's prefill time for this request (P's /metrics)")
+    return at, notes
+
+
+def _phases(at: dict[str, float], chain: Sequence[tuple[str, str, str]]) -> tuple[list[Phase], list[str]]:
+    """Walk the chain; a missing anchor merges the phases on either side of it."""
+    notes: list[str] = []
+    present = [(a, name, steps) for a, name, steps in chain if a in at]
+    if len(present) < 2:
+        return [], notes
+    phases: list[Phase] = []
+    prev_t = at[present[0][0]]
+    i = 0
+    while i < len(present) - 1:
+        anchor, name, steps = present[i]
+        # The phases from this anchor up to the next recorded one become one phase.
+        names = [a for a, _, _ in chain]
+        k, k_next = names.index(anchor), names.index(present[i + 1][0])
+        merged = [chain[j] for j in range(k, k_next)]
+        full_name = " + ".join(m[1] for m in merged)
+        first_step, last_step = merged[0][2].split("-")[0], merged[-1][2].split("-")[-1]
+        full_steps = first_step if first_step == last_step else f"{first_step}-{last_step}"
+        end = present[i + 1][0]
+        t_end = at[end]
+        lanes = [EVENTS[anchor][1], EVENTS[end][1]]
+        if t_end < prev_t:
+            gap_ms = (prev_t - t_end) * 1e3
+            if lanes[0] != lanes[1] and gap_ms > SKEW_NOTE_MS:
+                notes.append(f"{end} ({lanes[1]}) reads {gap_ms:.2f} ms before {anchor} ({lanes[0]}): those clocks disagree; counted as 0")
+            t_end = prev_t
+        ms = (t_end - prev_t) * 1e3
+        clocks = list(dict.fromkeys(lanes))
+        note = ""
+        if len(merged) > 1:
+            note = "merged: " + ", ".join(m[0] for m in merged[1:]) + " not recorded"
+        phases.append(Phase(name=full_name, steps=full_steps, start=anchor, end=end, ms=ms, share=0.0,
+                            clocks=clocks, crosses_clocks=len(clocks) > 1, note=note))
+        prev_t = t_end
+        i += 1
+    total = sum(p.ms for p in phases) or 1.0
+    return [msgspec.structs.replace(p, share=p.ms / total) for p in phases], notes
+
+
+def _transfer(records: Sequence[TransferTrace], crit: TransferTrace, link_gbps: float) -> TransferFacts:
+    ev = crit.events
+    write_s = ev["transfer_end"] - ev["transfer_start"] if "transfer_start" in ev and "transfer_end" in ev else None
+    achieved = crit.bytes * 8 / write_s / 1e9 if write_s and crit.bytes else None
+    return TransferFacts(
+        bytes=sum(r.bytes for r in records),
+        descriptors=sum(r.descriptors for r in records),
+        workers=len(records),
+        write_ms=write_s * 1e3 if write_s is not None else None,
+        floor_ms=link_floor_ms(crit.bytes, link_gbps),
+        link_gbps=link_gbps,
+        achieved_gbps=achieved,
+        status=crit.status,
+        error=crit.error,
+    )
+
+
+def assemble(
+    proxy: ProxyTiming,
+    records: Sequence[TransferTrace] = (),
+    client: ClientTiming | None = None,
+    *,
+    link_gbps: float = 400.0,
+    p_prefill_s: float | None = None,
+    one_host: bool = True,
+    model: str = "",
+    requested_prompt_tokens: int | None = None,
+    connector_note: str = "",
+) -> Trace:
+    """One request's Trace from the proxy's record, P's connector records for its transfer_id (one per
+    P worker, D's events merged in by the connector) and the client's own timing.
+
+    `records` empty means the connector's side is not visible (`connector_note` says why). `p_prefill_s`
+    is vLLM's prefill time for this request on P, used when the connector has no `p_computed` event.
+    """
+    records = [r for r in records if r.transfer_id == proxy.transfer_id]
+    crit = critical_record(records)
+    at, notes = _times(proxy, client, crit, p_prefill_s)
+    received = at.get("received", proxy.received)
+    events = sorted(
+        (TraceEvent(name=n, step=EVENTS[n][0], lane=EVENTS[n][1], what=EVENTS[n][2], at=t, t_ms=(t - received) * 1e3)
+         for n, t in at.items()),
+        key=lambda e: (e.at, list(EVENTS).index(e.name)),
+    )
+    proxy_ttft_s = at["decode_first_byte"] - received if "decode_first_byte" in at else None
+    chain = PDKV_CHAIN if crit is not None else PROXY_CHAIN
+    phases, phase_notes = _phases(at, chain)
+    notes += phase_notes
+    if crit is None:
+        notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")
+    elif len(records) > 1:
+        notes.append(f"{len(records)} P workers (TP ranks) moved this request: bytes are their sum, times the slowest's")
+    if crit is not None and crit.status not in ("", "sent"):
+        notes.append(f"the transfer ended as {crit.status}: {crit.error or 'no reason given'}")
+    if proxy.error:
+        notes.append(f"the proxy recorded an error: {proxy.error} (status {proxy.status})")
+    if not one_host:
+        crossing = sorted({p.name for p in phases if p.crosses_clocks})
+        if crossing:
+            notes.append("P, D and the proxy may run on different hosts: " + ", ".join(crossing)
+                         + " read two clocks and are only as exact as those clocks agree (the total is one clock's)")
+    return Trace(
+        request_id=proxy.request_id,
+        transfer_id=proxy.transfer_id,
+        model=model,
+        prompt_tokens=client.prompt_tokens if client else None,
+        requested_prompt_tokens=requested_prompt_tokens,
+        completion_tokens=client.completion_tokens if client else None,
+        connector_visible=crit is not None,
+        one_host=one_host,
+        client_ttft_ms=(client.first_token - client.sent) * 1e3 if client and client.first_token is not None else None,
+        proxy_ttft_ms=proxy_ttft_s * 1e3 if proxy_ttft_s is not None else None,
+        total_ms=(client.done - client.sent) * 1e3 if client and client.done is not None else None,
+        events=events,
+        phases=phases,
+        transfer=_transfer(records, crit, link_gbps) if crit is not None and crit.bytes else None,
+        notes=notes,
+        proxy=proxy,
+        connector=list(records),
+    )
+
+
+def _stats(name: str, steps: str, values: Sequence[float]) -> PhaseStats:
+    return PhaseStats(name=name, steps=steps, n=len(values), p50_ms=percentile(values, 50), p90_ms=percentile(values, 90),
+                      min_ms=min(values), max_ms=max(values))
+
+
+def summarize(traces: Iterable[Trace]) -> TraceSummary:
+    """p50/p90 per phase (by name, in first-seen order) and of the TTFTs and KV write over `traces`."""
+    traces = list(traces)
+    by_name: dict[str, tuple[str, list[float]]] = {}
+    for t in traces:
+        for p in t.phases:
+            by_name.setdefault(p.name, (p.steps, []))[1].append(p.ms)
+
+    def opt(name: str, values: list[float]) -> PhaseStats | None:
+        return _stats(name, "", values) if values else None
+
+    return TraceSummary(
+        runs=len(traces),
+        phases=[_stats(n, steps, v) for n, (steps, v) in by_name.items()],
+        client_ttft=opt("client TTFT", [t.client_ttft_ms for t in traces if t.client_ttft_ms is not None]),
+        proxy_ttft=opt("proxy TTFT", [t.proxy_ttft_ms for t in traces if t.proxy_ttft_ms is not None]),
+        transfer_write=opt("KV write", [t.transfer.write_ms for t in traces if t.transfer and t.transfer.write_ms is not None]),
+    )

@@ -1,0 +1,338 @@
+"""Tracing live requests: send one through the proxy, gather every side's record, assemble the Trace.
+
+`run_trace(proxy_url, ...)` is the whole job for one request (what `pdkv up`
+calls once it is ready); `TraceSession` keeps the discovery (backends,
+model, prompt) for repeated requests. Records come from:
+
+- the proxy: `GET /pdkv/requests/{request_id}` (pdkv.protocol.ProxyTiming);
+- P's connector: a StatsQuery on every prefill worker's side channel, whose
+  addresses the bootstrap server lists (D's events reach P after D's first
+  token, so the query is repeated, bounded, until they are there);
+- P's vLLM /metrics before and after: the request's prefill time, when the
+  connector does not record the end of P's prefill itself;
+- the client: the request is streamed, so its first token's arrival is TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from pdkv.errors import RemoteError, TimeoutError_, UnreachableError, UsageError
+from pdkv.protocol import ProxyTiming, StatsQuery, StatsReply, TransferTrace
+from pdkv.trace.assemble import assemble, summarize
+from pdkv.trace.model import ClientTiming, Trace, TraceResult
+
+Progress = Callable[[str], None]
+LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+TOKENS_PER_WORD_GUESS = 1.3
+
+
+def _host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+def one_host(proxy_url: str, backend_urls: list[str]) -> bool:
+    """True when the proxy and every backend it names run on one host (one clock)."""
+    proxy_host = _host(proxy_url)
+    hosts = {proxy_host if _host(u) in LOOPBACK else _host(u) for u in backend_urls if u}
+    hosts.add(proxy_host)
+    return len(hosts) == 1 or all(h in LOOPBACK for h in hosts)
+
+
+def metric_total(text: str, name: str) -> tuple[float, float] | None:
+    """(sum, count) of a Prometheus histogram over all its label sets, or None if it is absent."""
+    total = count = 0.0
+    found = False
+    for m in re.finditer(rf"^{re.escape(name)}_(sum|count)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
+        found = True
+        if m.group(1) == "sum":
+            total += float(m.group(2))
+        else:
+            count += float(m.group(2))
+    return (total, count) if found else None
+
+
+async def _stats(addr: str, since: float, timeout: float) -> StatsReply | str:
+    """One P worker's StatsReply, or why there is none."""
+    from pdkv.connector.side_channel import request_once
+
+    try:
+        reply = await request_once(addr, StatsQuery(since=since, limit=1000), timeout)
+    except TimeoutError:
+        return f"prefill worker {addr} did not answer pdkv's stats query within {timeout:g} s"
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return f"prefill worker {addr} answers in another protocol: not pdkv's connector (vLLM's MooncakeConnector?)"
+    if not isinstance(reply, StatsReply):
+        return f"prefill worker {addr} answered the stats query with {type(reply).__name__}"
+    return reply
+
+
+class TraceSession:
+    """Discovery done once (proxy health, model, backends, prompt); `once()` traces one request.
+
+    A context manager; every network wait is bounded by `timeout` (the request itself) or a few seconds.
+    """
+
+    def __init__(
+        self,
+        proxy_url: str,
+        *,
+        prompt_tokens: int = 1000,
+        prompt: str | None = None,
+        max_tokens: int = 128,
+        link_gbps: float = 400.0,
+        bootstrap_url: str | None = None,
+        timeout: float = 300.0,
+        connector_wait_s: float = 5.0,
+        progress: Progress | None = None,
+    ) -> None:
+        import httpx
+
+        if prompt is None and prompt_tokens < 1:
+            raise UsageError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
+        if max_tokens < 1:
+            raise UsageError(f"--max-tokens must be at least 1, got {max_tokens}")
+        if link_gbps <= 0:
+            raise UsageError(f"--link-gbps must be positive, got {link_gbps}")
+        self.proxy_url = proxy_url.rstrip("/")
+        self.max_tokens, self.link_gbps, self.timeout = max_tokens, link_gbps, timeout
+        self.connector_wait_s = connector_wait_s
+        self.progress = progress or (lambda _msg: None)
+        self.client = httpx.Client(base_url=self.proxy_url, timeout=10.0, trust_env=False)
+        try:
+            self.prefills, self.decodes = self._backends()
+            self.bootstrap_override = bootstrap_url
+            self.model = self._model()
+            self.requested_tokens = None if prompt is not None else prompt_tokens
+            self.prompt = prompt if prompt is not None else self._build_prompt(prompt_tokens)
+        except BaseException:
+            self.client.close()
+            raise
+
+    # --- discovery ---------------------------------------------------------------
+
+    def _get(self, path: str, what: str) -> Any:
+        import httpx
+
+        try:
+            return self.client.get(path)
+        except httpx.HTTPError as exc:
+            raise UnreachableError(f"proxy {self.proxy_url} did not answer {what}: {exc}",
+                                   hint="is `pdkv proxy` (or `pdkv up`) running there?") from None
+
+    def _backends(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        self.progress("asking the proxy for its backends")
+        r = self._get("/health", "GET /health")
+        try:
+            body = r.json()
+        except ValueError:
+            raise RemoteError(f"{self.proxy_url}/health is not pdkv's proxy (no JSON body)", status=r.status_code) from None
+        if r.status_code != 200:
+            raise RemoteError(f"the proxy is not ready: {body.get('reason', r.text[:200])}", status=r.status_code,
+                              hint="wait until `pdkv status` shows every part ready")
+        backends = body.get("backends", [])
+        return [b for b in backends if b.get("role") == "prefill"], [b for b in backends if b.get("role") == "decode"]
+
+    def _model(self) -> str:
+        r = self._get("/v1/models", "GET /v1/models")
+        if r.status_code != 200 or not r.json().get("data"):
+            raise RemoteError(f"the proxy's /v1/models answered {r.status_code}: {r.text[:200]}", status=r.status_code)
+        return str(r.json()["data"][0]["id"])
+
+    def _count_tokens(self, text: str) -> int | None:
+        """Tokens `text` makes for the served model: a backend's /tokenize, else a local tokenizer.json."""
+        import httpx
+
+        for b in self.decodes + self.prefills:
+            try:
+                r = httpx.post(f"{b['url']}/tokenize", json={"model": self.model, "prompt": text}, timeout=10, trust_env=False)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and "count" in r.json():
+                return int(r.json()["count"])
+        tok = Path(self.model) / "tokenizer.json"
+        if tok.is_file():
+            try:
+                from tokenizers import Tokenizer
+            except ImportError:
+                return None
+            return len(Tokenizer.from_file(str(tok)).encode(text).ids)
+        return None
+
+    def _build_prompt(self, n: int) -> str:
+        """Text of about `n` tokens: words scaled by the measured tokens per word, refined a few times."""
+        from pdkv.tinymodel import sample_text
+
+        self.progress(f"building a prompt of about {n} tokens")
+        words = max(1, round(n / TOKENS_PER_WORD_GUESS))
+        text = sample_text(words, seed=n)
+        for _ in range(5):
+            count = self._count_tokens(text)
+            if count is None or abs(count - n) <= max(1, n // 100):
+                break
+            words = max(1, round(words * n / max(count, 1)) + (1 if count < n else -1))
+            text = sample_text(words, seed=n)
+        return text
+
+    # --- one request ---------------------------------------------------------------
+
+    def _prefill_metrics(self) -> dict[str, tuple[float, float] | None]:
+        import httpx
+
+        out: dict[str, tuple[float, float] | None] = {}
+        for b in self.prefills:
+            try:
+                out[b["url"]] = metric_total(httpx.get(f"{b['url']}/metrics", timeout=5, trust_env=False).text, PREFILL_TIME)
+            except httpx.HTTPError:
+                out[b["url"]] = None
+        return out
+
+    def _send(self, request_id: str) -> ClientTiming:
+        import httpx
+
+        body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        sent, t0 = time.time(), time.perf_counter()
+        first: float | None = None
+        usage: dict[str, Any] = {}
+        try:
+            with self.client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": request_id},
+                                    timeout=self.timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    raise RemoteError(f"the request failed with {r.status_code}: {r.text[:300]}", status=r.status_code)
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RemoteError(f"the request failed mid-stream: {event['error'].get('message', event['error'])}")
+                    if event.get("choices") and first is None:
+                        first = time.perf_counter()
+                    if event.get("usage"):
+                        usage = event["usage"]
+        except httpx.TimeoutException:
+            raise TimeoutError_(f"no answer through {self.proxy_url} within {self.timeout:g} s") from None
+        except httpx.HTTPError as exc:
+            raise UnreachableError(f"the request through {self.proxy_url} failed: {exc}") from None
+        done = time.perf_counter()
+        return ClientTiming(sent=sent, first_token=sent + (first - t0) if first is not None else None, done=sent + (done - t0),
+                            prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
+
+    def _proxy_record(self, request_id: str) -> ProxyTiming:
+        deadline = time.monotonic() + 5.0
+        while True:
+            r = self._get(f"/pdkv/requests/{request_id}", "GET /pdkv/requests")
+            if r.status_code == 200:
+                timing = msgspec.json.decode(r.content, type=ProxyTiming)
+                if timing.last_byte is not None or time.monotonic() > deadline:
+                    return timing
+            elif time.monotonic() > deadline:
+                raise RemoteError(f"the proxy has no record of request {request_id} ({r.status_code})",
+                                  hint="pdkv trace needs pdkv's proxy, which records per-request timings")
+            time.sleep(0.05)
+
+    def _bootstrap_for(self, prefill_url: str) -> str | None:
+        if self.bootstrap_override:
+            return self.bootstrap_override
+        for b in self.prefills:
+            if b.get("url") == prefill_url and b.get("bootstrap"):
+                return str(b["bootstrap"])
+        return None
+
+    def _connector_records(self, timing: ProxyTiming) -> tuple[list[TransferTrace], str]:
+        """P's connector records for this transfer, waited for (bounded) until D's events are in them."""
+        from pdkv.bootstrap.client import BootstrapClient
+
+        bootstrap = self._bootstrap_for(timing.prefill_url)
+        if bootstrap is None:
+            return [], "connector-side steps are not visible: the proxy names no bootstrap server for P"
+        try:
+            with BootstrapClient(bootstrap, timeout=2.0, retries=1) as bs:
+                engines = bs.query()
+        except Exception as exc:  # noqa: BLE001 - any failure here only hides the connector's half
+            return [], f"connector-side steps are not visible: bootstrap {bootstrap} did not answer ({exc})"
+        rank = str(timing.prefill_dp_rank) if timing.prefill_dp_rank is not None else None
+        addrs = [a for dp, e in engines.items() if rank is None or str(dp) == rank
+                 for pps in e.worker_addr.values() for a in pps.values()]
+        since = timing.received - 300.0  # generous: P's clock may differ from the proxy's
+        deadline = time.monotonic() + self.connector_wait_s
+        while True:
+            replies = asyncio.run(self._gather(addrs, since))
+            why = next((r for r in replies if isinstance(r, str)), "")
+            if why:
+                return [], f"connector-side steps are not visible: {why}"
+            records = [t for r in replies if isinstance(r, StatsReply) for t in r.traces if t.transfer_id == timing.transfer_id]
+            complete = records and all("first_token_scheduled" in t.events and t.status for t in records)
+            if complete or time.monotonic() > deadline:
+                if not records:
+                    return [], f"P's connector has no record of {timing.transfer_id}"
+                return records, ""
+            time.sleep(0.05)
+
+    @staticmethod
+    async def _gather(addrs: list[str], since: float) -> list[StatsReply | str]:
+        return list(await asyncio.gather(*(_stats(a, since, 2.0) for a in addrs)))
+
+    def once(self, request_id: str | None = None) -> Trace:
+        """Send one request through the proxy and return its assembled Trace."""
+        request_id = request_id or f"trace-{uuid.uuid4().hex[:16]}"
+        before = self._prefill_metrics()
+        self.progress(f"sending {request_id}")
+        client = self._send(request_id)
+        self.progress("collecting the proxy's and the connector's records")
+        timing = self._proxy_record(request_id)
+        records, why = self._connector_records(timing)
+        b = before.get(timing.prefill_url)
+        deadline = time.monotonic() + 2.0  # vLLM updates its histograms just after it answers
+        while True:
+            a = self._prefill_metrics().get(timing.prefill_url)
+            if a is None or b is None or a[1] > b[1] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        p_prefill_s = None
+        if b is not None and a is not None and a[1] - b[1] == 1:  # exactly this request in between
+            p_prefill_s = a[0] - b[0]
+        backend_urls = [timing.prefill_url, timing.decode_url] + [x.get("bootstrap", "") for x in self.prefills]
+        return assemble(timing, records, client, link_gbps=self.link_gbps, p_prefill_s=p_prefill_s,
+                        one_host=one_host(self.proxy_url, backend_urls), model=self.model,
+                        requested_prompt_tokens=self.requested_tokens, connector_note=why)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> TraceSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_trace(proxy_url: str, **kw: Any) -> Trace:
+    """Trace one request through the pdkv proxy at `proxy_url` (keywords as TraceSession's)."""
+    with TraceSession(proxy_url, **kw) as session:
+        return session.once()
+
+
+def run_traces(proxy_url: str, repeat: int = 1, **kw: Any) -> TraceResult:
+    """`repeat` requests one after another; the summary (p50/p90 per phase) when there is more than one."""
+    if repeat < 1:
+        raise UsageError(f"--repeat must be at least 1, got {repeat}")
+    progress: Progress = kw.get("progress") or (lambda _m: None)
+    with TraceSession(proxy_url, **kw) as session:
+        traces = []
+        for i in range(repeat):
+            progress(f"request {i + 1} of {repeat}")
+            traces.append(session.once())
+    return TraceResult(traces=traces, summary=summarize(traces) if repeat > 1 else None)
