@@ -17,6 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
 from pdkv.connector.config import load_config
 from pdkv.connector.layout import refusal
 from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
@@ -54,6 +56,8 @@ def _layer_index(name: str) -> tuple[int, str]:
 
 class PdkvConnector(KVConnectorBase_V1):
     """P pushes each finished prompt's KV into the blocks D allocated, over Mooncake; see docs/connector.md."""
+
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
