@@ -156,7 +156,11 @@ def local_target(spec: BenchSpec, timeout_s: float = TARGET_START_TIMEOUT_S) -> 
         try:
             kind, value, hint = reader.recv()
         except EOFError:
-            raise StartError(f"the local bench target exited with {proc.exitcode} before it was ready") from None
+            proc.join(5)
+            raise StartError(
+                f"the local bench target exited (code {proc.exitcode}) before it was ready",
+                hint="a script that runs the benchmark through the library needs an `if __name__ == '__main__':` guard",
+            ) from None
         if kind != "ready":
             raise StartError(f"the local bench target could not start: {value}", hint=hint)
         yield value

@@ -129,3 +129,17 @@ def test_local_target_start_failure_is_reported_not_awaited():
     with pytest.raises(StartError, match="not a Mooncake setting"), local_target(spec(settings={"NOT_MC": "1"})):
         pass
     assert time.monotonic() - start < 30
+
+
+def test_library_entry_point_without_the_cli():
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "pdkv.bench", "--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--blocks", "3"]
+    done = subprocess.run([*argv, "--iters", "2", "--layout", "scattered"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    case = json.loads(done.stdout)["cases"][0]
+    assert (case["layout"], case["descriptors"], case["verified"]) == ("scattered", 6, True)
+    bad = subprocess.run([*argv, "--iters", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--iters" in bad.stderr
