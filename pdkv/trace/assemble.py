@@ -3,23 +3,24 @@
 The TTFT decomposition is a chain of anchors, each phase the gap between
 two consecutive ones, so the phases add up to the proxy's TTFT by
 construction; what a trace measures is where inside that time the request
-was. With pdkv's connector the chain is the seed's:
+was. With pdkv's connector the chain is the seed's, with its first P term
+split at P's scheduling:
 
     received -> prefill_dispatched          proxy forward         (8-10)
-    -> p_computed                           P queue + prefill     (11-15)
+    -> registered                           P queue               (11)
+    -> p_computed                           P prefill             (12-15)
     -> p_finished                           P next step           (23-27)
     -> transfer_start                       wait for D's pull     (16-22; ~0 when D asked first)
     -> notified                             transfer              (28-30)
     -> first_token_scheduled                D notified            (34-37)
     -> decode_first_byte                    D one-token forward   (38-39)
 
-`p_computed` (the end of P's prefill) is the connector's event of that name
-when it records one, else P's scheduled time plus vLLM's own prefill time
-for the request (from P's /metrics), else the two P phases merge into one.
-Any other missing anchor merges its two neighbouring phases likewise.
-Without the connector's records (vLLM's MooncakeConnector) the chain is the
-proxy's alone: forward, P's request as the proxy sees it, and the wait from
-P's answer to D's first token.
+`p_computed` (the scheduler seeing P's request finished) is recorded only
+by connector builds that have it; without it "P prefill + P next step"
+is one phase. Any missing anchor merges its two neighbouring phases
+likewise. Without the connector's records (vLLM's MooncakeConnector) the
+chain is the proxy's alone: forward, P's request as the proxy sees it, and
+the wait from P's answer to D's first token.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ EVENTS: dict[str, tuple[str, Lane, str]] = {
 # (anchor, name of the phase that starts there, its steps)
 PDKV_CHAIN: tuple[tuple[str, str, str], ...] = (
     ("received", "proxy forward", "8-10"),
-    ("prefill_dispatched", "P queue + prefill", "11-15"),
+    ("prefill_dispatched", "P queue", "11"),
+    ("registered", "P prefill", "12-15"),
     ("p_computed", "P next step", "23-27"),
     ("p_finished", "wait for D's pull", "16-22"),
     ("transfer_start", "transfer", "28-30"),
@@ -109,11 +111,8 @@ def critical_record(records: Sequence[TransferTrace]) -> TransferTrace | None:
     return max(records, key=lambda r: (r.events.get("transfer_end", 0.0), max(r.events.values(), default=0.0)))
 
 
-def _times(
-    proxy: ProxyTiming, client: ClientTiming | None, record: TransferTrace | None, p_prefill_s: float | None
-) -> tuple[dict[str, float], list[str]]:
+def _times(proxy: ProxyTiming, client: ClientTiming | None, record: TransferTrace | None) -> dict[str, float]:
     at: dict[str, float] = {}
-    notes: list[str] = []
     for name in ("received", "prefill_dispatched", "decode_dispatched", "prefill_responded", "decode_first_byte", "last_byte"):
         v = getattr(proxy, name)
         if v:
@@ -126,13 +125,10 @@ def _times(
             at["client_done"] = client.done
     if record is not None:
         at.update({k: v for k, v in record.events.items() if k in EVENTS})
-        if "p_computed" not in at and "registered" in at and p_prefill_s is not None:
-            at["p_computed"] = at["registered"] + p_prefill_s
-            notes.append("end of P's prefill = P's scheduling (registered) + vLLM's prefill time for this request (P's /metrics)")
-    return at, notes
+    return at
 
 
-def _phases(at: dict[str, float], chain: Sequence[tuple[str, str, str]]) -> tuple[list[Phase], list[str]]:
+def _phases(at: dict[str, float], chain: Sequence[tuple[str, str, str]], origin: float) -> tuple[list[Phase], list[str]]:
     """Walk the chain; a missing anchor merges the phases on either side of it."""
     notes: list[str] = []
     present = [(a, name, steps) for a, name, steps in chain if a in at]
@@ -164,6 +160,7 @@ def _phases(at: dict[str, float], chain: Sequence[tuple[str, str, str]]) -> tupl
         if len(merged) > 1:
             note = "merged: " + ", ".join(m[0] for m in merged[1:]) + " not recorded"
         phases.append(Phase(name=full_name, steps=full_steps, start=anchor, end=end, ms=ms, share=0.0,
+                            start_ms=(prev_t - origin) * 1e3, end_ms=(t_end - origin) * 1e3,
                             clocks=clocks, crosses_clocks=len(clocks) > 1, note=note))
         prev_t = t_end
         i += 1
@@ -194,7 +191,6 @@ def assemble(
     client: ClientTiming | None = None,
     *,
     link_gbps: float = 400.0,
-    p_prefill_s: float | None = None,
     one_host: bool = True,
     model: str = "",
     requested_prompt_tokens: int | None = None,
@@ -203,12 +199,11 @@ def assemble(
     """One request's Trace from the proxy's record, P's connector records for its transfer_id (one per
     P worker, D's events merged in by the connector) and the client's own timing.
 
-    `records` empty means the connector's side is not visible (`connector_note` says why). `p_prefill_s`
-    is vLLM's prefill time for this request on P, used when the connector has no `p_computed` event.
+    `records` empty means the connector's side is not visible (`connector_note` says why).
     """
     records = [r for r in records if r.transfer_id == proxy.transfer_id]
     crit = critical_record(records)
-    at, notes = _times(proxy, client, crit, p_prefill_s)
+    at = _times(proxy, client, crit)
     received = at.get("received", proxy.received)
     events = sorted(
         (TraceEvent(name=n, step=EVENTS[n][0], lane=EVENTS[n][1], what=EVENTS[n][2], at=t, t_ms=(t - received) * 1e3)
@@ -217,8 +212,7 @@ def assemble(
     )
     proxy_ttft_s = at["decode_first_byte"] - received if "decode_first_byte" in at else None
     chain = PDKV_CHAIN if crit is not None else PROXY_CHAIN
-    phases, phase_notes = _phases(at, chain)
-    notes += phase_notes
+    phases, notes = _phases(at, chain, received)
     if crit is None:
         notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")
     elif len(records) > 1:

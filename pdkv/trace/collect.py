@@ -8,8 +8,6 @@ model, prompt) for repeated requests. Records come from:
 - P's connector: a StatsQuery on every prefill worker's side channel, whose
   addresses the bootstrap server lists (D's events reach P after D's first
   token, so the query is repeated, bounded, until they are there);
-- P's vLLM /metrics before and after: the request's prefill time, when the
-  connector does not record the end of P's prefill itself;
 - the client: the request is streamed, so its first token's arrival is TTFT.
 """
 
@@ -17,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -34,7 +31,6 @@ from pdkv.trace.model import ClientTiming, Trace, TraceResult
 
 Progress = Callable[[str], None]
 LOOPBACK = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
-PREFILL_TIME = "vllm:request_prefill_time_seconds"
 TOKENS_PER_WORD_GUESS = 1.3
 
 
@@ -48,19 +44,6 @@ def one_host(proxy_url: str, backend_urls: list[str]) -> bool:
     hosts = {proxy_host if _host(u) in LOOPBACK else _host(u) for u in backend_urls if u}
     hosts.add(proxy_host)
     return len(hosts) == 1 or all(h in LOOPBACK for h in hosts)
-
-
-def metric_total(text: str, name: str) -> tuple[float, float] | None:
-    """(sum, count) of a Prometheus histogram over all its label sets, or None if it is absent."""
-    total = count = 0.0
-    found = False
-    for m in re.finditer(rf"^{re.escape(name)}_(sum|count)(?:\{{[^}}]*\}})? (\S+)$", text, re.M):
-        found = True
-        if m.group(1) == "sum":
-            total += float(m.group(2))
-        else:
-            count += float(m.group(2))
-    return (total, count) if found else None
 
 
 async def _stats(addr: str, since: float, timeout: float) -> StatsReply | str:
@@ -187,17 +170,6 @@ class TraceSession:
 
     # --- one request ---------------------------------------------------------------
 
-    def _prefill_metrics(self) -> dict[str, tuple[float, float] | None]:
-        import httpx
-
-        out: dict[str, tuple[float, float] | None] = {}
-        for b in self.prefills:
-            try:
-                out[b["url"]] = metric_total(httpx.get(f"{b['url']}/metrics", timeout=5, trust_env=False).text, PREFILL_TIME)
-            except httpx.HTTPError:
-                out[b["url"]] = None
-        return out
-
     def _send(self, request_id: str) -> ClientTiming:
         import httpx
 
@@ -288,24 +260,13 @@ class TraceSession:
     def once(self, request_id: str | None = None) -> Trace:
         """Send one request through the proxy and return its assembled Trace."""
         request_id = request_id or f"trace-{uuid.uuid4().hex[:16]}"
-        before = self._prefill_metrics()
         self.progress(f"sending {request_id}")
         client = self._send(request_id)
         self.progress("collecting the proxy's and the connector's records")
         timing = self._proxy_record(request_id)
         records, why = self._connector_records(timing)
-        b = before.get(timing.prefill_url)
-        deadline = time.monotonic() + 2.0  # vLLM updates its histograms just after it answers
-        while True:
-            a = self._prefill_metrics().get(timing.prefill_url)
-            if a is None or b is None or a[1] > b[1] or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        p_prefill_s = None
-        if b is not None and a is not None and a[1] - b[1] == 1:  # exactly this request in between
-            p_prefill_s = a[0] - b[0]
         backend_urls = [timing.prefill_url, timing.decode_url] + [x.get("bootstrap", "") for x in self.prefills]
-        return assemble(timing, records, client, link_gbps=self.link_gbps, p_prefill_s=p_prefill_s,
+        return assemble(timing, records, client, link_gbps=self.link_gbps,
                         one_host=one_host(self.proxy_url, backend_urls), model=self.model,
                         requested_prompt_tokens=self.requested_tokens, connector_note=why)
 

@@ -30,7 +30,7 @@ ARROWS = (
     ("reply_sent", "notified"),
     ("decode_first_byte", "client_first_token"),
 )
-PHASE_LANE = {"proxy forward": "proxy", "D notified": "D", "D one-token forward": "D", "transfer": "P"}
+PHASE_LANE = {"proxy forward": "proxy", "P queue": "P", "D notified": "D", "D one-token forward": "D", "transfer": "P"}
 
 CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1d2430;margin:24px 32px;background:#fff}
@@ -95,10 +95,7 @@ def timeline_svg(trace: Trace) -> str:
     out.append(f'<text x="{LEFT}" y="22" font-size="13" font-weight="600">TTFT {_ms(trace.proxy_ttft_ms)} ms at the proxy'
                f'{"" if trace.client_ttft_ms is None else f" ({_ms(trace.client_ttft_ms)} ms at the client)"}</text>')
     for p in trace.phases:
-        s, e = at.get(p.start), at.get(p.end)
-        if s is None or e is None:
-            continue
-        x0, x1 = sc.x(s.t_ms), sc.x(e.t_ms)
+        x0, x1 = sc.x(p.start_ms), sc.x(p.end_ms)
         out.append(f'<rect x="{x0:.1f}" y="32" width="{max(x1 - x0, 1.5):.1f}" height="18" fill="{colors[p.name]}">'
                    f'<title>{escape(p.name)} ({p.steps}): {p.ms:.2f} ms</title></rect>')
     out += legend
@@ -110,11 +107,9 @@ def timeline_svg(trace: Trace) -> str:
         out.append(f'<line x1="{LEFT}" y1="{y + LANE_H / 2}" x2="{WIDTH - RIGHT}" y2="{y + LANE_H / 2}" stroke="#c5ccd3" stroke-dasharray="4 4"/>')
     # Phase bands on the lane where the time is spent.
     for p in trace.phases:
-        s, e = at.get(p.start), at.get(p.end)
-        if s is None or e is None:
-            continue
-        lane = _phase_lane(p.name, e.lane)
-        x0, x1 = sc.x(s.t_ms), sc.x(e.t_ms)
+        e = at.get(p.end)
+        lane = _phase_lane(p.name, e.lane if e is not None else "proxy")
+        x0, x1 = sc.x(p.start_ms), sc.x(p.end_ms)
         y = _lane_y(lane, top)
         out.append(f'<rect x="{x0:.1f}" y="{y - 13}" width="{max(x1 - x0, 2):.1f}" height="26" rx="3" fill="{colors[p.name]}" '
                    f'fill-opacity="0.85"><title>{escape(p.name)}: {p.ms:.2f} ms</title></rect>')

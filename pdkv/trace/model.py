@@ -45,6 +45,10 @@ class TraceEvent(msgspec.Struct, frozen=True, kw_only=True):
 class Phase(msgspec.Struct, frozen=True, kw_only=True):
     """One term of the TTFT decomposition, from event `start` to event `end`.
 
+    An end that reads earlier than its start (two hosts' clocks disagreeing)
+    is moved to the start, so `ms` is never negative and the phases still
+    add up; the trace's notes say so.
+
     `clocks` lists the lanes whose clocks the two ends were read on; a phase
     with two lanes `crosses_clocks` and is exact only when those hosts'
     clocks agree (always, on one host).
@@ -56,6 +60,8 @@ class Phase(msgspec.Struct, frozen=True, kw_only=True):
     end: str
     ms: float
     share: float
+    start_ms: float  # on the trace's axis (ms since the proxy received the request), after any clamping
+    end_ms: float
     clocks: list[Lane]
     crosses_clocks: bool
     note: str = ""

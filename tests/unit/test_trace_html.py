@@ -36,8 +36,8 @@ def test_svg_bars_follow_the_phases() -> None:
     widths = [float(w) for w in re.findall(r'<rect x="[\d.]+" y="32" width="([\d.]+)"', svg)]
     assert len(widths) == len(SEED_PHASES)
     total = sum(widths)
-    prefill = widths[SEED_PHASES.index("P queue + prefill")]
-    assert prefill / total == pytest.approx(t.phase("P queue + prefill").share, abs=0.01)
+    wait = widths[SEED_PHASES.index("wait for D's pull")]
+    assert wait / total == pytest.approx(t.phase("wait for D's pull").share, abs=0.01)
 
 
 def test_text_is_escaped() -> None:
