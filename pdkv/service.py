@@ -39,7 +39,7 @@ async def _start(app: Any, sock: socket.socket, shutdown_timeout: float):
 
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handle_signals=False)
     await runner.setup()
-    site = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+    site = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout, backlog=1024)
     await site.start()
     return runner
 
