@@ -201,6 +201,9 @@ class Backends:
     async def close(self) -> None:
         for b in (*self.prefills, *self.decodes):
             b.pool.close()
+        # Aborted transports close their sockets in a callback: let it run before the loop ends.
+        for _ in range(3):
+            await asyncio.sleep(0)
         for client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.close()  # type: ignore[attr-defined]

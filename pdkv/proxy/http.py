@@ -283,6 +283,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        self.pool._open.discard(self)
         ex, self.exchange = self.exchange, None
         if ex is not None:
             ex.conn = None
@@ -342,6 +343,7 @@ class UpstreamPool:
         self.max_idle = max_idle
         self._idle: collections.deque[UpstreamConnection] = collections.deque()
         self._connecting: set[asyncio.Task] = set()
+        self._open: set[UpstreamConnection] = set()
 
     def request_bytes(self, method: str, path: str, body: bytes | None, headers: list[tuple[str, str]] | None) -> bytes:
         head = [b"%s %s HTTP/1.1\r\nhost: %s\r\n" % (method.encode(), path.encode(), self.host_header)]
@@ -381,6 +383,7 @@ class UpstreamPool:
         except OSError as exc:
             exchange.fail(UpstreamError("connect", f"cannot connect to {self.origin}: {exc.strerror or exc}"))
             return
+        self._open.add(conn)
         if exchange.finished:  # cancelled while connecting
             self.release(conn, True)
             return
@@ -399,10 +402,14 @@ class UpstreamPool:
             conn.transport.close()
 
     def close(self) -> None:
+        """Close every connection, idle or busy (a busy one's exchange fails as a disconnect)."""
         for task in list(self._connecting):
             task.cancel()
-        while self._idle:
-            self._idle.pop().transport.close()
+        self._idle.clear()
+        for conn in list(self._open):
+            if not conn.closed:
+                conn.transport.abort()
+        self._open.clear()
 
 
 class BufferedExchange(Exchange):

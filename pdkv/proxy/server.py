@@ -72,6 +72,7 @@ class ProxyServer:
             await asyncio.sleep(0.02)
         for conn in list(self._connections):
             conn.abort()
+        await asyncio.sleep(0)
         if self._health is not None:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -414,3 +414,13 @@ def test_expect_100_continue_is_answered_before_the_body(deployment: Deployment)
             assert chunk, "connection closed before the answer"
             answer += chunk
     assert answer.startswith(b"HTTP/1.1 200 OK")
+
+
+def test_shutdown_closes_upstream_requests_still_in_flight(deployment: Deployment):
+    deployment.prefills[0].behaviour.update(delay=3.0)  # D finishes first; P is still busy
+    with deployment.client() as c:
+        t0 = time.monotonic()
+        assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        assert time.monotonic() - t0 < 2.0
+    deployment.proxy.stop()
+    _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P's connection closed at shutdown")
