@@ -99,6 +99,7 @@ class TraceSession:
             self.model = self._model()
             self.requested_tokens = None if prompt is not None else prompt_tokens
             self.prompt = prompt if prompt is not None else self._build_prompt(prompt_tokens)
+            self.runs = 0
         except BaseException:
             self.client.close()
             raise
@@ -160,12 +161,14 @@ class TraceSession:
         self.progress(f"building a prompt of about {n} tokens")
         words = max(1, round(n / TOKENS_PER_WORD_GUESS))
         text = sample_text(words, seed=n)
+        self._words = words
         for _ in range(5):
             count = self._count_tokens(text)
             if count is None or abs(count - n) <= max(1, n // 100):
                 break
             words = max(1, round(words * n / max(count, 1)) + (1 if count < n else -1))
             text = sample_text(words, seed=n)
+            self._words = words
         return text
 
     # --- one request ---------------------------------------------------------------
@@ -260,6 +263,13 @@ class TraceSession:
     def once(self, request_id: str | None = None) -> Trace:
         """Send one request through the proxy and return its assembled Trace."""
         request_id = request_id or f"trace-{uuid.uuid4().hex[:16]}"
+        if self.runs and self.requested_tokens is not None:
+            # A new text of the same length each run: a repeated prompt would hit P's and D's prefix caches
+            # and move only its uncached tail.
+            from pdkv.tinymodel import sample_text
+
+            self.prompt = sample_text(self._words, seed=self.requested_tokens + 7919 * self.runs)
+        self.runs += 1
         self.progress(f"sending {request_id}")
         client = self._send(request_id)
         self.progress("collecting the proxy's and the connector's records")

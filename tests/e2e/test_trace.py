@@ -182,6 +182,10 @@ def test_repeat_cli_and_html_chart_in_chromium(deployment: Deployment, tmp_path:
     summary = {s["name"]: s for s in doc["summary"]["phases"]}
     assert set(expected_phases({e["name"] for e in doc["traces"][0]["events"]})) == set(summary)
     assert all(s["n"] == 3 and s["min_ms"] <= s["p50_ms"] <= s["p90_ms"] <= s["max_ms"] for s in summary.values())
+    # Every run sends a new text, so none hits a prefix cache: each moves its whole prompt.
+    model = geometry_from_model(deployment.model)
+    for t in doc["traces"]:
+        assert t["transfer"]["bytes"] == plan_transfer(model, prompt_tokens=t["prompt_tokens"], block_size=BLOCK).transfer_bytes
     page = html.read_text()
     assert "<svg" in page
     assert not any(s in page for s in ("src=", "<link", "<script", "url(http", "@import")), "the page must be self-contained"
