@@ -16,6 +16,7 @@ transports in the same process keep the first level. The settings users need
     MC_HANDSHAKE_CONNECT_TIMEOUT bound on connecting to a peer's handshake port
     MC_TRANSFER_TIMEOUT          seconds before an rdma transfer is failed
     MC_TCP_PROGRESS_TIMEOUT_SEC  seconds a tcp transfer may make no progress
+    MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER  requests one peer may have queued (see max_batch)
     MC_SLICE_SIZE, MC_TCP_SLICE_SIZE  bytes per slice a transfer is cut into
     MC_GID_INDEX, MC_IB_PORT, MC_MTU  rdma: RoCE GID, HCA port, path MTU
     MC_FORCE_TCP                 use tcp even where rdma devices exist
@@ -46,6 +47,12 @@ from pdkv.transport.base import Descriptor
 PROTOCOLS = ("tcp", "rdma")
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 DEFAULT_CLOSE_TIMEOUT_S = 5.0
+# Mooncake 0.3's tcp transport fails a whole batch (rc -1, "TCP lane queue-full
+# rejection") once one call queues more than MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
+# requests for a peer (2048 by default): 2268 per-block descriptors of one
+# 63-block Qwen3-8B request already do. Writes are cut into calls of at most
+# this many descriptors; measured on loopback tcp, the cut costs no time.
+DEFAULT_MAX_BATCH = 1024
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 
 
@@ -150,11 +157,15 @@ class MooncakeTransport:
         *,
         settings: Mapping[str, str] | None = None,
         write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        max_batch: int = DEFAULT_MAX_BATCH,
         sysfs_root: str | Path = SYSFS_INFINIBAND,
     ) -> None:
         check_protocol(protocol, device_name, sysfs_root)
         if write_timeout_s <= 0:
             raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
+        if max_batch <= 0:
+            raise UsageError(f"max_batch must be positive, got {max_batch}")
+        self.max_batch = max_batch
         self.hostname = hostname
         self.protocol = protocol
         self.device_name = device_name
@@ -231,6 +242,8 @@ class MooncakeTransport:
     def write(self, peer: str, descriptors: list[Descriptor], *, timeout_s: float | None = None) -> None:
         """Write every descriptor into `peer`'s registered memory; return once all bytes have landed.
 
+        Descriptors go to Mooncake in calls of at most `max_batch`, one after another.
+
         Raises TransferError, naming the peer and the byte count, when Mooncake
         reports a failure (peer gone, destination outside its registered
         memory) or when no answer comes within `timeout_s` (default
@@ -242,10 +255,14 @@ class MooncakeTransport:
         srcs = [d.src for d in descriptors]
         dsts = [d.dst for d in descriptors]
         lens = [d.length for d in descriptors]
-        engine = self._engine
+        engine, step = self._engine, self.max_batch
 
         def call() -> int:
-            return engine.batch_transfer_sync_write(peer, srcs, dsts, lens)
+            for i in range(0, len(lens), step):
+                rc = engine.batch_transfer_sync_write(peer, srcs[i : i + step], dsts[i : i + step], lens[i : i + step])
+                if rc != 0:
+                    return rc
+            return 0
 
         bound = self.write_timeout_s if timeout_s is None else timeout_s
         with self._lock:
