@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -97,7 +96,7 @@ def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
     return table
 
 
-def _ready_message(parts: list[Any], served: str | None, trace: bool) -> Group:
+def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
     proxy = next((p for p in parts if p.kind == "proxy"), None)
     target = proxy or next(p for p in parts if p.kind in ("prefill", "decode"))
     model = served or (target.spec.model if target.spec else "MODEL")
@@ -108,7 +107,7 @@ def _ready_message(parts: list[Any], served: str | None, trace: bool) -> Group:
         if importlib.util.find_spec("pdkv.cli.trace") is not None:
             lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
     lines.append(Text("Ctrl-C stops every part.", style="dim"))
-    return Group(*lines)
+    return lines
 
 
 def _run_trace_hook(parts: list[Any]) -> None:
@@ -146,7 +145,7 @@ def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: boo
     try:
         if not json_out:
             live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
-            sup.on_change = lambda: live.update(_status_table(sup, kinds))
+            sup.on_change = lambda: live.update(_status_table(sup, kinds)) if live is not None else None
             live.start()
         emit("starting", parts=[{"name": p.plan.name, "url": p.plan.url} for p in parts], log_dir=str(log_dir))
         try:
@@ -158,7 +157,8 @@ def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: boo
         emit("ready", ready_s=round(total, 1), parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
         if not json_out:
             console.print(f"all {len(parts)} parts ready in {total:.1f} s; logs in {log_dir}/")
-            console.print(_ready_message(parts, served, trace))
+            for line in _ready_message(parts, served):
+                console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
         if trace:
             _run_trace_hook(parts)
         dead = sup.wait_for_exit()
@@ -171,7 +171,9 @@ def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: boo
     finally:
         if live is not None:
             live.stop()
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        # A second Ctrl-C or a SIGTERM must not cut the shutdown short and orphan an engine.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
             sup.stop_all()
         finally:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from pdkv.errors import StartError
 from pdkv.launch import LaunchPlan, ManagedProcess
+
+log = logging.getLogger("pdkv.deploy")
 
 
 class Supervisor:
@@ -44,7 +47,10 @@ class Supervisor:
 
     def _set(self, name: str, state: str) -> None:
         self.states[name] = state
-        self.on_change()
+        try:
+            self.on_change()
+        except Exception:  # a display error must never stop supervision (or a shutdown) half-way
+            log.exception("status view update failed")
 
     def start_all(self, timeout: float, *, interval: float = 0.5) -> float:
         """Start every part, stage by stage, and wait for each to be healthy; return seconds until all were.
@@ -85,13 +91,23 @@ class Supervisor:
             time.sleep(interval)
 
     def stop_all(self, grace: float = 10.0) -> None:
-        """Stop every started part, last started first (the proxy before the engines it routes to)."""
+        """Stop every started part, last started first (the proxy before the engines it routes to).
+
+        Every part is stopped even when stopping another raised; the first error is re-raised after.
+        """
+        first_error: BaseException | None = None
         for proc in reversed(self.procs):
             if proc.proc is None:
                 continue
-            proc.stop(grace)
+            try:
+                proc.stop(grace)
+            except BaseException as exc:  # keep going: an orphaned engine would hold its cores and ports
+                first_error = first_error or exc
+                continue
             if self.states.get(proc.name) not in ("failed", "exited"):
                 self._set(proc.name, "stopped")
+        if first_error is not None:
+            raise first_error
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.pid is not None]

@@ -91,8 +91,13 @@ def test_pdkv_up_serves_1p1d_and_sigint_leaves_nothing(tmp_path: Path) -> None:
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["usage"]["completion_tokens"] == 8
-        assert len(answer["choices"][0]["logprobs"]["tokens"]) == 8
-        print(f"completion through the proxy: {answer['choices'][0]['logprobs']['tokens']}")
+        pd = answer["choices"][0]["logprobs"]
+        assert len(pd["tokens"]) == 8
+        # The same request straight to P, served colocated there: D's answer from P's KV must match it.
+        prefill = next(p["url"] for p in ready["parts"] if p["name"] == "prefill-0")
+        direct = httpx.post(f"{prefill}/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+        assert pd["tokens"] == direct["tokens"]
+        assert pd["token_logprobs"] == pytest.approx(direct["token_logprobs"], abs=1e-3)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=STOP_TIMEOUT_S) == 0

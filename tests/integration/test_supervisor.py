@@ -76,3 +76,16 @@ def test_a_part_that_cannot_start_fails_start_all(tmp_path: Path) -> None:
         assert sup.states["ok"] == "stopped"
     finally:
         held.close()
+
+
+def test_a_broken_status_view_does_not_stop_the_shutdown(tmp_path: Path) -> None:
+    sup = Supervisor([bootstrap_plan("a"), bootstrap_plan("b")], tmp_path)
+    sup.start_all(timeout=30)
+    pids = sup.pids()
+
+    def broken() -> None:
+        raise RuntimeError("the live view is gone")
+
+    sup.on_change = broken
+    sup.stop_all()
+    assert not [p for p in pids if _alive(p)]
