@@ -10,7 +10,8 @@
 #
 # Environment: OUT (default /tmp/pdkv-device-bench), PYTHON (default python3),
 # ITERS (30), WARMUP (3), SRC (cuda:0), DST (cuda:1), SWEEP (1: also sweep blocks=1,16,63,256),
-# USE_CLI (0: call the library instead of the typer CLI), WHL_DIR (.whl), DEB_DIR (.deb).
+# USE_CLI (0: call the library instead of the typer CLI), WHL_DIR (.whl), DEB_DIR (.deb),
+# RUN_TIMEOUT (120 s per benchmark run).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +23,8 @@ WARMUP="${WARMUP:-3}"
 SRC="${SRC:-cuda:0}"
 DST="${DST:-cuda:1}"
 SWEEP="${SWEEP:-1}"
+# The device tool allows 10 minutes per command: every run is bounded so that the summary is always written.
+RUN_TIMEOUT="${RUN_TIMEOUT:-120}"
 WHL_DIR="${WHL_DIR:-.whl}"
 DEB_DIR="${DEB_DIR:-.deb}"
 SITE=/tmp/pdkv-site
@@ -98,9 +101,9 @@ fi
 bench() {
     local out="$1"; shift
     if [[ $USE_CLI == 1 ]]; then
-        timeout 540 "$PY" -m pdkv bench "$@" --json > "$out" 2> "${out%.json}.log"
+        timeout "$RUN_TIMEOUT" "$PY" -m pdkv bench "$@" --json > "$out" 2> "${out%.json}.log"
     else
-        timeout 540 "$PY" -m pdkv.bench "$@" --json > "$out" 2> "${out%.json}.log"
+        timeout "$RUN_TIMEOUT" "$PY" -m pdkv.bench "$@" --json > "$out" 2> "${out%.json}.log"
     fi
     local rc=$?
     echo "exit $rc: pdkv bench $*"

@@ -11,6 +11,7 @@ descriptor count.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -92,7 +93,9 @@ def run_transfer_engine_bench(
         common.append(f"--device_name={device_name}")
     env = {**os.environ, "MC_LOG_LEVEL": "INFO"}  # the listening line and the result are INFO lines
     with tempfile.TemporaryFile("w+") as log:
-        target = subprocess.Popen([binary, "--mode=target", *common], stdout=log, stderr=subprocess.STDOUT, env=env)
+        target = subprocess.Popen(
+            [binary, "--mode=target", *common], stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+        )
         try:
             port = _wait_for_port(log, target, start_timeout_s)
             init = subprocess.run(
@@ -111,6 +114,7 @@ def run_transfer_engine_bench(
                 text=True,
                 env=env,
                 timeout=seconds + start_timeout_s,
+                preexec_fn=_die_with_parent,
             )
         except subprocess.TimeoutExpired:
             raise TransferError("transfer_engine_bench did not finish in time") from None
@@ -122,6 +126,15 @@ def run_transfer_engine_bench(
         tail = (init.stdout + init.stderr).strip().splitlines()[-3:]
         raise TransferError(f"transfer_engine_bench failed (exit {init.returncode}): {' | '.join(tail)}")
     return TebResult(float(found.group(2)), int(found.group(1)), float(seconds), block_size, batch_size)
+
+
+def _die_with_parent() -> None:
+    # The target never exits by itself: if this process is killed (a timeout), take it along.
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 def _wait_for_port(log: Any, proc: subprocess.Popen, timeout_s: float) -> int:
