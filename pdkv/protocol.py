@@ -192,6 +192,7 @@ class TraceReport(msgspec.Struct, frozen=True, tag="trace", kw_only=True):
 
     transfer_id: TransferId
     events: dict[str, float]
+    first_step_tokens: NonNegative = 0  # tokens D computed in the request's first step after the KV arrived
 
 
 class StatsQuery(msgspec.Struct, frozen=True, tag="stats", kw_only=True):
@@ -232,6 +233,7 @@ class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str = ""
     bytes: NonNegative = 0
     descriptors: NonNegative = 0
+    first_step_tokens: NonNegative = 0  # D's first step after the KV arrived: 1 means only the last prompt token
     events: dict[str, float] = {}
 
 

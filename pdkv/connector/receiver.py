@@ -82,7 +82,7 @@ class KVReceiver:
         self,
         pulls: list[PullSpec] | None = None,
         aborts: list[str] | None = None,
-        first_tokens: dict[str, float] | None = None,
+        first_tokens: dict[str, tuple[float, int]] | None = None,
     ) -> None:
         if pulls or aborts or first_tokens:
             now = time.time()
@@ -97,7 +97,7 @@ class KVReceiver:
 
     # --- loop thread -----------------------------------------------------------
 
-    def _apply(self, pulls: list[PullSpec], aborts: list[str], first_tokens: dict[str, float], now: float) -> None:
+    def _apply(self, pulls: list[PullSpec], aborts: list[str], first_tokens: dict[str, tuple[float, int]], now: float) -> None:
         loop = asyncio.get_running_loop()
         for spec in pulls:
             self.trace.event(spec.transfer_id, "pull_scheduled", now, d_req_id=spec.d_req_id)
@@ -113,15 +113,17 @@ class KVReceiver:
                 loop.create_task(self._peers[addr].send(Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended")))
             elif entry is not None:
                 self._conclude(self.tracker.finished(rid, "aborted by the decode side"))
-        for rid, at in first_tokens.items():
+        for rid, (at, ntok) in first_tokens.items():
             tid = self._done_tid.pop(rid, None)
             if tid is None:
                 continue
-            self.trace.event(tid, "first_token_scheduled", at)
+            self.trace.event(tid, "first_token_scheduled", at, first_step_tokens=ntok)
+            log.info("pdkv: request %s (transfer %s) computes %d token(s) in its first step after the KV arrived", rid, tid, ntok)
             t = self.trace.get(tid)
             addr = self._peer_of.pop(rid, None)
             if t is not None and addr in self._peers:
-                loop.create_task(self._peers[addr].send(TraceReport(transfer_id=tid, events=t.events)))
+                report = TraceReport(transfer_id=tid, events=t.events, first_step_tokens=ntok)
+                loop.create_task(self._peers[addr].send(report))
             self.trace.finish(tid, t.status if t else "sent")
 
     async def _resolve(self, bootstrap: str, engine_id: str) -> str:

@@ -37,7 +37,7 @@ class StepMeta:
     cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
     pulls: list[PullSpec] = field(default_factory=list)  # D
     aborts: list[str] = field(default_factory=list)  # D: d_req_ids whose pull is no longer wanted
-    first_tokens: dict[str, float] = field(default_factory=dict)  # D: d_req_id -> unix time
+    first_tokens: dict[str, tuple[float, int]] = field(default_factory=dict)  # D: d_req_id -> (unix time, tokens computed)
 
     def empty(self) -> bool:
         return not (self.registered or self.ready or self.cancelled or self.pulls or self.aborts or self.first_tokens)
@@ -153,7 +153,7 @@ class ConnectorScheduler:
         if self._arrived and num_scheduled_tokens:
             now = time.time()
             for rid in [r for r in self._arrived if r in num_scheduled_tokens]:
-                meta.first_tokens[rid] = now
+                meta.first_tokens[rid] = (now, num_scheduled_tokens[rid])
                 self._arrived.discard(rid)
         return meta
 

@@ -170,7 +170,7 @@ class KVSender:
         elif isinstance(msg, Release):
             self._run(self.table.released(msg.transfer_id, now))
         elif isinstance(msg, TraceReport):
-            self.trace.merge(msg.transfer_id, msg.events)
+            self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
         elif isinstance(msg, StatsQuery):
             await self.server.send(
                 identity,

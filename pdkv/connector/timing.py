@@ -85,11 +85,12 @@ class TraceLog:
             for k, v in fields.items():
                 setattr(t, k, v)
 
-    def merge(self, tid: str, events: dict[str, float]) -> None:
+    def merge(self, tid: str, events: dict[str, float], first_step_tokens: int = 0) -> None:
         """Add a peer's events (D's, on P) and observe the handover if it is now complete."""
         with self._lock:
             t = self._get(tid)
             t.events.update(events)
+            t.first_step_tokens = first_step_tokens or t.first_step_tokens
             ev = t.events
             if "first_token_scheduled" in ev and "p_finished" in ev:
                 self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - ev["p_finished"]))

@@ -139,7 +139,8 @@ def test_d_abort_during_the_pull_is_sent_to_the_worker_and_first_token_is_timed(
     s.build_meta(None)
     s.update_connector_output({"d2"}, set())
     assert s.build_meta({"other": 1}).first_tokens == {}
-    assert set(s.build_meta({"d2": 1}).first_tokens) == {"d2"}
+    [(at, ntok)] = s.build_meta({"d2": 1}).first_tokens.values()
+    assert ntok == 1 and at > 0
 
 
 def test_requests_without_pd_params_are_left_alone():

@@ -1,0 +1,150 @@
+"""Handover benchmark: P/D TTFT minus the TTFT of the same prompt served by P alone.
+
+The handover is what P/D disaggregation adds to a request's first token:
+P's next scheduler step, the KV transfer, D noticing, and D's one-token
+forward (seed steps 23-39). Measured side by side in one run for pdkv's
+connector and vLLM's own MooncakeConnector (behind the test-only CPU shim
+in tests/shims/cpu_accelerator), each as a 1P1D pair on the tiny model,
+Mooncake tcp on loopback, P bound to core 0 and D to core 1, prefix
+caching off (so P alone and P/D both compute the whole prompt), requests
+through pdkv's proxy, one at a time.
+
+    flock /tmp/pdkv-vllm.lock python benchmarks/handover.py --prompts 40 --tokens 850
+    python benchmarks/handover.py --connectors pdkv --json
+
+Prints median and p99 handover per connector, and the target check:
+pdkv's median at most half of vLLM's, pdkv's p99 under 3x its median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+
+SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ttft(url: str, body: dict, headers: dict | None = None) -> float:
+    """Seconds from sending a streamed completion to its first content chunk."""
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                first = time.perf_counter() - t0
+                for _ in r.iter_lines():
+                    pass
+                return first
+    raise RuntimeError("the stream ended without a token")
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, logs: Path) -> dict:
+    from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+    from pdkv.proxy.server import BackgroundProxy
+
+    bport = free_port()
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
+    common = dict(
+        model=model, host="127.0.0.1", protocol="tcp", platform="cpu", block_size=32, max_model_len=1024,
+        host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
+    )
+    p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}"), logs / f"p-{connector}.log")
+    d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}"), logs / f"d-{connector}.log")
+    p.start()
+    d.start()
+    try:
+        p.wait_healthy(300)
+        d.wait_healthy(300)
+        burl = f"http://127.0.0.1:{bport}"
+        with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:
+            body = {"model": model, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            rng = np.random.default_rng(7)
+            for _ in range(warmup):
+                w = [int(x) for x in rng.integers(100, 4000, size=len(prompts[0]))]
+                ttft(p.url, {**body, "prompt": w})
+                ttft(proxy.url, {**body, "prompt": w[::-1]})
+            alone, pd, hand = [], [], []
+            for i, ids in enumerate(prompts):
+                a = ttft(p.url, {**body, "prompt": ids})
+                b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": f"hb-{connector}-{i}-{time.time_ns()}"})
+                alone.append(a)
+                pd.append(b)
+                hand.append(b - a)
+        return {
+            "connector": connector,
+            "n": len(hand),
+            "p_alone_ttft_ms_median": 1000 * statistics.median(alone),
+            "pd_ttft_ms_median": 1000 * statistics.median(pd),
+            "handover_ms_median": 1000 * statistics.median(hand),
+            "handover_ms_p99": 1000 * pct(hand, 99),
+            "handover_ms_max": 1000 * max(hand),
+            "handover_ms": [round(1000 * h, 2) for h in hand],
+        }
+    finally:
+        p.stop(grace=15)
+        d.stop(grace=15)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: a fresh `pdkv model tiny`)")
+    ap.add_argument("--prompts", type=int, default=40, help="distinct prompts per connector (>= 30)")
+    ap.add_argument("--tokens", type=int, default=850, help="tokens per prompt")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--connectors", default="pdkv,mooncake", help="comma-separated: pdkv, mooncake")
+    ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="pdkv-handover-"))
+    model = args.model
+    if model is None:
+        from pdkv.tinymodel import write_tiny_model
+
+        model = str(write_tiny_model(work / "tiny"))
+    rng = np.random.default_rng(2026)
+    prompts = [[int(x) for x in rng.integers(100, 4000, size=args.tokens)] for _ in range(args.prompts)]
+    results = [run_pair(c.strip(), model, prompts, args.warmup, work) for c in args.connectors.split(",") if c.strip()]
+    by = {r["connector"]: r for r in results}
+    verdict = {}
+    if "pdkv" in by:
+        verdict["pdkv_p99_under_3x_median"] = by["pdkv"]["handover_ms_p99"] < 3 * by["pdkv"]["handover_ms_median"]
+    if "pdkv" in by and "mooncake" in by:
+        verdict["pdkv_median_at_most_half_of_vllm"] = by["pdkv"]["handover_ms_median"] <= 0.5 * by["mooncake"]["handover_ms_median"]
+    if args.json:
+        print(json.dumps({"results": results, "verdict": verdict, "logs": str(work)}, indent=2))
+        return 0
+    print(f"handover = P/D TTFT - P-alone TTFT; {args.prompts} prompts of {args.tokens} tokens; logs in {work}")
+    print(f"{'connector':<10} {'n':>4} {'P alone':>9} {'P/D':>9} {'median':>9} {'p99':>9} {'max':>9}   (ms)")
+    for r in results:
+        print(
+            f"{r['connector']:<10} {r['n']:>4} {r['p_alone_ttft_ms_median']:>9.2f} {r['pd_ttft_ms_median']:>9.2f} "
+            f"{r['handover_ms_median']:>9.2f} {r['handover_ms_p99']:>9.2f} {r['handover_ms_max']:>9.2f}"
+        )
+    for k, v in verdict.items():
+        print(f"{k}: {'yes' if v else 'NO'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

