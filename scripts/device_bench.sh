@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# pdkv bench on a GPU host: Qwen3-8B geometry, 63 blocks, GPU0 -> GPU1 over Mooncake tcp,
-# the three layouts with --baseline, then a blocks sweep; JSON, logs and a summary under $OUT.
+# pdkv bench on a GPU host: Qwen3-8B geometry, 63 blocks, GPU0 -> GPU1 over Mooncake tcp and
+# through CUDA IPC, the three layouts with --baseline, then a blocks sweep; JSON, logs and a summary under $OUT.
 #
 # Run from the repository root, offline. Expects next to it:
 #   .whl/  mooncake-transfer-engine-cuda13 (and any of pdkv's Python deps the host lacks:
@@ -10,6 +10,7 @@
 #
 # Environment: OUT (default /tmp/pdkv-device-bench), PYTHON (default python3),
 # ITERS (30), WARMUP (3), SRC (cuda:0), DST (cuda:1), SWEEP (1: also sweep blocks=1,16,63,256),
+# IPC (1: also the three layouts through CUDA IPC, ITERS x 3 writes each),
 # USE_CLI (0: call the library instead of the typer CLI), WHL_DIR (.whl), DEB_DIR (.deb),
 # RUN_TIMEOUT (120 s per benchmark run).
 set -uo pipefail
@@ -118,6 +119,12 @@ for layout in contiguous per-block scattered; do
         --layout "$layout" --baseline --iters "$ITERS" --warmup "$WARMUP"
 done
 
+if [[ "${IPC:-1}" == 1 ]]; then
+    say "ipc: 63 blocks $SRC -> $DST through CUDA IPC, all layouts, with the copy_ baseline"
+    bench "$OUT/bench-ipc.json" "${QWEN3_8B[@]}" --blocks 63 --src "$SRC" --dst "$DST" --protocol ipc \
+        --layout all --baseline --iters "$((ITERS * 3))" --warmup "$WARMUP"
+fi
+
 if [[ $SWEEP == 1 ]]; then
     say "sweep blocks=1,16,63,256 x all layouts (no baseline)"
     bench "$OUT/sweep.json" "${QWEN3_8B[@]}" --src "$SRC" --dst "$DST" --protocol tcp \
@@ -129,7 +136,7 @@ say "summary"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 rows = []
-for name in ("bench-contiguous.json", "bench-per-block.json", "bench-scattered.json", "sweep.json"):
+for name in ("bench-contiguous.json", "bench-per-block.json", "bench-scattered.json", "bench-ipc.json", "sweep.json"):
     p = out / name
     try:
         rep = json.loads(p.read_text())

@@ -1,4 +1,4 @@
-"""Baselines for `pdkv bench --baseline`: bare TransferEngine calls, and Mooncake's own transfer_engine_bench.
+"""Baselines for `pdkv bench --baseline`: bare TransferEngine calls and Mooncake's own transfer_engine_bench (tcp, rdma), plain copy_ calls (ipc).
 
 The bare loop calls `batch_transfer_sync_write` on the same engine with the
 same descriptors as pdkv (cut into the same calls of at most max_batch), with
@@ -38,6 +38,44 @@ def bare_write_ms(engine: Any, peer: str, srcs: list[int], dsts: list[int], lens
     if rc != 0:
         raise TransferError(f"bare TransferEngine write of {sum(lens):,} B to {peer} failed (rc {rc})")
     return ms
+
+
+class CopyBaseline:
+    """The ipc baseline: plain torch `copy_` calls, one per descriptor, from P's GPU into a same-shaped buffer on D's GPU.
+
+    Both buffers live in this process (the easy case for copy_: no IPC), so
+    the ratio shows what batching every block into one kernel buys.
+    """
+
+    def __init__(self, memory: Any, dst: str, descriptors: list, remote_regions: list) -> None:
+        import torch
+
+        from pdkv.bench.memory import KVMemory
+
+        self.torch = torch
+        self.scratch = KVMemory(dst, memory.layers, memory.block_len, memory.num_blocks)
+        index = {r.base: i for i, r in enumerate(remote_regions)}
+        starts = sorted(index)
+        self.pairs = []
+        for d in descriptors:
+            base = max(b for b in starts if b <= d.dst)
+            self.pairs.append((self.scratch.view_at(index[base], d.dst - base, d.length), memory.view(d.src, d.length)))
+        self.devices = {int(dst[5:]), int(memory.device[5:])}
+
+    def write_ms(self) -> float:
+        torch = self.torch
+        for dev in self.devices:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for dst, src in self.pairs:
+            dst.copy_(src, non_blocking=True)
+        for dev in self.devices:
+            torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        self.pairs = []
+        self.scratch.close()
 
 
 class TebResult(msgspec.Struct, frozen=True):

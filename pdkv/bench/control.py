@@ -16,6 +16,7 @@ import msgspec
 
 from pdkv.errors import PdkvError, RemoteError, UnreachableError
 from pdkv.transport.base import Region
+from pdkv.transport.cuda_ipc import IpcExport
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
 
@@ -47,6 +48,7 @@ class Ready(msgspec.Struct, tag="ready", tag_field="op", frozen=True):
     regions: list[Region]
     device: str
     protocol: str
+    ipc: IpcExport | None = None  # protocol ipc: the CUDA IPC handles of `regions`
 
 
 class Digest(msgspec.Struct, tag="digest", tag_field="op", frozen=True):
@@ -89,6 +91,8 @@ class BenchTarget:
         from pdkv.transport import open_transport
 
         self.dst = parse_device(dst)
+        if protocol == "ipc" and not self.dst.startswith("cuda:"):
+            raise StartError("protocol ipc needs GPU memory on the decode side", hint="pass --dst cuda:N")
         self.protocol = protocol
         bind_host = host or "0.0.0.0"
         # Mooncake needs a concrete address to advertise: the one we bind, or the caller's choice.
@@ -107,7 +111,10 @@ class BenchTarget:
             self._ctx.term()
             raise StartError(f"cannot listen on {bind_host}:{port}: {exc}", hint="pick another --port") from None
         self.address = f"{self.advertise}:{bound}"
-        self.transport = open_transport(protocol, self.advertise, device_name, settings=settings)
+        if protocol == "ipc":
+            self.transport = open_transport(protocol, gpu=int(self.dst[5:]))
+        else:
+            self.transport = open_transport(protocol, self.advertise, device_name, settings=settings)
         self.memory: Any = None
         self.requests = 0
 
@@ -121,7 +128,8 @@ class BenchTarget:
                 self.memory = KVMemory(self.dst, req.layers, req.block_len, req.num_blocks)
                 self.memory.fill(req.seed)
                 self.transport.register(self.memory.spans)
-                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.protocol)
+                export = self.transport.export() if self.protocol == "ipc" else None
+                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.protocol, export)
             if self.memory is None:
                 return Failed("no Setup received yet")
             if isinstance(req, Refill):

@@ -89,6 +89,14 @@ class KVMemory:
             h.update(memoryview(piece))
         return h.hexdigest()
 
+    def view(self, addr: int, length: int) -> Any:
+        """The `length` bytes at `addr` as a slice of this memory's buffer (numpy array or torch tensor)."""
+        layer, off = self._locate(addr, length)
+        return self._buffers[layer][off : off + length]
+
+    def view_at(self, layer: int, offset: int, length: int) -> Any:
+        return self._buffers[layer][offset : offset + length]
+
     def flip(self, addr: int) -> None:
         """Invert the byte at `addr` (tests use it to corrupt what arrived)."""
         layer, off = self._locate(addr, 1)

@@ -11,6 +11,7 @@ both sides) after the cold transfer and again after the timed ones.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -23,6 +24,8 @@ from pdkv.errors import PdkvError, StartError, TransferError, UsageError
 from pdkv.geometry import KVGeometry, plan_transfer
 from pdkv.transport.base import Descriptor
 from pdkv.transport.planner import plan_descriptors
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LINK_GBPS = 400.0
 TARGET_START_TIMEOUT_S = 60.0
@@ -89,6 +92,7 @@ class BenchReport(msgspec.Struct, frozen=True):
     peer: str
     mc_settings: dict[str, str]
     cases: list[CaseResult]
+    note: str | None = None
 
 
 def link_rate(spec: BenchSpec) -> tuple[float, str]:
@@ -117,10 +121,27 @@ def check_spec(spec: BenchSpec) -> None:
     from pdkv.bench.memory import parse_device
     from pdkv.transport.mooncake import check_protocol
 
-    parse_device(spec.src)
-    parse_device(spec.dst)
+    src, dst = parse_device(spec.src), parse_device(spec.dst)
+    if spec.protocol == "ipc":
+        if not (src.startswith("cuda:") and dst.startswith("cuda:")):
+            raise UsageError("--protocol ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
+        return
     # Before any process starts: a wrong protocol or a missing RDMA device fails here, in seconds.
     check_protocol(spec.protocol, spec.device)
+
+
+def resolve_protocol(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
+    """For ipc, fall back to Mooncake tcp (with the reason, also logged) when the two GPUs cannot reach each other."""
+    if spec.protocol != "ipc" or spec.target is not None:
+        return spec, None
+    from pdkv.transport.cuda_ipc import ipc_reachable
+
+    ok, reason = ipc_reachable(int(spec.src[5:]), int(spec.dst[5:]))
+    if ok:
+        return spec, None
+    note = f"ipc unavailable ({reason}); fell back to Mooncake tcp"
+    log.warning(note)
+    return msgspec.structs.replace(spec, protocol="tcp"), note
 
 
 def _local_target_main(conn, protocol: str, device: str, dst: str, settings: dict[str, str]) -> None:
@@ -187,10 +208,12 @@ def verify_transfer(client, memory, descriptors: list[Descriptor], what: str) ->
 def run_bench(spec: BenchSpec, on_progress: Progress | None = None) -> BenchReport:
     """Run every case of `spec` and return the report; TransferError if any transfer fails or arrives corrupted."""
     check_spec(spec)
+    spec, note = resolve_protocol(spec)
     link_gbps, link_source = link_rate(spec)
     with contextlib.ExitStack() as stack:
         address = spec.target or stack.enter_context(local_target(spec))
-        return _run(spec, address, link_gbps, link_source, on_progress, stack)
+        report = _run(spec, address, link_gbps, link_source, on_progress, stack)
+        return msgspec.structs.replace(report, note=note) if note else report
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -204,7 +227,8 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     block_len = g.block_bytes_per_layer(spec.block_size)
     num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
     client = stack.enter_context(TargetClient(address))
-    transport = stack.enter_context(open_transport(spec.protocol, spec.hostname, spec.device, settings=spec.settings))
+    gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
+    transport = stack.enter_context(open_transport(spec.protocol, spec.hostname, spec.device, gpu=gpu, settings=spec.settings))
     memory = KVMemory(spec.src, g.layers, block_len, num_blocks)
     stack.callback(memory.close)
     memory.fill(spec.seed)
@@ -213,6 +237,10 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     ready = client.setup(g.layers, block_len, num_blocks, spec.seed + 1)
     stack.callback(lambda: _say_bye(client, Bye()))
     peer = ready.session
+    if spec.protocol == "ipc":
+        if ready.ipc is None:
+            raise TransferError(f"bench target {address} sent no CUDA IPC handles", hint="it must run with --protocol ipc")
+        transport.connect(peer, ready.ipc)
     cases: list[CaseResult] = []
     for index, (n, layout) in enumerate((n, lay) for n in spec.blocks for lay in layouts):
         label = f"{layout}, {n} blocks"
@@ -226,16 +254,26 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
             raise TransferError(f"{label}: descriptors carry {nbytes:,} B but pdkv plan says {plan_bytes:,} B")
         client.call(Refill(spec.seed + 2 + index))  # D's blocks hold other bytes until the cold write lands
         total = 1 + spec.warmup + spec.iters
+        write = _writer(transport, peer, descriptors, local_ids, remote_ids, memory.regions, ready.regions)
         t0 = time.perf_counter()
-        transport.write(peer, descriptors)
+        write()
         cold_ms = (time.perf_counter() - t0) * 1e3
         verify_transfer(client, memory, descriptors, f"{label}, cold")
         if on_progress:
             on_progress(label, 1, total)
-        samples, bare = _timed_loop(spec, transport, peer, descriptors, label, total, on_progress)
+        bare_write, closer = _bare_writer(spec, transport, peer, descriptors, memory, ready.regions) if spec.baseline else (None, None)
+        try:
+            samples, bare = _timed_loop(spec, write, bare_write, label, total, on_progress)
+        finally:
+            if closer is not None:
+                closer()
         verify_transfer(client, memory, descriptors, f"{label}, after {spec.iters} timed writes")
         timing = summarize(samples, nbytes, link_gbps)
-        baseline = _baseline(spec, timing, bare, nbytes, link_gbps, descriptors, transport.max_batch) if spec.baseline else None
+        baseline = (
+            _baseline(spec, timing, bare, nbytes, link_gbps, descriptors, getattr(transport, "max_batch", len(descriptors)))
+            if spec.baseline
+            else None
+        )
         cases.append(CaseResult(layout, n, nbytes, plan_bytes, len(descriptors), plan_ms, cold_ms, timing, True, baseline))
     return BenchReport(
         geometry=g,
@@ -249,7 +287,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         link_source=link_source,
         target=address,
         peer=peer,
-        mc_settings=transport.mc_settings,
+        mc_settings=getattr(transport, "mc_settings", {}),
         cases=cases,
     )
 
@@ -259,26 +297,43 @@ def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesc
     return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce)
 
 
-def _timed_loop(spec: BenchSpec, transport, peer: str, descriptors: list[Descriptor], label: str, total: int, on_progress):
+def _writer(transport, peer: str, descriptors, local_ids, remote_ids, local_regions, remote_regions) -> Callable[[], object]:
+    """How the connector writes: whole blocks where the transport copies blocks itself (ipc), else the planned descriptors."""
+    if hasattr(transport, "write_blocks"):
+        return lambda: transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions)
+    return lambda: transport.write(peer, descriptors)
+
+
+def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):
+    """The baseline write for this protocol and what closes it: bare TransferEngine calls, or (ipc) plain copy_ calls."""
+    if spec.protocol == "ipc":
+        from pdkv.bench.baseline import CopyBaseline
+
+        copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
+        return copier.write_ms, copier.close
     from pdkv.bench.baseline import bare_write_ms
 
-    engine = transport.engine if spec.baseline else None
+    engine = transport.engine
     srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
+    return (lambda: bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)), None
+
+
+def _timed_loop(spec: BenchSpec, write, bare_write, label: str, total: int, on_progress):
     samples: list[float] = []
     bare: list[float] = []
     for i in range(spec.warmup + spec.iters):
         timed = i >= spec.warmup
-        # pdkv and bare alternate which goes first, so neither always meets a warmer or colder link.
+        # pdkv and the baseline alternate which goes first, so neither always meets a warmer or colder link.
         order = (0, 1) if i % 2 == 0 else (1, 0)
         for which in order:
             if which == 0:
                 t0 = time.perf_counter()
-                transport.write(peer, descriptors)
+                write()
                 ms = (time.perf_counter() - t0) * 1e3
                 if timed:
                     samples.append(ms)
-            elif engine is not None:
-                ms = bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)
+            elif bare_write is not None:
+                ms = bare_write()
                 if timed:
                     bare.append(ms)
         if on_progress:
@@ -294,7 +349,9 @@ def _baseline(
     bare_timing = summarize(bare, nbytes, link_gbps)
     teb_gbps = teb_ratio = None
     note: str | None = None
-    if not spec.transfer_engine_bench:
+    if spec.protocol == "ipc":
+        note = "baseline: plain copy_ calls, one per descriptor, inside one process"
+    elif not spec.transfer_engine_bench:
         note = "not asked for"
     elif spec.target is not None:
         note = "not run in two-host mode"

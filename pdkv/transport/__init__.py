@@ -2,7 +2,8 @@
 
 `base` holds the Transport protocol and region types; `planner` turns block
 ids into descriptors (pure); `mooncake` implements the protocol over
-Mooncake's TransferEngine (tcp, rdma).
+Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between
+GPUs of one host through CUDA IPC (ipc).
 """
 
 from __future__ import annotations
@@ -10,15 +11,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
     from pdkv.transport.mooncake import MooncakeTransport
 
 
-def open_transport(protocol: str = "tcp", hostname: str = "127.0.0.1", device: str = "", **options: Any) -> MooncakeTransport:
-    """Start the transport for `protocol` ("tcp" or "rdma", both over Mooncake) on `hostname`.
+def open_transport(
+    protocol: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, **options: Any
+) -> MooncakeTransport | CudaIpcTransport:
+    """Start the transport for `protocol` on `hostname`: "tcp" or "rdma" over Mooncake, or "ipc" (CUDA IPC on GPU `gpu`).
 
-    `options` go to MooncakeTransport (settings, write_timeout_s). The
-    Mooncake import happens here, not when pdkv.transport is imported.
+    `options` go to MooncakeTransport (settings, write_timeout_s). Mooncake,
+    torch and Triton are imported here, not when pdkv.transport is imported.
     """
+    if protocol == "ipc":
+        from pdkv.transport.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(0 if gpu is None else gpu)
     from pdkv.transport.mooncake import MooncakeTransport
 
     return MooncakeTransport(hostname, protocol, device, **options)
