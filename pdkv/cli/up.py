@@ -30,6 +30,8 @@ Examples:
 
   pdkv up
 
+  pdkv up --trace --once
+
   pdkv up -f deploy.toml
 
   pdkv up --role prefill --model /models/Qwen3-8B --gpu 0 --device mlx5_0
@@ -110,18 +112,27 @@ def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
     return lines
 
 
-def _run_trace_hook(parts: list[Any]) -> None:
-    """`--trace`: hand the ready deployment to `pdkv trace`, where this install has it."""
+def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
+    """`--trace`: send one request through the ready deployment and print its timeline (`pdkv trace`)."""
+    import msgspec
+
+    from pdkv.cli.trace import render_trace
+    from pdkv.trace.collect import run_trace
+
     proxy = next((p for p in parts if p.kind == "proxy"), None)
-    if proxy is None or importlib.util.find_spec("pdkv.cli.trace") is None:
-        err_console.print("--trace: `pdkv trace` is not available here; the deployment runs without it")
+    if proxy is None:
+        err_console.print("--trace: this deployment has no proxy to trace through")
         return
-    import subprocess
+    trace = run_trace(proxy.plan.url)
+    if json_out:
+        emit("trace", trace=msgspec.to_builtins(trace))
+    else:
+        render_trace(trace)
 
-    subprocess.run([sys.executable, "-m", "pdkv", "trace", "--proxy", proxy.plan.url], check=False)
 
-
-def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool) -> None:
+def _supervise(
+    parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool, once: bool = False
+) -> None:
     from pdkv.errors import PdkvError
     from pdkv.deploy import Supervisor
 
@@ -160,7 +171,9 @@ def _supervise(parts: list[Any], *, log_dir: Path, timeout: float, json_out: boo
             for line in _ready_message(parts, served):
                 console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
         if trace:
-            _run_trace_hook(parts)
+            _run_trace_hook(parts, emit, json_out)
+        if once:
+            return
         dead = sup.wait_for_exit()
         tail = dead.log_tail(20)
         emit("exited", name=dead.name, code=dead.poll())
@@ -205,7 +218,8 @@ def up(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
     log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
-    trace: Annotated[bool, typer.Option("--trace", help="Once ready, hand the deployment to `pdkv trace` (where available).")] = False,
+    trace: Annotated[bool, typer.Option("--trace", help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
+    once: Annotated[bool, typer.Option("--once", help="Stop every part once ready (and traced, with --trace) instead of serving until Ctrl-C.")] = False,
     json_out: JsonOpt = False,
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
@@ -271,7 +285,7 @@ def up(
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
     raise_problems(preflight(parts, boots))
-    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace)
+    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once)
 
 
 def _with_cores(dep: Any, p_cores: str, d_cores: str) -> Any:

@@ -118,3 +118,41 @@ def test_pdkv_up_serves_1p1d_and_sigint_leaves_nothing(tmp_path: Path) -> None:
         for pid in descendants:  # a failed assertion above must not leave engines on the shared cores
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="the built-in CPU topology runs only where no GPU is present")
+def test_readme_main_job_traces_one_request_and_stops(tmp_path: Path) -> None:
+    """`pdkv up --trace --once`: bring up the local 1P1D, trace one request, stop everything, exit 0."""
+    from pdkv.geometry import geometry_from_model, plan_transfer
+
+    env = {**os.environ, "PDKV_CACHE_DIR": str(tmp_path / "cache")}
+    with (tmp_path / "up.stderr").open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdkv", "up", "--trace", "--once", "--json", "--log-dir", str(tmp_path / "logs")],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        out, _ = proc.communicate(timeout=READY_TIMEOUT_S + STOP_TIMEOUT_S)
+        assert proc.returncode == 0, (tmp_path / "up.stderr").read_text()[-3000:]
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        names = [e["event"] for e in events]
+        assert names[:2] == ["starting", "ready"] and names[-1] == "stopped"
+        trace = next(e["trace"] for e in events if e["event"] == "trace")
+        ttft = trace["proxy_ttft_ms"]
+        assert ttft > 0
+        assert sum(p["ms"] for p in trace["phases"]) == pytest.approx(ttft, rel=0.05)
+        geometry = geometry_from_model(tmp_path / "cache" / "tiny-model")
+        want = plan_transfer(geometry, prompt_tokens=trace["prompt_tokens"], block_size=32).transfer_bytes
+        assert trace["transfer"]["bytes"] == want
+        ready = next(e for e in events if e["event"] == "ready")
+        left = [p["pid"] for p in ready["parts"] if _alive(p["pid"])]
+        assert not left, f"processes left after --once: {left}"
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
