@@ -127,7 +127,8 @@ def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pai
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     extra = PDKV_EXTRA if connector == "pdkv" else {}
-    p_spec = spec(tiny_model, "prefill", connector, "0", bootstrap_port=bport, extra_env=env, connector_extra=extra)
+    p_args = ("--max-num-seqs", "2") if connector == "pdkv" else ()  # lets a test keep a P request queued
+    p_spec = spec(tiny_model, "prefill", connector, "0", bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args)
     d_spec = spec(tiny_model, "decode", connector, "1", extra_env=env, connector_extra=extra)
     p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
     d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
@@ -251,14 +252,41 @@ def test_p_stopping_on_its_first_token_still_serves_d(pair: Pair, prompts, coloc
     assert_same(answer(r), colocated[n])
 
 
-def test_p_request_failing_fails_d_fast(pair: Pair, prompts) -> None:
+def test_p_request_aborted_fails_d_fast(pair: Pair, prompts, vocab: int) -> None:
     only_pdkv(pair)
-    # An invalid regex fails in P's engine (grammar compilation), after the scheduler saw the request.
-    res = direct(pair, prompts[17], f"xfer-err-{time.time_ns()}", {"structured_outputs": {"regex": "(unclosed"}})
-    elapsed, r = res["d"]
+    # P admits two sequences at a time (--max-num-seqs 2): two long requests keep P's request
+    # queued, and the client hanging up aborts it there, after P's scheduler saw it.
+    busy = [
+        threading.Thread(target=complete, args=(pair.p.url, body(pair.model, prompt_ids(400, vocab, seed=s), max_tokens=500)), kwargs={"timeout": 60})
+        for s in (1, 2)
+    ]
+    for t in busy:
+        t.start()
+    time.sleep(0.5)
+    tid = f"xfer-abort-{time.time_ns()}"
+    d_kv = {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
+        "remote_engine_id": pair.engine_id, "transfer_id": tid,
+    }
+    out: dict[str, tuple[float, httpx.Response]] = {}
+
+    def d_request() -> None:
+        t0 = time.monotonic()
+        r = complete(pair.d.url, {**body(pair.model, prompts[17]), "kv_transfer_params": d_kv})
+        out["d"] = (time.monotonic() - t0, r)
+
+    d_thread = threading.Thread(target=d_request)
+    d_thread.start()
+    p_body = {**body(pair.model, prompts[17], max_tokens=1), "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}}
+    with pytest.raises(httpx.TimeoutException):
+        complete(pair.p.url, p_body, timeout=0.5)  # hang up: vLLM aborts the queued request
+    d_thread.join(30)
+    for t in busy:
+        t.join(60)
+    elapsed, r = out["d"]
     assert d_failed(r), r.text[:300]
     # Faster than the unknown-transfer bound: P's cancel reached D, not the timeout.
-    assert elapsed < PDKV_EXTRA["unknown_wait_s"] - 1.5, f"D failed after {elapsed:.1f} s: {r.text[:200]}"
+    assert elapsed < PDKV_EXTRA["unknown_wait_s"] - 1.0, f"D failed after {elapsed:.1f} s"
 
 
 def test_unknown_transfer_fails_d_within_ps_wait_bound(pair: Pair, prompts) -> None:
