@@ -33,6 +33,7 @@ import numpy as np
 
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
 
+VOCAB_HIGH = 4000  # set from the model's config in main()
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
 
 
@@ -46,14 +47,15 @@ def ttft(url: str, body: dict, headers: dict | None = None) -> float:
     """Seconds from sending a streamed completion to its first content chunk."""
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120) as r:
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+        first = None
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+            if first is None and line.startswith("data: ") and line != "data: [DONE]":
                 first = time.perf_counter() - t0
-                for _ in r.iter_lines():
-                    pass
-                return first
-    raise RuntimeError("the stream ended without a token")
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -82,7 +84,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
             body = {"model": model, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
             rng = np.random.default_rng(7)
             for _ in range(warmup):
-                w = [int(x) for x in rng.integers(100, 4000, size=len(prompts[0]))]
+                w = [int(x) for x in rng.integers(100, VOCAB_HIGH, size=len(prompts[0]))]
                 ttft(p.url, {**body, "prompt": w})
                 ttft(proxy.url, {**body, "prompt": w[::-1]})
             alone, pd, hand = [], [], []
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(write_tiny_model(work / "tiny"))
     rng = np.random.default_rng(2026)
-    prompts = [[int(x) for x in rng.integers(100, 4000, size=args.tokens)] for _ in range(args.prompts)]
+    global VOCAB_HIGH
+    VOCAB_HIGH = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 100
+    prompts = [[int(x) for x in rng.integers(100, VOCAB_HIGH, size=args.tokens)] for _ in range(args.prompts)]
     results = [run_pair(c.strip(), model, prompts, args.warmup, work) for c in args.connectors.split(",") if c.strip()]
     by = {r["connector"]: r for r in results}
     verdict = {}
