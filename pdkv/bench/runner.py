@@ -237,6 +237,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     ready = client.setup(g.layers, block_len, num_blocks, spec.seed + 1)
     stack.callback(lambda: _say_bye(client, Bye()))
     peer = ready.session
+    local_regions = memory.regions
     if spec.protocol == "ipc":
         if ready.ipc is None:
             raise TransferError(f"bench target {address} sent no CUDA IPC handles", hint="it must run with --protocol ipc")
@@ -246,7 +247,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         label = f"{layout}, {n} blocks"
         local_ids, remote_ids = block_ids(layout, n, spec.seed)
         t0 = time.perf_counter()
-        descriptors = transport_plan(local_ids, remote_ids, memory.regions, ready.regions, coalesces(layout))
+        descriptors = transport_plan(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout))
         plan_ms = (time.perf_counter() - t0) * 1e3
         nbytes = sum(d.length for d in descriptors)
         plan_bytes = plan_transfer(g, prompt_tokens=n * spec.block_size, block_size=spec.block_size).transfer_bytes
@@ -254,7 +255,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
             raise TransferError(f"{label}: descriptors carry {nbytes:,} B but pdkv plan says {plan_bytes:,} B")
         client.call(Refill(spec.seed + 2 + index))  # D's blocks hold other bytes until the cold write lands
         total = 1 + spec.warmup + spec.iters
-        write = _writer(transport, peer, descriptors, local_ids, remote_ids, memory.regions, ready.regions)
+        write = _writer(transport, peer, descriptors, local_ids, remote_ids, local_regions, ready.regions)
         t0 = time.perf_counter()
         write()
         cold_ms = (time.perf_counter() - t0) * 1e3
