@@ -119,6 +119,34 @@ class ErrorResponse(msgspec.Struct, frozen=True):
     detail: str
 
 
+# --- CUDA IPC (intra-node GPU transport) -----------------------------------
+
+
+class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
+    """One exported KV region: `length` bytes at `base` (exporter's address), inside allocation `alloc`."""
+
+    alloc: int  # index into IpcExport.allocations
+    base: int
+    length: int
+
+
+class IpcAllocation(msgspec.Struct, frozen=True, array_like=True):
+    handle: bytes  # cudaIpcMemHandle_t of the allocation
+    base: int  # allocation base in the exporter's address space
+    size: int
+
+
+class IpcExport(msgspec.Struct, frozen=True):
+    """What D sends P once per layout so P can open D's KV regions."""
+
+    host_id: str  # boot id + hostname: IPC works only inside one host (one kernel)
+    pid: int
+    device: int
+    device_uuid: str
+    allocations: list[IpcAllocation]
+    regions: list[IpcRegion]
+
+
 # --- kv_transfer_params (proxy -> connector) --------------------------------
 
 
@@ -177,6 +205,8 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
     regions: list[RegionSpec]
     block_ids: list[NonNegative]
     first_block: NonNegative = 0
+    # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
+    ipc: IpcExport | None = None
 
 
 class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):

@@ -16,7 +16,7 @@ import msgspec
 
 from pdkv.errors import PdkvError, RemoteError, UnreachableError
 from pdkv.transport.base import Region
-from pdkv.transport.cuda_ipc import IpcExport
+from pdkv.protocol import IpcExport
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
 

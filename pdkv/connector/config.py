@@ -21,7 +21,8 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """kv_connector_extra_config, typed. Unknown keys are ignored (vLLM's own keys may be present)."""
 
-    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    # tcp/rdma over Mooncake, or ipc: CUDA IPC between GPUs of one host (pdkv's own; vLLM's connector has no ipc).
+    mooncake_protocol: Literal["tcp", "rdma", "ipc"] = "tcp"
     device_name: str = ""
     # "host:port" of a standalone bootstrap server; unset: P's TP0 worker runs one.
     bootstrap_server_address: str | None = None

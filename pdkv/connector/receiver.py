@@ -20,7 +20,7 @@ from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
 from pdkv.connector.state import PullOutcome, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError
-from pdkv.protocol import ErrorReply, PullReply, PullRequest, PullStatus, RegionSpec, Release, TraceReport
+from pdkv.protocol import ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, RegionSpec, Release, TraceReport
 from pdkv.transport.base import Region
 
 log = logging.getLogger("pdkv.connector")
@@ -59,6 +59,7 @@ class KVReceiver:
         liveness_s: float = 10.0,
         trace: TraceLog | None = None,
         bootstrap_timeout: float = 2.0,
+        ipc: IpcExport | None = None,
     ) -> None:
         self.session = session
         self.regions = [RegionSpec(r.base, r.block_len, r.num_blocks) for r in regions]
@@ -66,6 +67,7 @@ class KVReceiver:
         self.tracker = PullTracker(liveness_s)
         self.trace = trace or TraceLog("decode", tp_rank=tp_rank)
         self.bootstrap_timeout = bootstrap_timeout
+        self.ipc = ipc
         self._results = Results()
         self._lock = threading.Lock()
         self._loop = EventLoopThread("pdkv-receiver")
@@ -183,6 +185,7 @@ class KVReceiver:
             regions=self.regions,
             block_ids=list(spec.block_ids),
             first_block=spec.first_block,
+            ipc=self.ipc,
         )
         self.trace.event(spec.transfer_id, "pull_sent")
         await peer.send(req)

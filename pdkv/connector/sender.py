@@ -90,6 +90,8 @@ class KVSender:
         self._finished: set[str] = set()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-send")
+        self._ipc_lock = threading.Lock()
+        self._ipc_peers: dict[str, Any] = {}  # D session -> the IpcExport its handles were opened from
         self._loop = EventLoopThread("pdkv-sender")
         self.server = SideChannelServer(self._loop, host, self._handle, port=port)
         self._ticker = self._loop.submit(self._tick_forever())
@@ -198,7 +200,7 @@ class KVSender:
             nbytes, ndesc = sum(d.length for d in descs), len(descs)
             self.trace.event(a.transfer_id, "transfer_start")
             if descs:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self.transport.write, req.session, descs)
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._write, req, local, remote_regions, descs)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
             error = str(exc)
@@ -213,6 +215,30 @@ class KVSender:
         self.trace.event(a.transfer_id, "reply_sent")
         self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
         self._run(self.table.send_finished(a.transfer_id, error, time.time()))
+
+    def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list) -> None:
+        """On the transfer thread: with CUDA IPC, open D's handles the first time, then copy whole blocks; else write descriptors."""
+        if req.ipc is None:
+            self.transport.write(req.session, descs)
+            return
+        connect = getattr(self.transport, "connect", None)
+        if connect is None:
+            raise TransferError("decode sent CUDA IPC handles, but this prefill engine's transport is not ipc", hint="use the same mooncake_protocol on P and D")
+        with self._ipc_lock:
+            if self._ipc_peers.get(req.session) != req.ipc:
+                self._forget_dead_ipc_peers()
+                connect(req.session, req.ipc)
+                self._ipc_peers[req.session] = req.ipc
+        self.transport.write_blocks(req.session, local, req.block_ids, self.regions, remote_regions)  # type: ignore[attr-defined]
+
+    def _forget_dead_ipc_peers(self) -> None:
+        """Close the handles of decode processes that are gone (a restarted D exports anew)."""
+        import psutil
+
+        for session, export in list(self._ipc_peers.items()):
+            if not psutil.pid_exists(export.pid):
+                self.transport.disconnect(session)  # type: ignore[attr-defined]
+                del self._ipc_peers[session]
 
     async def _tick_forever(self) -> None:
         while True:

@@ -53,7 +53,7 @@ class ConnectorWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
         """Steps 1, 3-5: start Mooncake, register the KV memory, start the side channel (P) or receiver (D)."""
-        from pdkv.transport.mooncake import MooncakeTransport
+        from pdkv.transport import open_transport
 
         tensors = [TensorInfo.of(name, kv_caches[name]) for name in layer_order]
         regions = regions_for_caches(tensors, self.num_blocks)
@@ -62,9 +62,16 @@ class ConnectorWorker:
             len(regions), self.num_blocks, regions[0].block_len, "producer" if self.is_producer else "consumer",
             tensors[0].shape, tensors[0].stride,
         )
-        self.transport = MooncakeTransport(
-            self.host, self.config.mooncake_protocol, self.config.device_name, write_timeout_s=self.config.write_timeout_s
-        )
+        protocol = self.config.mooncake_protocol
+        if protocol == "ipc":
+            device = getattr(kv_caches[layer_order[0]], "device", None)
+            if getattr(device, "type", "cpu") != "cuda":
+                raise StartError("mooncake_protocol ipc needs the KV cache in GPU memory", hint="use tcp or rdma on CPU hosts")
+            self.transport = open_transport("ipc", gpu=device.index or 0)
+        else:
+            self.transport = open_transport(
+                protocol, self.host, self.config.device_name, write_timeout_s=self.config.write_timeout_s
+            )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"
         trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
@@ -72,6 +79,7 @@ class ConnectorWorker:
             self.receiver = KVReceiver(
                 self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size,
                 liveness_s=self.config.liveness_s, trace=trace,
+                ipc=self.transport.export() if protocol == "ipc" else None,
             )
             return
         if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:

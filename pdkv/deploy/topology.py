@@ -216,8 +216,9 @@ def local_deployment(
         host="127.0.0.1",
         host_ip="127.0.0.1",
         bootstrap=BootstrapEntry(mode="standalone", port=8998),
-        prefill=[EngineEntry(port=8100, gpu="0", extra_args=share)],
-        decode=[EngineEntry(port=8200, gpu="1" if gpus > 1 else "0", extra_args=share)],
+        # ipc: each engine sees both GPUs, its own first (P opens D's memory and copies on D's GPU).
+        prefill=[EngineEntry(port=8100, gpu="0,1" if protocol == "ipc" and gpus > 1 else "0", extra_args=share)],
+        decode=[EngineEntry(port=8200, gpu=("1,0" if protocol == "ipc" else "1") if gpus > 1 else "0", extra_args=share)],
         proxy=ProxyEntry(port=proxy_port),
     )
 

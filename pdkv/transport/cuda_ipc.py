@@ -18,6 +18,7 @@ import ctypes
 import logging
 import os
 import socket
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,10 @@ from typing import Any
 import msgspec
 
 from pdkv.errors import StartError, TransferError
+from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.base import Descriptor, Region
+
+__all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "ipc_reachable", "plan_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -33,31 +37,6 @@ log = logging.getLogger(__name__)
 # grid keeps every SM busy whether the layout has 36 or 2,268 descriptors.
 CHUNK_BYTES = 64 * 1024
 IPC_HANDLE_BYTES = 64
-
-
-class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
-    """One exported KV region: `length` bytes at `base` (exporter's address), inside allocation `alloc`."""
-
-    alloc: int  # index into IpcExport.allocations
-    base: int
-    length: int
-
-
-class IpcAllocation(msgspec.Struct, frozen=True, array_like=True):
-    handle: bytes  # cudaIpcMemHandle_t of the allocation
-    base: int  # allocation base in the exporter's address space
-    size: int
-
-
-class IpcExport(msgspec.Struct, frozen=True):
-    """What D sends P once per layout so P can open D's KV regions."""
-
-    host_id: str  # boot id + hostname: IPC works only inside one host (one kernel)
-    pid: int
-    device: int
-    device_uuid: str
-    allocations: list[IpcAllocation]
-    regions: list[IpcRegion]
 
 
 def host_id(proc_root: str = "/") -> str:
@@ -324,6 +303,7 @@ class CudaIpcTransport:
         self._streams: dict[int, Any] = {}
         self._staging: dict[int, tuple[Any, Any]] = {}  # device -> (pinned host, device) int64 tables
         self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
+        self._lock = threading.RLock()  # one write at a time: graphs and staging buffers are shared
         self.profile = False
         self.last_kernel_ms: float | None = None
 
@@ -340,8 +320,13 @@ class CudaIpcTransport:
         self._local = [r for r in self._local if r not in gone]
         self._local_map = SpanMap([(a, a + n, a) for a, n in self._local])
 
+    def _bind_thread(self) -> None:
+        """Make this process's GPU current on the calling thread: driver calls need a context, and callers use thread pools."""
+        self.torch.cuda.set_device(self.device)
+
     def export(self) -> IpcExport:
         """Handles for the allocations behind every registered region (only those regions are writable by P)."""
+        self._bind_thread()
         allocations: list[IpcAllocation] = []
         index: dict[int, int] = {}
         regions: list[IpcRegion] = []
@@ -356,11 +341,16 @@ class CudaIpcTransport:
 
     def connect(self, peer: str, export: IpcExport) -> None:
         """Open `export`'s handles once; `peer` is the name later writes use."""
+        with self._lock:
+            self._connect(peer, export)
+
+    def _connect(self, peer: str, export: IpcExport) -> None:
+        self._bind_thread()
         if export.host_id != host_id():
             raise TransferError(f"peer {peer} is on another host ({export.host_id}); CUDA IPC works within one host")
         if export.pid == os.getpid():
             raise TransferError("CUDA IPC cannot open handles exported by the same process")
-        self.disconnect(peer)
+        self._disconnect(peer)
         opened: list[int] = []
         try:
             for alloc in export.allocations:
@@ -474,6 +464,11 @@ class CudaIpcTransport:
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=self.chunk_bytes // 8, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
+        with self._lock:
+            self._write(peer, descriptors)
+
+    def _write(self, peer: str, descriptors: list[Descriptor]) -> None:
+        self._bind_thread()
         entry = self._require(peer)
         chunks = plan_chunks(descriptors, self._local_map, entry.spans, self.chunk_bytes)
         if len(chunks):
@@ -484,9 +479,15 @@ class CudaIpcTransport:
 
         Checks, before any copy: block ids inside both sides' regions, each
         local region inside registered memory, each remote region inside the
-        peer's exported memory, equal block lengths.
+        peer's exported memory, equal block lengths. Safe to call from several threads.
         """
+        with self._lock:
+            return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
+
+    def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> int:
         import numpy as np
+
+        self._bind_thread()
 
         if len(local_blocks) != len(remote_blocks):
             raise TransferError(f"{len(local_blocks)} local blocks cannot pair with {len(remote_blocks)} remote blocks")
@@ -564,6 +565,11 @@ class CudaIpcTransport:
         self._run(device, lambda: kernel[(len(chunks),)](dev, 3, CHUNK_WORDS=self.chunk_bytes // 8, BLOCK=1024, num_warps=4))
 
     def disconnect(self, peer: str) -> None:
+        with self._lock:
+            self._disconnect(peer)
+
+    def _disconnect(self, peer: str) -> None:
+        self._bind_thread()
         entry = self._peers.pop(peer, None)
         if entry is not None:
             for stream in self._streams.values():
@@ -572,9 +578,10 @@ class CudaIpcTransport:
                 self.driver.ipc_close(ptr)
 
     def close(self) -> None:
-        for peer in list(self._peers):
-            self.disconnect(peer)
-        self._graphs.clear()
+        with self._lock:
+            for peer in list(self._peers):
+                self._disconnect(peer)
+            self._graphs.clear()
 
     def __enter__(self) -> CudaIpcTransport:
         return self

@@ -147,3 +147,25 @@ def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -
     lines = err.strip().splitlines()
     assert lines[0] == "pdkv: error: pre-flight found 3 problems:"
     assert len([line for line in lines if "; fix: " in line]) == 3
+
+
+def test_ipc_needs_gpus_and_pdkvs_connector(capsys):
+    from pdkv.cli import run
+
+    assert run(["up", "--protocol", "ipc", "--platform", "cpu", "--dry-run"]) == 2
+    assert "between GPUs" in capsys.readouterr().err
+    assert run(["up", "--role", "prefill", "--model", "m", "--platform", "gpu", "--protocol", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
+    assert "pdkv's own transport" in capsys.readouterr().err
+
+
+def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
+    import json
+
+    from pdkv.cli import run
+
+    code = run(["up", "--role", "prefill", "--model", "m", "--platform", "gpu", "--protocol", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
+    assert code == 0
+    part = json.loads(capsys.readouterr().out)["parts"][0]
+    config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["mooncake_protocol"] == "ipc"
+    assert part["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
