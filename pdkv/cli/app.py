@@ -70,7 +70,7 @@ def build_app() -> typer.Typer:
         name="pdkv",
         help=HELP,
         no_args_is_help=True,
-        add_completion=True,
+        add_completion=False,  # completions/ holds static scripts
         pretty_exceptions_enable=False,
         rich_markup_mode="rich",
         context_settings={"help_option_names": ["-h", "--help"]},

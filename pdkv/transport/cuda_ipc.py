@@ -435,21 +435,6 @@ class CudaIpcTransport:
         self._graphs[key] = cached
         return cached
 
-    def _replay(self, device: int, graph: _BlockGraph) -> None:
-        torch = self.torch
-        stream = self._stream(device)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
-            if self.profile:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                graph.graph.replay()
-                end.record(stream)
-            else:
-                graph.graph.replay()
-        stream.synchronize()
-        if self.profile:
-            self.last_kernel_ms = start.elapsed_time(end)
-
     def _warm_up(self, device: int) -> None:
         """Compile and load both kernels now, so a request's first transfer does not pay for it."""
         import numpy as np
@@ -505,7 +490,7 @@ class CudaIpcTransport:
         rblk = np.concatenate([rblk, np.full(padded - nb, rblk[-1], np.int64)])
         graph = self._block_graph(device, nr, padded, block_len)
         graph.host.numpy()[:] = np.concatenate([layout.bases, lblk, rblk])
-        self._replay(device, graph)
+        self._run(device, graph.graph.replay)
         return nr * nb * block_len
 
     def _region_layout(self, peer: str, local_regions: Sequence[Region], remote_regions: Sequence[Region]) -> _RegionLayout:
