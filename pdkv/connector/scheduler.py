@@ -34,6 +34,7 @@ class StepMeta:
 
     registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
     ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
+    ready_at: dict[str, float] = field(default_factory=dict)  # P: p_req_id -> unix time the scheduler saw it finish (step 23)
     cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
     pulls: list[PullSpec] = field(default_factory=list)  # D
     aborts: list[str] = field(default_factory=list)  # D: d_req_ids whose pull is no longer wanted
@@ -133,6 +134,7 @@ class ConnectorScheduler:
         if status in SENDABLE_FINISHES and prompt_done and block_ids:
             wanted = blocks_for(request.num_prompt_tokens, self.block_size)
             self._next.ready[rid] = (tid, list(block_ids[:wanted]))
+            self._next.ready_at[rid] = time.time()
             return True, None
         reason = f"prefill request {rid} finished as {status}" + ("" if prompt_done else " before its prompt was computed")
         log.warning("pdkv: %s; telling the decode side not to wait for %s", reason, tid)

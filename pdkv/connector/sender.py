@@ -107,12 +107,13 @@ class KVSender:
         registered: dict[str, str] | None = None,
         ready: dict[str, tuple[str, list[int]]] | None = None,
         cancelled: dict[str, str] | None = None,
+        ready_at: dict[str, float] | None = None,
     ) -> None:
-        """Scheduler news: {p_req_id: transfer_id} started, {p_req_id: (transfer_id, blocks)} finished,
-        {transfer_id: reason} ended without KV."""
+        """Scheduler news: {p_req_id: transfer_id} started, {p_req_id: (transfer_id, blocks)} finished
+        (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV."""
         if registered or ready or cancelled:
             now = time.time()
-            self._loop.call_soon(self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now)
+            self._loop.call_soon(self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now, dict(ready_at or {}))
 
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
@@ -122,11 +123,13 @@ class KVSender:
 
     # --- loop thread ---------------------------------------------------------
 
-    def _apply(self, registered: dict, ready: dict, cancelled: dict, now: float) -> None:
+    def _apply(self, registered: dict, ready: dict, cancelled: dict, now: float, ready_at: dict | None = None) -> None:
         for p_req_id, tid in registered.items():
             self.trace.event(tid, "registered", now, p_req_id=p_req_id)
             self._run(self.table.registered(tid, p_req_id, now))
         for p_req_id, (tid, blocks) in ready.items():
+            if ready_at and p_req_id in ready_at:
+                self.trace.event(tid, "p_computed", ready_at[p_req_id], p_req_id=p_req_id)
             self.trace.event(tid, "p_finished", now, p_req_id=p_req_id)
             self._run(self.table.ready(tid, p_req_id, blocks, now))
         for tid, reason in cancelled.items():

@@ -123,7 +123,8 @@ def assert_untouched(pair: Pair, d_blocks: list[int]) -> None:
 def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
     pair = make_pair()
     pair.sender.apply_step(registered={"p1": "x1"})
-    pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])})
+    computed = time.time()
+    pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])}, ready_at={"p1": computed})
     time.sleep(0.05)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6, 7, 12])])
     res = wait_results(pair.receiver, {"d1"})
@@ -135,8 +136,9 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
     assert trace is not None and trace.status == "sent"
     assert trace.bytes == 4 * LAYERS * BLOCK_LEN
     assert trace.descriptors == 2 * LAYERS  # runs 2-4 -> 5-7 and 9 -> 12, per layer
-    for ev in ("registered", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
+    for ev in ("registered", "p_computed", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
         assert ev in trace.events
+    assert trace.events["p_computed"] == computed <= trace.events["p_finished"]
 
 
 def test_pull_before_p_finished_waits_then_arrives(make_pair):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -69,10 +71,13 @@ def test_p_sends_on_every_finish_that_computed_the_prompt(status):
     s.update_state_after_alloc(r, Blocks([5, 6, 7, 8]), 0)
     assert s.build_meta(None).registered == {"p1": "xfer-1"}
     r.status, r.num_computed_tokens = status, 100
+    before = time.time()
     assert s.request_finished(r, [5, 6, 7, 8, 9]) == (True, None)
     assert s.has_pending_push_work()
     meta = s.build_meta(None)
     assert meta.ready == {"p1": ("xfer-1", [5, 6, 7, 8])}  # ceil(100/32) = 4 blocks hold the prompt
+    # Step 23's time travels with the block ids, so a trace can split P's prefill from its next step.
+    assert before <= meta.ready_at["p1"] <= time.time()
     assert not s.has_pending_push_work()
 
 
