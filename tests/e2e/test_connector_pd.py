@@ -252,6 +252,17 @@ def test_p_stopping_on_its_first_token_still_serves_d(pair: Pair, prompts, coloc
     assert_same(answer(r), colocated[n])
 
 
+def _wait_running(url: str, n: int, timeout: float = 30.0) -> None:
+    """Wait (bounded) until the engine at `url` runs `n` requests, so the next one must queue."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) >= n:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not reach {n} running requests within {timeout:.0f} s")
+
+
 def test_p_request_aborted_fails_d_fast(pair: Pair, prompts, vocab: int) -> None:
     only_pdkv(pair)
     # P admits two sequences at a time (--max-num-seqs 2): two long requests keep P's request
@@ -262,7 +273,7 @@ def test_p_request_aborted_fails_d_fast(pair: Pair, prompts, vocab: int) -> None
     ]
     for t in busy:
         t.start()
-    time.sleep(0.5)
+    _wait_running(pair.p.url, 2)
     tid = f"xfer-abort-{time.time_ns()}"
     d_kv = {
         "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
