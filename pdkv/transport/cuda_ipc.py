@@ -14,7 +14,6 @@ handle protocol and descriptor translation are pure and run anywhere.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import socket
@@ -27,6 +26,7 @@ import msgspec
 
 from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
+from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "ipc_reachable", "plan_chunks"]
@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 # Each kernel program copies one chunk; long descriptors are split so the
 # grid keeps every SM busy whether the layout has 36 or 2,268 descriptors.
 CHUNK_BYTES = 64 * 1024
-IPC_HANDLE_BYTES = 64
 
 
 def host_id(proc_root: str = "/") -> str:
@@ -114,120 +113,6 @@ def plan_chunks(descriptors: Sequence[Descriptor], local: SpanMap, remote: SpanM
     return out
 
 
-class _IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
-
-
-# CUresult codes and attributes used below.
-_PEER_ACCESS_ALREADY_ENABLED = 704
-_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-
-
-class _Driver:
-    """The few CUDA driver calls IPC needs, through ctypes (no extra Python package)."""
-
-    def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise StartError("CUDA driver (libcuda.so.1) not found", hint="the ipc transport needs NVIDIA GPUs") from exc
-
-    def _check(self, rc: int, what: str) -> None:
-        if rc != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(rc, ctypes.byref(name))
-            raise TransferError(f"{what} failed: {name.value.decode() if name.value else rc}")
-
-    def address_range(self, ptr: int) -> tuple[int, int]:
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
-        return base.value, size.value
-
-    def ipc_handle(self, base: int) -> bytes:
-        handle = _IpcMemHandle()
-        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
-        return bytes(handle)
-
-    def ipc_open(self, handle: bytes) -> int:
-        ptr = ctypes.c_uint64()
-        # The handle is a 64-byte struct passed by value; 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
-        raw = _IpcMemHandle.from_buffer_copy(handle)
-        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, ctypes.c_uint(1)), "cuIpcOpenMemHandle")
-        return ptr.value
-
-    def ipc_close(self, ptr: int) -> None:
-        self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
-
-    def device_of(self, ptr: int) -> int:
-        ordinal = ctypes.c_int()
-        self._check(
-            self.lib.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(_POINTER_ATTRIBUTE_DEVICE_ORDINAL), ctypes.c_uint64(ptr)),
-            "cuPointerGetAttribute",
-        )
-        return ordinal.value
-
-    def enable_peer_access(self, from_device: int, to_device: int) -> None:
-        """Let kernels on `from_device` read `to_device`'s memory (primary contexts, as torch uses)."""
-        ctx_from, ctx_to, prev = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_from), ctypes.c_int(from_device)), "cuDevicePrimaryCtxRetain")
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_to), ctypes.c_int(to_device)), "cuDevicePrimaryCtxRetain")
-        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(prev)), "cuCtxGetCurrent")
-        try:
-            self._check(self.lib.cuCtxSetCurrent(ctx_from), "cuCtxSetCurrent")
-            rc = self.lib.cuCtxEnablePeerAccess(ctx_to, ctypes.c_uint(0))
-            if rc != _PEER_ACCESS_ALREADY_ENABLED:
-                self._check(rc, f"enabling peer access from GPU {from_device} to GPU {to_device}")
-        finally:
-            self.lib.cuCtxSetCurrent(prev)
-
-
-_KERNELS: dict[str, Any] = {}
-
-
-def _kernels() -> dict[str, Any]:
-    """Two Triton kernels: copy listed chunks, and copy whole blocks addressed on the GPU.
-
-    Addresses arrive as int64 and become pointers in the kernel; the hints
-    say they are 16-byte aligned (checked on the host) so loads and stores vectorize.
-    """
-    if not _KERNELS:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def copy_chunks(tab, stride, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-            pid = tl.program_id(0)
-            src = tl.multiple_of(tl.load(tab + pid * stride), 16).to(tl.pointer_type(tl.int64))
-            dst = tl.multiple_of(tl.load(tab + pid * stride + 1), 16).to(tl.pointer_type(tl.int64))
-            n = tl.load(tab + pid * stride + 2)
-            for start in tl.range(0, CHUNK_WORDS, BLOCK, num_stages=3):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < n
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-        @triton.jit(do_not_specialize=["n_blocks", "chunks"])
-        def copy_blocks(lbase, rbase, lblk, rblk, n_blocks, chunks, block_bytes, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
-            pid = tl.program_id(0)
-            c = pid % chunks
-            rest = pid // chunks
-            i = rest % n_blocks
-            r = rest // n_blocks
-            skip = c * CHUNK_WORDS * 8
-            s = tl.load(lbase + r) + tl.load(lblk + i) * block_bytes + skip
-            d = tl.load(rbase + r) + tl.load(rblk + i) * block_bytes + skip
-            src = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
-            dst = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
-            n = block_bytes // 8 - c * CHUNK_WORDS
-            for start in tl.range(0, CHUNK_WORDS, BLOCK, num_stages=3):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < n
-                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
-
-        _KERNELS["chunks"] = copy_chunks
-        _KERNELS["blocks"] = copy_blocks
-    return _KERNELS
-
-
 def _block_array(blocks, num_blocks: int, side: str):
     """Block ids as int64, refusing any outside [0, num_blocks) before anything is copied."""
     import numpy as np
@@ -296,7 +181,7 @@ class CudaIpcTransport:
         self.chunk_bytes = chunk_bytes
         torch.cuda.set_device(device)
         torch.cuda.init()
-        self.driver = _Driver()
+        self.driver = CudaDriver()
         self._local: list[tuple[int, int]] = []
         self._local_map = SpanMap([])
         self._peers: dict[str, _Peer] = {}
@@ -417,7 +302,7 @@ class CudaIpcTransport:
             chunks = -(-block_len // self.chunk_bytes)
             host = torch.zeros(2 * nr + 2 * nb, dtype=torch.int64).pin_memory()
             dev = torch.zeros(2 * nr + 2 * nb, dtype=torch.int64, device=f"cuda:{device}")
-            kernel = _kernels()["blocks"]
+            kernel = copy_kernels()["blocks"]
             grid = (nr * nb * chunks,)
             args = (dev[:nr], dev[nr : 2 * nr], dev[2 * nr : 2 * nr + nb], dev[2 * nr + nb :], nb, chunks, block_len)
             meta = {"CHUNK_WORDS": self.chunk_bytes // 8, "BLOCK": 1024, "num_warps": 4}
@@ -445,7 +330,7 @@ class CudaIpcTransport:
         self._launch_chunks(device, np.array([[base, base + 128, 128]], dtype=np.int64))
         bases = torch.tensor([base], dtype=torch.int64, device=f"cuda:{device}")
         blocks = torch.tensor([0], dtype=torch.int64, device=f"cuda:{device}")
-        kernel = _kernels()["blocks"]
+        kernel = copy_kernels()["blocks"]
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=self.chunk_bytes // 8, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
@@ -546,7 +431,7 @@ class CudaIpcTransport:
         table[:, 2] //= 8
         with self.torch.cuda.stream(self._stream(device)):
             dev = self._upload(device, table)
-        kernel = _kernels()["chunks"]
+        kernel = copy_kernels()["chunks"]
         self._run(device, lambda: kernel[(len(chunks),)](dev, 3, CHUNK_WORDS=self.chunk_bytes // 8, BLOCK=1024, num_warps=4))
 
     def disconnect(self, peer: str) -> None:

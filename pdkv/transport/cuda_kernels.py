@@ -1,0 +1,128 @@
+"""The CUDA pieces under the ipc transport: a few driver calls through ctypes, and the Triton copy kernels.
+
+Nothing here is imported until a CudaIpcTransport starts; torch and Triton
+are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+from pdkv.errors import StartError, TransferError
+
+IPC_HANDLE_BYTES = 64
+
+
+class IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
+
+
+# CUresult codes and attributes used below.
+_PEER_ACCESS_ALREADY_ENABLED = 704
+_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+class CudaDriver:
+    """The few CUDA driver calls IPC needs, through ctypes (no extra Python package)."""
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise StartError("CUDA driver (libcuda.so.1) not found", hint="the ipc transport needs NVIDIA GPUs") from exc
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(rc, ctypes.byref(name))
+            raise TransferError(f"{what} failed: {name.value.decode() if name.value else rc}")
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
+        return base.value, size.value
+
+    def ipc_handle(self, base: int) -> bytes:
+        handle = IpcMemHandle()
+        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
+        return bytes(handle)
+
+    def ipc_open(self, handle: bytes) -> int:
+        ptr = ctypes.c_uint64()
+        # The handle is a 64-byte struct passed by value; 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
+        raw = IpcMemHandle.from_buffer_copy(handle)
+        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, ctypes.c_uint(1)), "cuIpcOpenMemHandle")
+        return ptr.value
+
+    def ipc_close(self, ptr: int) -> None:
+        self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+    def device_of(self, ptr: int) -> int:
+        ordinal = ctypes.c_int()
+        self._check(
+            self.lib.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(_POINTER_ATTRIBUTE_DEVICE_ORDINAL), ctypes.c_uint64(ptr)),
+            "cuPointerGetAttribute",
+        )
+        return ordinal.value
+
+    def enable_peer_access(self, from_device: int, to_device: int) -> None:
+        """Let kernels on `from_device` read `to_device`'s memory (primary contexts, as torch uses)."""
+        ctx_from, ctx_to, prev = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_from), ctypes.c_int(from_device)), "cuDevicePrimaryCtxRetain")
+        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_to), ctypes.c_int(to_device)), "cuDevicePrimaryCtxRetain")
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(prev)), "cuCtxGetCurrent")
+        try:
+            self._check(self.lib.cuCtxSetCurrent(ctx_from), "cuCtxSetCurrent")
+            rc = self.lib.cuCtxEnablePeerAccess(ctx_to, ctypes.c_uint(0))
+            if rc != _PEER_ACCESS_ALREADY_ENABLED:
+                self._check(rc, f"enabling peer access from GPU {from_device} to GPU {to_device}")
+        finally:
+            self.lib.cuCtxSetCurrent(prev)
+
+
+KERNELS: dict[str, Any] = {}
+
+
+def copy_kernels() -> dict[str, Any]:
+    """Two Triton kernels: copy listed chunks, and copy whole blocks addressed on the GPU.
+
+    Addresses arrive as int64 and become pointers in the kernel; the hints
+    say they are 16-byte aligned (checked on the host) so loads and stores vectorize.
+    """
+    if not KERNELS:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def copy_chunks(tab, stride, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            src = tl.multiple_of(tl.load(tab + pid * stride), 16).to(tl.pointer_type(tl.int64))
+            dst = tl.multiple_of(tl.load(tab + pid * stride + 1), 16).to(tl.pointer_type(tl.int64))
+            n = tl.load(tab + pid * stride + 2)
+            for start in tl.range(0, CHUNK_WORDS, BLOCK, num_stages=3):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+        @triton.jit(do_not_specialize=["n_blocks", "chunks"])
+        def copy_blocks(lbase, rbase, lblk, rblk, n_blocks, chunks, block_bytes, CHUNK_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            c = pid % chunks
+            rest = pid // chunks
+            i = rest % n_blocks
+            r = rest // n_blocks
+            skip = c * CHUNK_WORDS * 8
+            s = tl.load(lbase + r) + tl.load(lblk + i) * block_bytes + skip
+            d = tl.load(rbase + r) + tl.load(rblk + i) * block_bytes + skip
+            src = tl.multiple_of(s, 16).to(tl.pointer_type(tl.int64))
+            dst = tl.multiple_of(d, 16).to(tl.pointer_type(tl.int64))
+            n = block_bytes // 8 - c * CHUNK_WORDS
+            for start in tl.range(0, CHUNK_WORDS, BLOCK, num_stages=3):
+                offs = start + tl.arange(0, BLOCK)
+                mask = offs < n
+                tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+        KERNELS["chunks"] = copy_chunks
+        KERNELS["blocks"] = copy_blocks
+    return KERNELS
