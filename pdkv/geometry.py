@@ -1,6 +1,6 @@
 """KV cache sizes from a model config: pure arithmetic, no I/O beyond reading config.json.
 
-The figures are the seed's section 0: for Qwen3-8B (36 layers, 8 KV heads,
+The reference figures (docs/timeline.md): for Qwen3-8B (36 layers, 8 KV heads,
 head_dim 128, bf16) a token holds 147,456 B of KV, a 16-token block 2.25 MiB,
 and a 1000-token prompt 63 blocks = 148,635,648 B, about 3 ms at 400 Gb/s.
 """

@@ -1,4 +1,4 @@
-"""`pdkv trace`: one request through a live deployment, its timeline in the seed's steps and its TTFT split."""
+"""`pdkv trace`: one request through a live deployment, its timeline in the steps of docs/timeline.md and its TTFT split."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ HELP = """Trace one request through a running P/D deployment: where its time to 
 Sends a streamed completion through pdkv's proxy with its own X-Request-Id,
 then gathers the proxy's record of it and, from P's side channel (found
 through the bootstrap server), what pdkv's connector recorded on P and D.
-Prints every event in the seed's step numbers and the TTFT decomposition:
+Prints every event in the step numbers of docs/timeline.md and the TTFT decomposition:
 proxy forward + P queue and prefill + P's next step + wait for D's pull +
 transfer + D notified + D's one-token forward, each in ms and as a share,
 with the link floor beside the measured KV write. With vLLM's

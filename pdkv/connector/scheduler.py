@@ -3,7 +3,7 @@
 `ConnectorScheduler` reads duck-typed vLLM Request / KVCacheBlocks objects
 and produces one `StepMeta` per scheduler step for the workers.
 
-The rule that replaces the seed's step-23 defect: P sends whenever its
+The rule that replaces the step-23 defect of vLLM's connector (docs/timeline.md): P sends whenever its
 request finished with the whole prompt computed, whether it stopped by
 length, by EOS or by a stop token. A P request that ends any other way
 (aborted, error, prompt not computed) is reported to the worker as

@@ -1,4 +1,4 @@
-"""Per-transfer timing (the seed's steps, unix seconds) and Prometheus-style metrics.
+"""Per-transfer timing (the steps of docs/timeline.md, unix seconds) and Prometheus-style metrics.
 
 Event names, in seed order:
 

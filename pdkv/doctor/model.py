@@ -19,7 +19,7 @@ from pdkv.doctor.sysroot import SysRoot
 
 Protocol = Literal["rdma", "tcp"]
 
-# Proxy, bootstrap, and the seed's P and D HTTP ports.
+# Proxy, bootstrap, and the P and D HTTP ports of docs/timeline.md's example.
 DEFAULT_PORTS: tuple[int, ...] = (8000, 8998, 8010, 8020)
 
 

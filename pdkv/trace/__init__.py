@@ -1,4 +1,4 @@
-"""`pdkv trace`: one request's timeline on a live deployment, in the seed's steps, and its TTFT split.
+"""`pdkv trace`: one request's timeline on a live deployment, in the steps of docs/timeline.md, and its TTFT split.
 
     model.py     the typed results (Trace, Phase, TraceEvent, TransferFacts, TraceSummary)
     assemble.py  records -> Trace, and p50/p90 over several (pure)

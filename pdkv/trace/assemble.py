@@ -3,7 +3,7 @@
 The TTFT decomposition is a chain of anchors, each phase the gap between
 two consecutive ones, so the phases add up to the proxy's TTFT by
 construction; what a trace measures is where inside that time the request
-was. With pdkv's connector the chain is the seed's, with its first P term
+was. With pdkv's connector the chain is that of docs/timeline.md, with its first P term
 split at P's scheduling:
 
     received -> prefill_dispatched          proxy forward         (8-10)

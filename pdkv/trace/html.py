@@ -2,7 +2,7 @@
 
 Pure: Trace(s) in, one HTML string out, no external assets (no scripts,
 fonts or images), so the file can be mailed or attached to an issue as is.
-Lanes are the seed's participants (client, proxy, P, D); time runs left to
+Lanes are the timeline's participants (client, proxy, P, D); time runs left to
 right from the proxy receiving the request to the client's first token;
 each phase of the TTFT decomposition is a band on the lane where it is
 spent, and messages between participants are arrows.

@@ -32,7 +32,7 @@ class ClientTiming(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TraceEvent(msgspec.Struct, frozen=True, kw_only=True):
-    """One recorded moment: `name` as the recorder calls it, the seed's step(s), where it happened."""
+    """One recorded moment: `name` as the recorder calls it, its step(s) in docs/timeline.md, where it happened."""
 
     name: str
     step: str
@@ -86,7 +86,7 @@ class TransferFacts(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Trace(msgspec.Struct, kw_only=True):
-    """One request's timeline in the seed's terms. `phases` add up to `proxy_ttft_ms`."""
+    """One request's timeline in the terms of docs/timeline.md. `phases` add up to `proxy_ttft_ms`."""
 
     request_id: str
     transfer_id: str
