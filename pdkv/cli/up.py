@@ -153,6 +153,8 @@ def _supervise(
     stages = [STAGES[p.kind] for p in parts]
     sup = Supervisor([p.plan for p in parts], log_dir, on_line=on_line if show_logs and not json_out else None, stages=stages)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
+    # A shell starting `pdkv up &` hands it SIGINT ignored; Ctrl-C / kill -INT must still stop everything.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if not json_out:
             live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
