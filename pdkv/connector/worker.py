@@ -86,7 +86,9 @@ class ConnectorWorker:
             from pdkv.bootstrap.server import start_background
 
             host, port = bootstrap_bind(self.config)
-            self.bootstrap = start_background(host, port)
+            from pdkv.bootstrap import TOKEN_ENV
+
+            self.bootstrap = start_background(host, port, token=os.environ.get(TOKEN_ENV) or None)
             log.info("pdkv: bootstrap server listening on %s:%d", host, port)
         limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
         self.sender = KVSender(
@@ -96,6 +98,7 @@ class ConnectorWorker:
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:
+        from pdkv.bootstrap import TOKEN_ENV
         from pdkv.bootstrap.client import BootstrapClient
 
         assert self.sender is not None
@@ -103,7 +106,8 @@ class ConnectorWorker:
         req = RegisterRequest(engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0, addr=self.sender.address)
         try:
             # Other TP ranks may come up before TP0's in-worker server: retry for a few seconds.
-            with BootstrapClient(url, timeout=2.0, retries=8) as bs:
+            # A bootstrap server started with --token wants it on /register: take it from the same variable.
+            with BootstrapClient(url, timeout=2.0, retries=8, token=os.environ.get(TOKEN_ENV) or None) as bs:
                 bs.register(req)
         except Exception as exc:
             raise StartError(f"could not register with the bootstrap server at {url}: {exc}") from exc
