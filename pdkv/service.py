@@ -77,17 +77,17 @@ def serve_forever(
     asyncio.run(main())
 
 
-class BackgroundService:
-    """Run an aiohttp app on a daemon thread: `with BackgroundService(app) as svc: svc.url`.
+class BackgroundLoop:
+    """A server on a daemon thread with its own event loop; `with X(...) as svc:` starts and stops it.
 
-    `port=0` picks a free port. Start-up and shutdown are bounded.
+    Subclasses say how to start (`_startup`, on the loop), stop (`_shutdown`,
+    on the loop) and release what outlives the loop (`_release`). Start-up
+    and shutdown are bounded; a start-up error is raised by `start()`.
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 2.0) -> None:
-        self.app = app
-        self.host = host
-        self._sock = _bind(host, port)
-        self.port: int = self._sock.getsockname()[1]
+    label = "service"
+
+    def __init__(self, *, shutdown_timeout: float = 2.0) -> None:
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -95,18 +95,22 @@ class BackgroundService:
         self._error: BaseException | None = None
         self._stop: asyncio.Event | None = None
 
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+    async def _startup(self) -> None:
+        raise NotImplementedError
 
-    def start(self, timeout: float = 10.0) -> BackgroundService:
-        self._thread = threading.Thread(target=self._run, name=f"pdkv-service-{self.port}", daemon=True)
+    async def _shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Release what the loop does not own (listening sockets), after the thread ends."""
+
+    def start(self, timeout: float = 10.0) -> BackgroundLoop:
+        self._thread = threading.Thread(target=self._run, name=f"pdkv-{self.label}", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout):
-            raise StartError(f"service on {self.host}:{self.port} did not start within {timeout:.0f} s")
+            raise StartError(f"{self.label} did not start within {timeout:.0f} s")
         if self._error is not None:
-            raise StartError(f"service on {self.host}:{self.port} failed to start: {self._error}") from self._error
+            raise StartError(f"{self.label} failed to start: {self._error}") from self._error
         return self
 
     def _run(self) -> None:
@@ -116,7 +120,7 @@ class BackgroundService:
         async def main() -> None:
             self._stop = asyncio.Event()
             try:
-                runner = await _start(self.app, self._sock, self.shutdown_timeout)
+                await self._startup()
             except BaseException as exc:  # surfaced to start()
                 self._error = exc
                 self._ready.set()
@@ -125,12 +129,21 @@ class BackgroundService:
             try:
                 await self._stop.wait()
             finally:
-                await asyncio.wait_for(runner.cleanup(), timeout=self.shutdown_timeout + 1)
+                await asyncio.wait_for(self._shutdown(), timeout=self.shutdown_timeout + 1)
 
         try:
             loop.run_until_complete(main())
         finally:
             loop.close()
+
+    def call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """Run `fn` on the loop's thread and return its result (to read loop-owned state safely)."""
+        assert self._loop is not None
+
+        async def on_loop() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(timeout)
 
     def stop(self) -> None:
         if self._loop is not None and self._stop is not None and not self._loop.is_closed():
@@ -138,10 +151,47 @@ class BackgroundService:
                 self._loop.call_soon_threadsafe(self._stop.set)
         if self._thread is not None:
             self._thread.join(timeout=self.shutdown_timeout + 2)
-        self._sock.close()
+        self._release()
 
-    def __enter__(self) -> BackgroundService:
+    def __enter__(self) -> BackgroundLoop:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class BackgroundService(BackgroundLoop):
+    """Run an aiohttp app on a daemon thread: `with BackgroundService(app) as svc: svc.url`.
+
+    `port=0` picks a free port. Start-up and shutdown are bounded.
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, shutdown_timeout: float = 2.0) -> None:
+        super().__init__(shutdown_timeout=shutdown_timeout)
+        self.app = app
+        self.host = host
+        self._sock = _bind(host, port)
+        self.port: int = self._sock.getsockname()[1]
+        self.label = f"service on {host}:{self.port}"
+        self._runner: Any = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def _startup(self) -> None:
+        self._runner = await _start(self.app, self._sock, self.shutdown_timeout)
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+
+    def _release(self) -> None:
+        self._sock.close()
+
+    def start(self, timeout: float = 10.0) -> BackgroundService:
+        super().start(timeout)
+        return self
+
+    def __enter__(self) -> BackgroundService:
+        return self.start()

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import signal
 import socket
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +18,7 @@ from pdkv.errors import StartError
 from pdkv.proxy.app import ProxyApp
 from pdkv.proxy.http import ServerConnection
 from pdkv.proxy.routing import ProxyConfig
+from pdkv.service import BackgroundLoop
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
@@ -124,18 +124,15 @@ def _loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
-class BackgroundProxy:
+class BackgroundProxy(BackgroundLoop):
     """`with BackgroundProxy(config) as proxy: proxy.url` — a proxy on a daemon thread (port 0 picks one)."""
 
     def __init__(self, config: ProxyConfig) -> None:
+        super().__init__(shutdown_timeout=1.0)
         self.config = config
         self.server = ProxyServer(config)
         self.port = self.server.port
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
+        self.label = f"proxy on port {self.port}"
 
     @property
     def url(self) -> str:
@@ -145,57 +142,18 @@ class BackgroundProxy:
     def app(self) -> ProxyApp:
         return self.server.app
 
-    def call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
-        """Run `fn` on the proxy's loop thread and return its result (for inspecting state safely)."""
-        assert self._loop is not None
-        fut = asyncio.run_coroutine_threadsafe(self._call(fn), self._loop)
-        return fut.result(timeout)
+    async def _startup(self) -> None:
+        await self.server.start()
 
-    @staticmethod
-    async def _call(fn: Callable[[], Any]) -> Any:
-        return fn()
+    async def _shutdown(self) -> None:
+        await self.server.stop(self.shutdown_timeout)
+
+    def _release(self) -> None:
+        self.server.sock.close()
 
     def start(self, timeout: float = 10.0) -> BackgroundProxy:
-        self._thread = threading.Thread(target=self._run, name=f"pdkv-proxy-{self.port}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise StartError(f"proxy on port {self.port} did not start within {timeout:.0f} s")
-        if self._error is not None:
-            raise StartError(f"proxy failed to start: {self._error}") from self._error
+        super().start(timeout)
         return self
-
-    def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-
-        async def main() -> None:
-            self._stop = asyncio.Event()
-            try:
-                await self.server.start()
-            except BaseException as exc:  # surfaced to start()
-                self._error = exc
-                self._ready.set()
-                return
-            self._ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await self.server.stop(1.0)
-
-        try:
-            loop.run_until_complete(main())
-        finally:
-            loop.close()
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        self.server.sock.close()
 
     def __enter__(self) -> BackgroundProxy:
         return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
