@@ -175,7 +175,8 @@ def test_bad_protocol_and_settings_are_usage_errors():
 
 
 def test_a_write_above_mooncakes_per_peer_queue_limit_lands():
-    # 2,300 descriptors exceed Mooncake's default queue of 2,048 per peer; the transport cuts the write.
+    # 2,300 descriptors exceed Mooncake's default queue of 2,048 per peer (one uncut call can be
+    # refused with "queue-full", depending on how fast the queue drains); the transport cuts the write.
     n, size = 2300, 256
     with MooncakeTransport(settings=QUIET) as p, MooncakeTransport(settings=QUIET) as d:
         src = np.random.default_rng(5).integers(0, 256, n * size, dtype=np.uint8)
@@ -184,9 +185,6 @@ def test_a_write_above_mooncakes_per_peer_queue_limit_lands():
         d.register([(dst.ctypes.data, dst.nbytes)])
         # Reversed order, so that nothing could be merged into longer writes.
         ds = [Descriptor(src.ctypes.data + i * size, dst.ctypes.data + (n - 1 - i) * size, size) for i in range(n)]
+        assert p.max_batch < 2048
         p.write(d.session_address, ds)
         assert np.array_equal(dst.reshape(n, size), src.reshape(n, size)[::-1])
-        with MooncakeTransport(settings=QUIET, max_batch=n) as whole:
-            whole.register([(src.ctypes.data, src.nbytes)])
-            with pytest.raises(TransferError, match="Mooncake returned"):
-                whole.write(d.session_address, ds)
