@@ -13,7 +13,7 @@ import contextlib
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pdkv.errors import StartError
@@ -44,6 +44,23 @@ async def _start(app: Any, sock: socket.socket, shutdown_timeout: float):
     return runner
 
 
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[asyncio.Event]:
+    """On the running loop: an Event that SIGINT or SIGTERM sets; the handlers are removed on exit."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        yield stop
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
 def serve_forever(
     app: Any,
     host: str,
@@ -57,22 +74,14 @@ def serve_forever(
     bound_port = sock.getsockname()[1]
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        installed = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-        runner = await _start(app, sock, shutdown_timeout)
-        try:
-            if on_ready is not None:
-                on_ready(host, bound_port)
-            await stop.wait()
-        finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
-            await asyncio.wait_for(runner.cleanup(), timeout=shutdown_timeout + 1)
+        with stop_on_signals() as stop:
+            runner = await _start(app, sock, shutdown_timeout)
+            try:
+                if on_ready is not None:
+                    on_ready(host, bound_port)
+                await stop.wait()
+            finally:
+                await asyncio.wait_for(runner.cleanup(), timeout=shutdown_timeout + 1)
 
     asyncio.run(main())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +17,7 @@ from pdkv.errors import StartError
 from pdkv.proxy.app import ProxyApp
 from pdkv.proxy.http import ServerConnection
 from pdkv.proxy.routing import ProxyConfig
-from pdkv.service import BackgroundLoop
+from pdkv.service import BackgroundLoop, stop_on_signals
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
@@ -90,22 +89,14 @@ def serve(
     server = ProxyServer(config)
 
     async def main() -> None:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        installed = []
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
-                installed.append(sig)
-        try:
-            await server.start()
-            if on_ready is not None:
-                on_ready(server)
-            await stop.wait()
-        finally:
-            for sig in installed:
-                loop.remove_signal_handler(sig)
-            await server.stop(shutdown_timeout)
+        with stop_on_signals() as stop:
+            try:
+                await server.start()
+                if on_ready is not None:
+                    on_ready(server)
+                await stop.wait()
+            finally:
+                await server.stop(shutdown_timeout)
 
     runner = _loop_factory()
     if runner is not None:
