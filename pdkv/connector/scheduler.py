@@ -8,6 +8,13 @@ request finished with the whole prompt computed, whether it stopped by
 length, by EOS or by a stop token. A P request that ends any other way
 (aborted, error, prompt not computed) is reported to the worker as
 cancelled, which answers D's pull with an error at once.
+
+P does not wait for that finish to start sending: a one-token P request
+(the proxy's kind) is announced to the workers as `computed` in the step
+whose forward completes its prompt, so the worker starts the write right
+after that forward, while P still samples its token. Such a request's
+blocks stay held after it finishes, whatever its status, until the
+worker reports the send over.
 """
 
 from __future__ import annotations
@@ -33,15 +40,37 @@ class StepMeta:
     """What the scheduler tells every worker in one step."""
 
     registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
+    computed: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: prompt complete after this step's forward
     ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
     ready_at: dict[str, float] = field(default_factory=dict)  # P: p_req_id -> unix time the scheduler saw it finish (step 23)
     cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
     pulls: list[PullSpec] = field(default_factory=list)  # D
     aborts: list[str] = field(default_factory=list)  # D: d_req_ids whose pull is no longer wanted
     first_tokens: dict[str, tuple[float, int]] = field(default_factory=dict)  # D: d_req_id -> (unix time, tokens computed)
+    at: float = 0.0  # unix time the scheduler built this step
 
     def empty(self) -> bool:
-        return not (self.registered or self.ready or self.cancelled or self.pulls or self.aborts or self.first_tokens)
+        return not (
+            self.registered or self.computed or self.ready or self.cancelled or self.pulls or self.aborts or self.first_tokens
+        )
+
+
+@dataclass
+class _Prefill:
+    """A P request whose KV will be sent: its transfer, its blocks so far, whether the worker was told it is computed."""
+
+    transfer_id: str
+    request: Any
+    blocks: list[int] = field(default_factory=list)
+    early: bool = False
+
+
+def _max_tokens(request: Any) -> int | None:
+    sp = getattr(request, "sampling_params", None)
+    n = getattr(request, "max_tokens", None)
+    if n is None and sp is not None:
+        n = getattr(sp, "max_tokens", None)
+    return n if isinstance(n, int) else None
 
 
 def _status_name(request: Any) -> str:
@@ -57,6 +86,7 @@ class ConnectorScheduler:
         self._local_hit: dict[str, int] = {}  # D: request id -> block-aligned local prefix tokens
         self._pulling: set[str] = set()  # D: pulls started and not yet reported
         self._arrived: set[str] = set()  # D: KV arrived, first token not yet scheduled
+        self._prefills: dict[str, _Prefill] = {}  # P: registered requests not yet finished
 
     # --- both -------------------------------------------------------------
 
@@ -92,6 +122,8 @@ class ConnectorScheduler:
             if isinstance(tid, str) and tid:
                 params["_pdkv_registered"] = True
                 self._next.registered[rid] = tid
+                (ids, *_) = blocks.get_block_ids() or ([],)
+                self._prefills[rid] = _Prefill(tid, request, list(ids))
             else:
                 log.error("pdkv: prefill request %s has do_remote_decode without a transfer_id; its KV will not be sent", rid)
 
@@ -116,6 +148,7 @@ class ConnectorScheduler:
         """Return (delay_free, params): P keeps the blocks of a request whose KV it will send."""
         params = request.kv_transfer_params
         rid = request.request_id
+        pre = self._prefills.pop(rid, None)
         if not params:
             return False, None
         if self.is_consumer and rid in self._pulling:
@@ -131,7 +164,8 @@ class ConnectorScheduler:
             return False, None
         status = _status_name(request)
         prompt_done = request.num_computed_tokens >= request.num_prompt_tokens
-        if status in SENDABLE_FINISHES and prompt_done and block_ids:
+        # A request announced as computed may be mid-send: it keeps its blocks whatever ended it.
+        if (status in SENDABLE_FINISHES or (pre is not None and pre.early)) and prompt_done and block_ids:
             wanted = blocks_for(request.num_prompt_tokens, self.block_size)
             self._next.ready[rid] = (tid, list(block_ids[:wanted]))
             self._next.ready_at[rid] = time.time()
@@ -149,15 +183,49 @@ class ConnectorScheduler:
                 if rid not in failed:
                     self._arrived.add(rid)
 
-    def build_meta(self, num_scheduled_tokens: dict[str, int] | None) -> StepMeta:
-        """Everything gathered since the last step; the caller sends it to the workers."""
+    def build_meta(self, output: Any = None) -> StepMeta:
+        """Everything gathered since the last step, for vLLM's SchedulerOutput `output`; sent to the workers.
+
+        Called before vLLM adds this step's tokens to `num_computed_tokens`."""
         meta, self._next = self._next, StepMeta()
+        meta.at = time.time()
+        num_scheduled_tokens = getattr(output, "num_scheduled_tokens", None)
+        if self._prefills and num_scheduled_tokens:
+            self._announce_computed(output, num_scheduled_tokens, meta)
         if self._arrived and num_scheduled_tokens:
             now = time.time()
             for rid in [r for r in self._arrived if r in num_scheduled_tokens]:
                 meta.first_tokens[rid] = (now, num_scheduled_tokens[rid])
                 self._arrived.discard(rid)
         return meta
+
+    def _announce_computed(self, output: Any, scheduled: dict[str, int], meta: StepMeta) -> None:
+        """Track P requests' blocks from this step's output; announce those whose prompt this step completes."""
+        for new in getattr(output, "scheduled_new_reqs", None) or ():
+            pre = self._prefills.get(new.req_id)
+            if pre is not None:
+                pre.blocks = list(new.block_ids[0])
+        cached = getattr(output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = getattr(cached, "resumed_req_ids", None) or set()
+            for rid, ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+                pre = self._prefills.get(rid)
+                if pre is None or ids is None:
+                    continue
+                pre.blocks = list(ids[0]) if rid in resumed else pre.blocks + list(ids[0])
+        for rid, pre in self._prefills.items():
+            n = scheduled.get(rid)
+            if n is None or pre.early:
+                continue
+            r = pre.request
+            # Only a one-token request surely finishes in this step, so nothing can preempt it mid-send.
+            if r.num_computed_tokens + n < r.num_prompt_tokens or _max_tokens(r) != 1:
+                continue
+            wanted = blocks_for(r.num_prompt_tokens, self.block_size)
+            if len(pre.blocks) < wanted:
+                continue
+            pre.early = True
+            meta.computed[rid] = (pre.transfer_id, pre.blocks[:wanted])
 
     def has_pending_push_work(self) -> bool:
         """True while news for the workers waits: keeps an idle engine stepping so it gets delivered."""

@@ -92,6 +92,7 @@ class KVSender:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-send")
         self._ipc_lock = threading.Lock()
         self._ipc_peers: dict[str, Any] = {}  # D session -> the IpcExport its handles were opened from
+        self._fences: dict[str, Any] = {}  # transfer_id -> event the write waits for (GPU forward still running)
         self._loop = EventLoopThread("pdkv-sender")
         self.server = SideChannelServer(self._loop, host, self._handle, port=port)
         self._ticker = self._loop.submit(self._tick_forever())
@@ -108,12 +109,21 @@ class KVSender:
         ready: dict[str, tuple[str, list[int]]] | None = None,
         cancelled: dict[str, str] | None = None,
         ready_at: dict[str, float] | None = None,
+        scheduled_at: float = 0.0,
     ) -> None:
-        """Scheduler news: {p_req_id: transfer_id} started, {p_req_id: (transfer_id, blocks)} finished
-        (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV."""
+        """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
+        finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV."""
         if registered or ready or cancelled:
             now = time.time()
-            self._loop.call_soon(self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now, dict(ready_at or {}))
+            self._loop.call_soon(
+                self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now, dict(ready_at or {}), scheduled_at
+            )
+
+    def computed(self, items: dict[str, tuple[str, list[int]]], fence: Any = None) -> None:
+        """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
+        is an event the KV writes wait for (the forward may still run on the GPU)."""
+        now = time.time()
+        self._loop.call_soon(self._apply_computed, dict(items), now, fence)
 
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
@@ -123,9 +133,11 @@ class KVSender:
 
     # --- loop thread ---------------------------------------------------------
 
-    def _apply(self, registered: dict, ready: dict, cancelled: dict, now: float, ready_at: dict | None = None) -> None:
+    def _apply(
+        self, registered: dict, ready: dict, cancelled: dict, now: float, ready_at: dict | None = None, scheduled_at: float = 0.0
+    ) -> None:
         for p_req_id, tid in registered.items():
-            self.trace.event(tid, "registered", now, p_req_id=p_req_id)
+            self.trace.event(tid, "registered", scheduled_at or now, p_req_id=p_req_id)
             self._run(self.table.registered(tid, p_req_id, now))
         for p_req_id, (tid, blocks) in ready.items():
             if ready_at and p_req_id in ready_at:
@@ -136,6 +148,13 @@ class KVSender:
             self.trace.event(tid, "p_finished", now)
             self.trace.finish(tid, "cancelled", reason)
             self._run(self.table.cancelled(tid, reason, now))
+
+    def _apply_computed(self, items: dict[str, tuple[str, list[int]]], now: float, fence: Any) -> None:
+        for p_req_id, (tid, blocks) in items.items():
+            self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
+            if fence is not None:
+                self._fences[tid] = fence
+            self._run(self.table.computed(tid, p_req_id, blocks, now))
 
     def _run(self, actions: list[Any]) -> None:
         for a in actions:
@@ -149,6 +168,7 @@ class KVSender:
                     if a.error.startswith("prefill side never saw"):
                         self.trace.finish(a.transfer_id, "unknown", a.error)
             elif isinstance(a, Free):
+                self._fences.pop(a.transfer_id, None)
                 self.trace.event(a.transfer_id, "freed")
                 if a.outcome in ("expired", "released", "duplicate"):
                     self.trace.finish(a.transfer_id, a.outcome)
@@ -202,8 +222,9 @@ class KVSender:
             descs = plan_descriptors(local, req.block_ids, self.regions, remote_regions)
             nbytes, ndesc = sum(d.length for d in descs), len(descs)
             self.trace.event(a.transfer_id, "transfer_start")
+            fence = self._fences.pop(a.transfer_id, None)
             if descs:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self._write, req, local, remote_regions, descs)
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._write, req, local, remote_regions, descs, fence)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
             error = str(exc)
@@ -219,8 +240,10 @@ class KVSender:
         self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
         self._run(self.table.send_finished(a.transfer_id, error, time.time()))
 
-    def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list) -> None:
+    def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list, fence: Any = None) -> None:
         """On the transfer thread: with CUDA IPC, open D's handles the first time, then copy whole blocks; else write descriptors."""
+        if fence is not None:
+            fence.synchronize()
         if req.ipc is None:
             self.transport.write(req.session, descs)
             return

@@ -5,11 +5,17 @@ keeps a request from hanging is a unit test.
 
 P side (`SendTable`, keyed by transfer_id, the only id D knows):
 
-    (pull first)  UNSEEN --registered--> RUNNING --ready--> READY --pull--> SENDING --> CLOSED
+    (pull first)  UNSEEN --registered--> RUNNING --computed/ready--> READY --pull--> SENDING --> CLOSED
                      |                      |                  |
                      |                      +--cancelled--> CLOSED (a parked pull gets ERROR now)
                      +--unknown_wait passes--> CLOSED (ERROR: P never saw it)
                                                READY --expiry passes--> CLOSED (blocks freed)
+
+`computed` comes from the worker right after the forward that completed
+the prompt, while P's scheduler still holds the request (it samples P's
+one token next): the KV may be sent from then on, but the blocks belong
+to the scheduler until `ready` (the request finished), so every Free of
+a `held` entry waits for `ready`.
 
 A CLOSED entry stays as a tombstone for `tombstone_s`, so a pull that
 arrives after a cancel or an expiry is answered at once, not after a wait.
@@ -74,6 +80,8 @@ class SendEntry:
     deadline: float | None = None  # UNSEEN: give up; READY: expire; CLOSED: forget
     released: bool = False  # D said it no longer wants the KV
     outcome: str = ""
+    held: bool = False  # computed, not yet finished: P's scheduler still owns the blocks
+    free_due: str = ""  # the outcome of a Free that waits for `ready`
 
 
 @dataclass
@@ -105,11 +113,44 @@ class SendTable:
             e.phase, e.p_req_id, e.deadline = Phase.RUNNING, p_req_id, None
         return []
 
+    def _free(self, e: SendEntry, outcome: str) -> list[Action]:
+        """Free `e`'s blocks now, or once P's request finishes if the scheduler still holds it."""
+        if e.held:
+            e.free_due = outcome
+            return []
+        return [Free(e.transfer_id, e.p_req_id, outcome)]
+
+    def computed(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
+        """The forward that completed P's prompt ran: its KV in `blocks` may be sent before the request finishes."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
+        if e.phase not in (Phase.UNSEEN, Phase.RUNNING):
+            return []  # a repeat, or an id already used by another request: `ready` settles it
+        e.p_req_id, e.blocks, e.held, e.deadline = p_req_id, list(blocks), True, None
+        if e.released:
+            self._close(e, now, "released")
+            return self._free(e, "released")
+        if e.pull is not None:
+            e.phase = Phase.SENDING
+            return [StartSend(transfer_id, p_req_id, e.blocks, e.pull)]
+        e.phase = Phase.READY  # no expiry while held: the clock starts at `ready`
+        return []
+
     def ready(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
         """P's request finished with its prompt computed; its `blocks` are held until a Free."""
         e = self.entries.get(transfer_id)
         if e is None:
             e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        if e.held and e.p_req_id == p_req_id:
+            # Computed earlier: the send may be done, running or waiting for D.
+            e.held = False
+            if e.free_due:
+                outcome, e.free_due = e.free_due, ""
+                return [Free(transfer_id, p_req_id, outcome)]
+            if e.phase is Phase.READY:
+                e.deadline = now + self.limits.expiry_s
+            return []
         if e.phase in (Phase.SENDING, Phase.READY) or (e.phase is Phase.CLOSED and e.p_req_id == p_req_id):
             return []  # a repeat of what we already hold
         if e.phase is Phase.CLOSED:
@@ -132,6 +173,7 @@ class SendTable:
             e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
         if e.phase in (Phase.SENDING, Phase.CLOSED):
             return []
+        e.held, e.free_due = False, ""  # the scheduler frees these blocks itself
         actions: list[Action] = []
         if e.pull is not None:
             actions.append(Reply(transfer_id, e.pull, f"prefill request ended without KV: {reason}"))
@@ -165,7 +207,7 @@ class SendTable:
             e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
         if e.phase is Phase.READY:
             self._close(e, now, "released")
-            return [Free(transfer_id, e.p_req_id, "released")]
+            return self._free(e, "released")
         if e.phase in (Phase.UNSEEN, Phase.RUNNING):
             e.released = True
             actions: list[Action] = []
@@ -182,9 +224,8 @@ class SendTable:
         e = self.entries.get(transfer_id)
         if e is None or e.phase is not Phase.SENDING:
             return []
-        p_req_id = e.p_req_id
         self._close(e, now, "sent" if error is None else f"failed: {error}")
-        return [Free(transfer_id, p_req_id, "sent" if error is None else "failed")]
+        return self._free(e, "sent" if error is None else "failed")
 
     def tick(self, now: float) -> list[Action]:
         """Apply every deadline that has passed."""
@@ -199,8 +240,8 @@ class SendTable:
                 self._close(e, now, "unknown")
             elif e.phase is Phase.READY:
                 self._close(e, now, "expired")
-                actions.append(Free(tid, e.p_req_id, "expired"))
-            elif e.phase is Phase.CLOSED:
+                actions.extend(self._free(e, "expired"))
+            elif e.phase is Phase.CLOSED and not e.held:
                 del self.entries[tid]
         return actions
 

@@ -2,7 +2,8 @@
 
 Event names, in seed order:
 
-    P: registered (12), p_finished (23), pull_received (22), transfer_start (28),
+    P: registered (12), p_forward_done (15: a one-token request's prompt is computed,
+       its write may start), p_computed and p_finished (23), pull_received (22), transfer_start (28),
        transfer_end (29), reply_sent (30), freed (32-33)
     D: pull_scheduled (18-19), pull_sent (21), notified (34), reported (35),
        first_token_scheduled (37-38)
@@ -92,8 +93,10 @@ class TraceLog:
             t.events.update(events)
             t.first_step_tokens = first_step_tokens or t.first_step_tokens
             ev = t.events
-            if "first_token_scheduled" in ev and "p_finished" in ev:
-                self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - ev["p_finished"]))
+            # From P's prefill being done (its forward, or the finish when it was not sent early).
+            start = [ev[k] for k in ("p_forward_done", "p_finished") if k in ev]
+            if "first_token_scheduled" in ev and start:
+                self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - min(start)))
             self._write(t)
 
     def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0) -> None:
@@ -148,7 +151,7 @@ class TraceLog:
                 "# HELP pdkv_connector_transfer_seconds Duration of one KV write.",
                 "# TYPE pdkv_connector_transfer_seconds histogram",
                 *self.transfer_s.render("pdkv_connector_transfer_seconds", role),
-                "# HELP pdkv_connector_handover_seconds P request finished to D first token scheduled.",
+                "# HELP pdkv_connector_handover_seconds P prefill done to D first token scheduled.",
                 "# TYPE pdkv_connector_handover_seconds histogram",
                 *self.handover_s.render("pdkv_connector_handover_seconds", role),
             ]

@@ -119,7 +119,7 @@ class PdkvConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return PdkvConnectorMetadata(self._scheduler.build_meta(getattr(scheduler_output, "num_scheduled_tokens", None)))
+        return PdkvConnectorMetadata(self._scheduler.build_meta(scheduler_output))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -155,7 +155,11 @@ class PdkvConnector(KVConnectorBase_V1):
         return None  # P pushes whole requests once they finish, not layer by layer
 
     def wait_for_save(self) -> None:
-        return None
+        # After the forward: requests whose prompt it completed start sending now (never blocks).
+        assert self._worker is not None
+        meta = self._connector_metadata
+        if isinstance(meta, PdkvConnectorMetadata) and meta.step.computed:
+            self._worker.forward_done(meta.step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)

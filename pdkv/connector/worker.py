@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url
@@ -50,12 +51,17 @@ class ConnectorWorker:
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.bootstrap: Any = None
+        self._on_gpu = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
         """Steps 1, 3-5: start Mooncake, register the KV memory, start the side channel (P) or receiver (D)."""
         from pdkv.transport import open_transport
 
+        if self.config.switch_interval_us:
+            sys.setswitchinterval(self.config.switch_interval_us / 1e6)
+
         tensors = [TensorInfo.of(name, kv_caches[name]) for name in layer_order]
+        self._on_gpu = getattr(getattr(kv_caches[layer_order[0]], "device", None), "type", "cpu") == "cuda"
         regions = regions_for_caches(tensors, self.num_blocks)
         log.info(
             "pdkv: %d KV regions of %d blocks x %d B (%s); first tensor %s stride %s",
@@ -116,9 +122,26 @@ class ConnectorWorker:
     def start_step(self, meta: StepMeta) -> None:
         """Steps 14 and 19: hand the scheduler's news to the sender or receiver; never blocks."""
         if self.sender is not None:
-            self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at)
+            self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at, scheduled_at=meta.at)
         if self.receiver is not None:
             self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens)
+
+    def forward_done(self, meta: StepMeta) -> None:
+        """After the forward: start sending the requests whose prompt it completed (P); never blocks.
+
+        On a GPU the forward may still be running: the write waits on an event recorded here."""
+        if self.sender is None or not meta.computed:
+            return
+        self.sender.computed(meta.computed, self._fence())
+
+    def _fence(self) -> Any:
+        if not self._on_gpu:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
     def results(self) -> tuple[set[str], Results]:
         """Steps 32 and 35: (P requests whose blocks may be freed, D pulls concluded)."""

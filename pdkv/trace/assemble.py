@@ -15,6 +15,18 @@ split at P's scheduling:
     -> first_token_scheduled                D notified            (34-37)
     -> decode_first_byte                    D one-token forward   (38-39)
 
+When P started the write right after its prefill forward (`p_forward_done`,
+a one-token P request), P's sampling and finish run beside the transfer,
+off the path to D's first token, and the chain is:
+
+    received -> prefill_dispatched          proxy forward         (8-10)
+    -> registered                           P queue               (11)
+    -> p_forward_done                       P prefill             (12-15)
+    -> transfer_start                       wait for D's pull     (16-22; ~0 when D asked first)
+    -> notified                             transfer              (28-30)
+    -> first_token_scheduled                D notified            (34-37)
+    -> decode_first_byte                    D one-token forward   (38-39)
+
 `p_computed` (the scheduler seeing P's request finished) is recorded only
 by connector builds that have it; without it "P prefill + P next step"
 is one phase. Any missing anchor merges its two neighbouring phases
@@ -51,6 +63,7 @@ EVENTS: dict[str, tuple[str, Lane, str]] = {
     "pull_scheduled": ("17-19", "D", "D allocates blocks and waits for remote KV"),
     "pull_sent": ("20-21", "D", "D tells P where to write (side channel)"),
     "pull_received": ("22", "P", "P receives D's pull"),
+    "p_forward_done": ("15, 28", "P", "P's prefill forward done: the KV write may start"),
     "p_computed": ("15, 23", "P", "P's prefill done: one token, request finished"),
     "prefill_responded": ("24-25", "proxy", "P's answer reaches the proxy (discarded)"),
     "p_finished": ("26-27", "P", "P's next step hands the block ids to the sender"),
@@ -74,6 +87,16 @@ PDKV_CHAIN: tuple[tuple[str, str, str], ...] = (
     ("registered", "P prefill", "12-15"),
     ("p_computed", "P next step", "23-27"),
     ("p_finished", "wait for D's pull", "16-22"),
+    ("transfer_start", "transfer", "28-30"),
+    ("notified", "D notified", "34-37"),
+    ("first_token_scheduled", "D one-token forward", "38-39"),
+    ("decode_first_byte", "", ""),
+)
+EARLY_CHAIN: tuple[tuple[str, str, str], ...] = (
+    ("received", "proxy forward", "8-10"),
+    ("prefill_dispatched", "P queue", "11"),
+    ("registered", "P prefill", "12-15"),
+    ("p_forward_done", "wait for D's pull", "16-22"),
     ("transfer_start", "transfer", "28-30"),
     ("notified", "D notified", "34-37"),
     ("first_token_scheduled", "D one-token forward", "38-39"),
@@ -211,7 +234,10 @@ def assemble(
         key=lambda e: (e.at, list(EVENTS).index(e.name)),
     )
     proxy_ttft_s = at["decode_first_byte"] - received if "decode_first_byte" in at else None
-    chain = PDKV_CHAIN if crit is not None else PROXY_CHAIN
+    if crit is None:
+        chain = PROXY_CHAIN
+    else:
+        chain = EARLY_CHAIN if "p_forward_done" in crit.events else PDKV_CHAIN
     phases, notes = _phases(at, chain, received)
     if crit is None:
         notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")

@@ -31,6 +31,7 @@ class Req:
     kv_transfer_params: dict[str, Any] | None
     status: Status = Status.RUNNING
     num_computed_tokens: int = 0
+    max_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -45,8 +46,32 @@ class Blocks:
         return (self.ids,)
 
 
-def p_req(n: int = 100, tid: str = "xfer-1") -> Req:
-    return Req("p1", list(range(n)), {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class Cached:
+    req_ids: list[str]
+    new_block_ids: list[tuple[list[int], ...] | None]
+    resumed_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Out:
+    """The fields of vLLM's SchedulerOutput the connector reads."""
+
+    num_scheduled_tokens: dict[str, int]
+    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
+    scheduled_cached_reqs: Cached | None = None
+
+
+def p_req(n: int = 100, tid: str = "xfer-1", max_tokens: int | None = 1) -> Req:
+    r = Req("p1", list(range(n)), {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid})
+    r.max_tokens = max_tokens
+    return r
 
 
 def d_req(n: int = 100, **over: Any) -> Req:
@@ -79,6 +104,44 @@ def test_p_sends_on_every_finish_that_computed_the_prompt(status):
     # Step 23's time travels with the block ids, so a trace can split P's prefill from its next step.
     assert before <= meta.ready_at["p1"] <= time.time()
     assert not s.has_pending_push_work()
+
+
+def test_one_token_p_request_is_announced_computed_in_the_step_that_completes_its_prompt():
+    s = producer()
+    r = p_req(100)
+    s.update_state_after_alloc(r, Blocks([5, 6]), 0)
+    s.build_meta(Out({"p1": 64}, [NewReq("p1", ([5, 6],))]))  # first chunk: 64 of 100 tokens
+    r.num_computed_tokens = 64
+    # The last chunk brings blocks 7, 8: the forward of this step completes the prompt.
+    meta = s.build_meta(Out({"p1": 36}, scheduled_cached_reqs=Cached(["p1"], [([7, 8],)])))
+    assert meta.computed == {"p1": ("xfer-1", [5, 6, 7, 8])}
+    r.num_computed_tokens = 100
+    assert s.build_meta(Out({"p1": 1})).computed == {}  # announced once
+    # Announced requests keep their blocks after they finish, even aborted: a write may be reading them.
+    r.status = Status.FINISHED_ABORTED
+    assert s.request_finished(r, [5, 6, 7, 8]) == (True, None)
+    assert s.build_meta(None).ready == {"p1": ("xfer-1", [5, 6, 7, 8])}
+
+
+def test_resumed_p_request_replaces_its_blocks():
+    s = producer()
+    r = p_req(64)
+    s.update_state_after_alloc(r, Blocks([1]), 0)
+    s.build_meta(Out({"p1": 32}, [NewReq("p1", ([1],))]))
+    r.num_computed_tokens = 0  # preempted, then resumed on new blocks
+    meta = s.build_meta(Out({"p1": 64}, scheduled_cached_reqs=Cached(["p1"], [([8, 9],)], {"p1"})))
+    assert meta.computed == {"p1": ("xfer-1", [8, 9])}
+
+
+@pytest.mark.parametrize("max_tokens", [None, 2, 16])
+def test_p_request_that_may_outlive_its_prompt_is_not_announced_early(max_tokens):
+    # It could be preempted after the prompt and its blocks reused mid-write: it sends once it finishes.
+    s = producer()
+    r = p_req(64, max_tokens=max_tokens)
+    s.update_state_after_alloc(r, Blocks([1, 2]), 0)
+    assert s.build_meta(Out({"p1": 64}, [NewReq("p1", ([1, 2],))])).computed == {}
+    r.status, r.num_computed_tokens = Status.FINISHED_ABORTED, 64
+    assert s.request_finished(r, [1, 2]) == (False, None)
 
 
 @pytest.mark.parametrize("status", [Status.FINISHED_ABORTED, Status.FINISHED_ERROR])
@@ -143,8 +206,8 @@ def test_d_abort_during_the_pull_is_sent_to_the_worker_and_first_token_is_timed(
     s.update_state_after_alloc(r2, Blocks([3, 4]), 40)
     s.build_meta(None)
     s.update_connector_output({"d2"}, set())
-    assert s.build_meta({"other": 1}).first_tokens == {}
-    [(at, ntok)] = s.build_meta({"d2": 1}).first_tokens.values()
+    assert s.build_meta(Out({"other": 1})).first_tokens == {}
+    [(at, ntok)] = s.build_meta(Out({"d2": 1})).first_tokens.values()
     assert ntok == 1 and at > 0
 
 

@@ -120,6 +120,57 @@ def test_ready_for_a_used_transfer_id_frees_at_once():
     assert t.ready("x", "p9", [4], 0.3) == [Free("x", "p9", "duplicate")]
 
 
+def test_computed_sends_before_the_request_finishes_and_frees_only_after():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.pull("x", "pull", 0.1)
+    [a] = t.computed("x", "p1", [3, 4], 0.2)
+    assert a == StartSend("x", "p1", [3, 4], "pull")
+    # The write ends before P's scheduler has finished the request: its blocks are not ours to free yet.
+    assert t.send_finished("x", None, 0.3) == []
+    assert t.ready("x", "p1", [3, 4], 0.4) == [Free("x", "p1", "sent")]
+    assert t.ready("x", "p1", [3, 4], 0.5) == []
+
+
+def test_computed_then_ready_then_pull_sends_once():
+    t = table()
+    assert t.computed("x", "p1", [3], 0.0) == []
+    assert t.tick(100.0) == []  # no expiry while the scheduler still holds the request
+    assert t.ready("x", "p1", [3], 100.0) == []
+    [a] = t.pull("x", "pull", 101.0)
+    assert isinstance(a, StartSend)
+    assert t.send_finished("x", None, 101.1) == [Free("x", "p1", "sent")]
+
+
+def test_computed_blocks_expire_from_the_finish_not_the_forward():
+    t = table()
+    t.computed("x", "p1", [3], 0.0)
+    t.ready("x", "p1", [3], 50.0)
+    assert t.tick(54.9) == []
+    assert t.tick(55.0) == [Free("x", "p1", "expired")]
+
+
+def test_release_or_failure_of_a_computed_transfer_frees_at_the_finish():
+    t = table()
+    t.computed("x", "p1", [3], 0.0)
+    assert t.released("x", 0.1) == []
+    assert t.ready("x", "p1", [3], 0.2) == [Free("x", "p1", "released")]
+    t2 = table()
+    t2.pull("y", "pull", 0.0)
+    t2.computed("y", "p2", [1], 0.1)
+    assert t2.send_finished("y", "peer gone", 0.2) == []
+    assert t2.ready("y", "p2", [1], 0.3) == [Free("y", "p2", "failed")]
+
+
+def test_computed_for_a_used_transfer_id_waits_for_the_finish_to_free():
+    t = table()
+    t.ready("x", "p1", [1], 0.0)
+    t.pull("x", "pull", 0.1)
+    t.send_finished("x", None, 0.2)
+    assert t.computed("x", "p9", [4], 0.3) == []
+    assert t.ready("x", "p9", [4], 0.4) == [Free("x", "p9", "duplicate")]
+
+
 def test_pull_tracker_fails_a_silent_peer_and_heartbeats_keep_it_alive():
     tr = PullTracker(liveness_s=1.0)
     tr.started("d1", "x", 0.0)
