@@ -14,11 +14,16 @@ through pdkv's proxy, one at a time.
 
 Prints median and p99 handover per connector, and the target check:
 pdkv's median at most half of vLLM's, pdkv's p99 under 3x its median.
+For pdkv it also splits the handover with the connector's own records
+(fetched from P's side channel, as `pdkv trace` does): median per phase,
+and the phases of the slowest requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import gc
 import json
 import os
 import socket
@@ -34,6 +39,7 @@ import numpy as np
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
+PIN = False
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
 
 
@@ -43,9 +49,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ttft(url: str, body: dict, headers: dict | None = None) -> float:
-    """Seconds from sending a streamed completion to its first content chunk."""
+def ttft(url: str, body: dict, headers: dict | None = None, at: dict | None = None) -> float:
+    """Seconds from sending a streamed completion to its first content chunk; `at` gets both as unix times."""
     t0 = time.perf_counter()
+    sent = time.time()
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120) as r:
         if r.status_code >= 400:
             raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
@@ -55,7 +62,46 @@ def ttft(url: str, body: dict, headers: dict | None = None) -> float:
                 first = time.perf_counter() - t0
     if first is None:
         raise RuntimeError("the stream ended without a token")
+    if at is not None:
+        at["client_sent"], at["client_first_token"] = sent, sent + first
     return first
+
+
+# Consecutive connector events of one transfer (pdkv.connector.timing): the handover's phases.
+PHASES = (
+    ("client_sent", "registered", "P queue"),
+    ("registered", "p_forward_done", "P forward"),
+    ("p_forward_done", "transfer_start", "wait for D's pull"),
+    ("transfer_start", "transfer_end", "KV write"),
+    ("transfer_end", "notified", "DONE to D"),
+    ("notified", "reported", "D worker notices"),
+    ("reported", "first_token_scheduled", "D scheduler notices"),
+    ("first_token_scheduled", "client_first_token", "D forward to client"),
+    # D's side, beside P's queue and forward: when D's pull reaches P
+    ("client_sent", "pull_scheduled", "(D queue)"),
+    ("pull_scheduled", "pull_received", "(D pull to P)"),
+)
+
+
+def connector_records(bootstrap_url: str) -> dict[str, dict[str, float]]:
+    """transfer_id -> events, from every P worker registered at `bootstrap_url`."""
+    from pdkv.connector.side_channel import request_once
+    from pdkv.protocol import StatsQuery, StatsReply
+
+    engines = httpx.get(f"{bootstrap_url}/query", timeout=5).json()
+    out: dict[str, dict[str, float]] = {}
+    for entry in engines.values():
+        for ranks in entry["worker_addr"].values():
+            for addr in ranks.values():
+                reply = asyncio.run(request_once(addr, StatsQuery(since=0.0, limit=10_000), 5.0))
+                if isinstance(reply, StatsReply):
+                    for t in reply.traces:
+                        out.setdefault(t.transfer_id, {}).update(t.events)
+    return out
+
+
+def phases_of(ev: dict[str, float]) -> dict[str, float]:
+    return {name: 1000 * (ev[b] - ev[a]) for a, b, name in PHASES if a in ev and b in ev}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -74,8 +120,17 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
     )
     p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}"), logs / f"p-{connector}.log")
     d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}"), logs / f"d-{connector}.log")
-    p.start()
-    d.start()
+    everything = os.sched_getaffinity(0)
+    try:
+        # --pin: each engine's processes (API server, engine core, worker) on its own core, not only its OMP threads.
+        if PIN:
+            os.sched_setaffinity(0, {0})
+        p.start()
+        if PIN:
+            os.sched_setaffinity(0, {1})
+        d.start()
+    finally:
+        os.sched_setaffinity(0, everything)
     try:
         p.wait_healthy(300)
         d.wait_healthy(300)
@@ -87,13 +142,33 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                 w = [int(x) for x in rng.integers(100, VOCAB_HIGH, size=len(prompts[0]))]
                 ttft(p.url, {**body, "prompt": w})
                 ttft(proxy.url, {**body, "prompt": w[::-1]})
-            alone, pd, hand = [], [], []
-            for i, ids in enumerate(prompts):
-                a = ttft(p.url, {**body, "prompt": ids})
-                b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": f"hb-{connector}-{i}-{time.time_ns()}"})
-                alone.append(a)
-                pd.append(b)
-                hand.append(b - a)
+            alone, pd, hand, rids, client = [], [], [], [], {}
+            gc.collect()
+            gc.disable()  # no collection of this process's garbage inside a timed request
+            try:
+                for i, ids in enumerate(prompts):
+                    rid = f"hb-{connector}-{i}-{time.time_ns()}"
+                    a = ttft(p.url, {**body, "prompt": ids})
+                    client[rid] = {}
+                    b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": rid}, at=client[rid])
+                    alone.append(a)
+                    pd.append(b)
+                    hand.append(b - a)
+                    rids.append(rid)
+                    gc.collect(0)
+            finally:
+                gc.enable()
+            split = {}
+            if connector == "pdkv":
+                from pdkv.protocol import transfer_id_for
+
+                records = connector_records(burl)
+                split = {rid: phases_of({**records.get(transfer_id_for(rid), {}), **client[rid]}) for rid in rids}
+        by_phase: dict[str, list[float]] = {}
+        for ph in split.values():
+            for k, v in ph.items():
+                by_phase.setdefault(k, []).append(v)
+        slowest = sorted(range(len(hand)), key=lambda i: hand[i], reverse=True)[:3]
         return {
             "connector": connector,
             "n": len(hand),
@@ -103,6 +178,12 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
             "handover_ms_p99": 1000 * pct(hand, 99),
             "handover_ms_max": 1000 * max(hand),
             "handover_ms": [round(1000 * h, 2) for h in hand],
+            "phase_ms_median": {k: round(statistics.median(v), 3) for k, v in by_phase.items()},
+            "slowest": [
+                {"handover_ms": round(1000 * hand[i], 2), "p_alone_ms": round(1000 * alone[i], 2), "pd_ms": round(1000 * pd[i], 2),
+                 "phases_ms": {k: round(v, 2) for k, v in split.get(rids[i], {}).items()}}
+                for i in slowest
+            ] if split else [],
         }
     finally:
         p.stop(grace=15)
@@ -116,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=850, help="tokens per prompt")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--connectors", default="pdkv,mooncake", help="comma-separated: pdkv, mooncake")
+    ap.add_argument("--pin", action="store_true", help="bind all of P's processes to core 0 and D's to core 1")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
+    global PIN
+    PIN = args.pin
     work = Path(tempfile.mkdtemp(prefix="pdkv-handover-"))
     model = args.model
     if model is None:
@@ -145,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['connector']:<10} {r['n']:>4} {r['p_alone_ttft_ms_median']:>9.2f} {r['pd_ttft_ms_median']:>9.2f} "
             f"{r['handover_ms_median']:>9.2f} {r['handover_ms_p99']:>9.2f} {r['handover_ms_max']:>9.2f}"
         )
+    for r in results:
+        if r["phase_ms_median"]:
+            print(f"{r['connector']} connector phases, median (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_median"].items()))
+            for s in r["slowest"]:
+                print(f"  slow: handover {s['handover_ms']} (P alone {s['p_alone_ms']}, P/D {s['pd_ms']}): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in s["phases_ms"].items()))
     for k, v in verdict.items():
         print(f"{k}: {'yes' if v else 'NO'}")
     return 0

@@ -44,11 +44,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the writes run on threads that must take the GIL from a model runner busy in Python; Python's
     # default (5000) can hold a finished transfer back by up to 5 ms. 0 leaves the interpreter's own.
     switch_interval_us: int = 200
+    # P, KV cache in host memory (CPU hosts): after the forward that completes a one-token prompt, the
+    # model runner waits up to this long for the KV write that starts then, so the write has the core to
+    # itself instead of a time slice beside P's sampling. Ignored with the KV cache on a GPU. 0: no wait.
+    wait_write_ms: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.wait_write_ms <= 10_000:
+            raise ConfigError(f"kv_connector_extra_config.wait_write_ms must be 0..10000, got {self.wait_write_ms}")
         if not 0 <= self.switch_interval_us <= 1_000_000:
             raise ConfigError(f"kv_connector_extra_config.switch_interval_us must be 0..1000000, got {self.switch_interval_us}")
         if self.heartbeat_s >= self.liveness_s:

@@ -80,11 +80,15 @@ class KVSender:
         heartbeat_s: float = 1.0,
         trace: TraceLog | None = None,
         port: int = 0,
+        wait_write_s: float = 0.0,
     ) -> None:
         self.transport = transport
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
         self.table = SendTable(limits)
+        # The table is the loop thread's, except for `computed` on the model runner's thread.
+        self._table_lock = threading.Lock()
+        self.wait_write_s = wait_write_s
         self.heartbeat_s = heartbeat_s
         self.trace = trace or TraceLog("prefill", engine_id=engine_id, tp_rank=tp_rank)
         self._finished: set[str] = set()
@@ -123,7 +127,22 @@ class KVSender:
         """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
         is an event the KV writes wait for (the forward may still run on the GPU)."""
         now = time.time()
-        self._loop.call_soon(self._apply_computed, dict(items), now, fence)
+        if self.wait_write_s <= 0:
+            self._loop.call_soon(self._apply_computed, dict(items), now, fence)
+            return
+        # KV in host memory: the write and this thread share the cores, so this thread steps aside
+        # (for at most wait_write_s) while the sends that can start now run; P samples its token after.
+        sends: list[concurrent.futures.Future[tuple[str | None, int, int]]] = []
+        with self._table_lock:
+            for p_req_id, (tid, blocks) in items.items():
+                self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
+                actions = self.table.computed(tid, p_req_id, blocks, now)
+                sends += [self._start_send(a) for a in actions if isinstance(a, StartSend)]
+                rest = [a for a in actions if not isinstance(a, StartSend)]
+                if rest:
+                    self._loop.call_soon(self._run, rest)
+        if sends:
+            concurrent.futures.wait(sends, timeout=self.wait_write_s)
 
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
@@ -138,28 +157,36 @@ class KVSender:
     ) -> None:
         for p_req_id, tid in registered.items():
             self.trace.event(tid, "registered", scheduled_at or now, p_req_id=p_req_id)
-            self._run(self.table.registered(tid, p_req_id, now))
+            with self._table_lock:
+                actions = self.table.registered(tid, p_req_id, now)
+            self._run(actions)
         for p_req_id, (tid, blocks) in ready.items():
             if ready_at and p_req_id in ready_at:
                 self.trace.event(tid, "p_computed", ready_at[p_req_id], p_req_id=p_req_id)
             self.trace.event(tid, "p_finished", now, p_req_id=p_req_id)
-            self._run(self.table.ready(tid, p_req_id, blocks, now))
+            with self._table_lock:
+                actions = self.table.ready(tid, p_req_id, blocks, now)
+            self._run(actions)
         for tid, reason in cancelled.items():
             self.trace.event(tid, "p_finished", now)
             self.trace.finish(tid, "cancelled", reason)
-            self._run(self.table.cancelled(tid, reason, now))
+            with self._table_lock:
+                actions = self.table.cancelled(tid, reason, now)
+            self._run(actions)
 
     def _apply_computed(self, items: dict[str, tuple[str, list[int]]], now: float, fence: Any) -> None:
         for p_req_id, (tid, blocks) in items.items():
             self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
             if fence is not None:
                 self._fences[tid] = fence
-            self._run(self.table.computed(tid, p_req_id, blocks, now))
+            with self._table_lock:
+                actions = self.table.computed(tid, p_req_id, blocks, now)
+            self._run(actions)
 
     def _run(self, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, StartSend):
-                asyncio.get_running_loop().create_task(self._send(a))
+                self._start_send(a)
             elif isinstance(a, Reply):
                 if a.pull is not None:
                     req = a.pull.request
@@ -191,9 +218,13 @@ class KVSender:
                     identity, PullReply(transfer_id=msg.transfer_id, d_req_id=msg.d_req_id, status=PullStatus.ERROR, error=why)
                 )
                 return
-            self._run(self.table.pull(msg.transfer_id, _Parked(identity, msg), now))
+            with self._table_lock:
+                actions = self.table.pull(msg.transfer_id, _Parked(identity, msg), now)
+            self._run(actions)
         elif isinstance(msg, Release):
-            self._run(self.table.released(msg.transfer_id, now))
+            with self._table_lock:
+                actions = self.table.released(msg.transfer_id, now)
+            self._run(actions)
         elif isinstance(msg, TraceReport):
             self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
         elif isinstance(msg, StatsQuery):
@@ -207,9 +238,20 @@ class KVSender:
                 ),
             )
 
-    async def _send(self, a: StartSend) -> None:
+    def _start_send(self, a: StartSend) -> concurrent.futures.Future[tuple[str | None, int, int]]:
+        """Run the write on a transfer thread (from any thread); the loop thread concludes it."""
+        fence = self._fences.pop(a.transfer_id, None)
+        fut = self._pool.submit(self._transfer, a, fence)
+        fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f))
+        return fut
+
+    def _concluded(self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]]) -> None:
+        if not fut.cancelled():  # cancelled: the sender is closing
+            asyncio.get_running_loop().create_task(self._conclude(a, *fut.result()))
+
+    def _transfer(self, a: StartSend, fence: Any) -> tuple[str | None, int, int]:
+        """Plan and write one transfer (on a transfer thread, or inline): (error, bytes, descriptors)."""
         req: PullRequest = a.pull.request
-        error: str | None = None
         nbytes = ndesc = 0
         try:
             want = len(req.block_ids)
@@ -222,14 +264,18 @@ class KVSender:
             descs = plan_descriptors(local, req.block_ids, self.regions, remote_regions)
             nbytes, ndesc = sum(d.length for d in descs), len(descs)
             self.trace.event(a.transfer_id, "transfer_start")
-            fence = self._fences.pop(a.transfer_id, None)
             if descs:
-                await asyncio.get_running_loop().run_in_executor(self._pool, self._write, req, local, remote_regions, descs, fence)
+                self._write(req, local, remote_regions, descs, fence)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
-            error = str(exc)
+            return str(exc), nbytes, ndesc
         except Exception as exc:  # noqa: BLE001 - any failure must reach D and free the blocks
-            error = f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", nbytes, ndesc
+        return None, nbytes, ndesc
+
+    async def _conclude(self, a: StartSend, error: str | None, nbytes: int, ndesc: int) -> None:
+        """Tell D how the write went, then let the table free the blocks."""
+        req: PullRequest = a.pull.request
         if error is None:
             reply = PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.DONE, bytes=nbytes, descriptors=ndesc)
         else:
@@ -238,7 +284,9 @@ class KVSender:
         await self.server.send(a.pull.identity, reply)
         self.trace.event(a.transfer_id, "reply_sent")
         self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
-        self._run(self.table.send_finished(a.transfer_id, error, time.time()))
+        with self._table_lock:
+            actions = self.table.send_finished(a.transfer_id, error, time.time())
+        self._run(actions)
 
     def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list, fence: Any = None) -> None:
         """On the transfer thread: with CUDA IPC, open D's handles the first time, then copy whole blocks; else write descriptors."""
@@ -271,10 +319,13 @@ class KVSender:
             await asyncio.sleep(min(self.heartbeat_s, 0.25))
             now = time.time()
             try:
-                self._run(self.table.tick(now))
+                with self._table_lock:
+                    actions = self.table.tick(now)
+                    parked_pulls = self.table.parked_pulls()
+                self._run(actions)
                 if now - getattr(self, "_last_beat", 0.0) >= self.heartbeat_s:
                     self._last_beat = now
-                    for tid, parked, deadline in self.table.parked_pulls():
+                    for tid, parked, deadline in parked_pulls:
                         bound = max(0.0, deadline - now) if deadline is not None else 0.0
                         await self.server.send(
                             parked.identity,

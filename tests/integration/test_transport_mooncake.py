@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
+import signal
 import socket
 import time
 
@@ -125,6 +127,40 @@ def test_write_to_a_silent_peer_is_bounded():
         assert time.monotonic() - start < 3
     # Closing the listener resets the stalled handshake, so close() need not wait out its bound.
     assert time.monotonic() - start < 4
+
+
+def test_a_peer_that_answered_once_then_stops_is_bounded_too():
+    # After a first answer, writes to a peer are polled on the caller's thread: the same bound holds.
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(30), "target process did not start"
+        peer, dst_base = parent.recv()
+        with MooncakeTransport(settings=QUIET, write_timeout_s=1.0) as p:
+            src = np.ones(4096, dtype=np.uint8)
+            p.register([(src.ctypes.data, src.nbytes)])
+            p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
+            p.write(peer, [Descriptor(src.ctypes.data, dst_base + 4096, 4096)])  # polled, lands
+            os.kill(proc.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="no answer within 1 s"):
+                p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
+            assert time.monotonic() - start < 3
+    finally:
+        proc.kill()  # SIGKILL ends a stopped process too
+        proc.join(10)
+
+
+def test_a_rejected_write_after_an_answered_one_fails_with_mooncakes_status(pair):
+    p, d, src, dst = pair
+    p.write(d.session_address, [Descriptor(src.ctypes.data, dst.ctypes.data, 4096)])
+    beyond = dst.ctypes.data + dst.nbytes - 100
+    with pytest.raises(TransferError, match="Mooncake returned -1"):
+        p.write(d.session_address, [Descriptor(src.ctypes.data, beyond, 4096)])
+    p.write(d.session_address, [Descriptor(src.ctypes.data + 4096, dst.ctypes.data + 4096, 4096)])  # and recovers
+    assert bytes(dst[: 2 * 4096]) == bytes(src[: 2 * 4096])
 
 
 def test_out_of_range_blocks_are_refused_before_any_write(pair):
