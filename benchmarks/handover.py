@@ -5,7 +5,7 @@ P's next scheduler step, the KV transfer, D noticing, and D's one-token
 forward (seed steps 23-39). Measured side by side in one run for pdkv's
 connector and vLLM's own MooncakeConnector (behind the test-only CPU shim
 in tests/shims/cpu_accelerator), each as a 1P1D pair on the tiny model,
-Mooncake tcp on loopback, P bound to core 0 and D to core 1, prefix
+Mooncake tcp on loopback, P's processes bound to core 0 and D's to core 1, prefix
 caching off (so P alone and P/D both compute the whole prompt), requests
 through pdkv's proxy, one at a time.
 
@@ -39,7 +39,6 @@ import numpy as np
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
-PIN = False
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
 
 
@@ -120,17 +119,8 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
     )
     p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}"), logs / f"p-{connector}.log")
     d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}"), logs / f"d-{connector}.log")
-    everything = os.sched_getaffinity(0)
-    try:
-        # --pin: each engine's processes (API server, engine core, worker) on its own core, not only its OMP threads.
-        if PIN:
-            os.sched_setaffinity(0, {0})
-        p.start()
-        if PIN:
-            os.sched_setaffinity(0, {1})
-        d.start()
-    finally:
-        os.sched_setaffinity(0, everything)
+    p.start()  # the launcher binds every process of P to core 0, of D to core 1
+    d.start()
     try:
         p.wait_healthy(300)
         d.wait_healthy(300)
@@ -197,11 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=850, help="tokens per prompt")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--connectors", default="pdkv,mooncake", help="comma-separated: pdkv, mooncake")
-    ap.add_argument("--pin", action="store_true", help="bind all of P's processes to core 0 and D's to core 1")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
-    global PIN
-    PIN = args.pin
     work = Path(tempfile.mkdtemp(prefix="pdkv-handover-"))
     model = args.model
     if model is None:

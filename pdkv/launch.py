@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -87,6 +88,8 @@ class LaunchPlan(msgspec.Struct, frozen=True):
     env: dict[str, str]
     url: str
     health_path: str = "/health"
+    # CPU engines: the cores every process of the engine (API server, engine core, workers) runs on.
+    cpus: list[int] | None = None
 
 
 def connect_host(host: str) -> str:
@@ -213,6 +216,20 @@ def engine_argv(spec: EngineSpec, *, python: str | None = None) -> list[str]:
     return argv
 
 
+def parse_cores(bind: str | None) -> list[int] | None:
+    """The cores a VLLM_CPU_OMP_THREADS_BIND value names ("0", "0-3", "0,2", "0-1|2-3"), or None ("auto", "nobind")."""
+    if bind is None or bind.strip() in ("", "auto", "all", "nobind"):
+        return None
+    cores: set[int] = set()
+    try:
+        for part in bind.replace("|", ",").split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise UsageError(f"cannot read the core list {bind!r}", hint="write cores like 0, 0-3, 0,2 or 0-1|2-3") from None
+    return sorted(cores)
+
+
 def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
     """The launch plan (argv, env, URL) of one vLLM engine."""
     if not 0 < spec.port < 65536:
@@ -224,6 +241,9 @@ def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
         argv=engine_argv(spec),
         env=engine_env(spec),
         url=http_url(spec.host, spec.port),
+        # Only the OMP threads follow VLLM_CPU_OMP_THREADS_BIND; the API server and the engine core would
+        # float onto the other engine's cores and slow its forward. Binding them keeps two engines apart.
+        cpus=parse_cores(spec.omp_bind) if spec.platform == "cpu" else None,
     )
 
 
@@ -301,6 +321,12 @@ class ManagedProcess:
         except OSError as exc:
             log.close()
             raise StartError(f"{self.name}: cannot run {self.plan.argv[0]}: {exc.strerror or exc}") from None
+        if self.plan.cpus:
+            # Before vLLM forks its engine core and workers (seconds of imports away): they inherit it.
+            try:
+                os.sched_setaffinity(self.proc.pid, self.plan.cpus)
+            except OSError as exc:
+                logging.getLogger("pdkv.launch").warning("%s: could not bind to cores %s: %s", self.name, self.plan.cpus, exc)
         self.started_at = time.monotonic()
         if self.on_line:
             self._pump = threading.Thread(target=self._tee, args=(log,), name=f"pdkv-log-{self.name}", daemon=True)

@@ -6,6 +6,7 @@ import ipaddress
 import json
 import sys
 
+import msgspec
 import pytest
 
 from pdkv.errors import StartError, UsageError
@@ -18,6 +19,7 @@ from pdkv.launch import (
     engine_plan,
     http_url,
     kv_transfer_config,
+    parse_cores,
     routable_ip,
     vllm_console_script_works,
 )
@@ -95,6 +97,20 @@ def test_cpu_env() -> None:
                                 extra_env={"PDKV_X": "1"}))
     assert env == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": "1", "PDKV_X": "1"}
+
+
+@pytest.mark.parametrize(
+    ("bind", "cores"), [("1", [1]), ("0-3", [0, 1, 2, 3]), ("0,2", [0, 2]), ("0-1|4-5", [0, 1, 4, 5]), ("auto", None), (None, None)]
+)
+def test_cpu_engines_are_bound_to_their_omp_cores(bind, cores) -> None:
+    spec = EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind=bind, launcher="module")
+    assert engine_plan(spec).cpus == cores
+    assert engine_plan(msgspec.structs.replace(spec, platform="gpu")).cpus is None
+
+
+def test_unreadable_core_list_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match="core list"):
+        parse_cores("zero")
 
 
 def test_advertised_address_is_never_loopback_unless_asked() -> None:

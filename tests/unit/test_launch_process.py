@@ -88,3 +88,18 @@ def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
     plan = LaunchPlan(name="ghost", argv=["/nonexistent/vllm"], env={}, url="http://127.0.0.1:1")
     with pytest.raises(StartError, match="cannot run"):
         ManagedProcess(plan, tmp_path / "ghost.log").start()
+
+
+def test_cpu_engine_processes_are_bound_to_their_cores(tmp_path: Path) -> None:
+    # The child and what it starts later (vLLM's engine core and workers) run only on the plan's cores.
+    core = sorted(os.sched_getaffinity(0))[-1]
+    plan = LaunchPlan(name="bound", argv=[sys.executable, "-c", FAMILY], env={}, url="http://127.0.0.1:1", cpus=[core])
+    lines: list[str] = []
+    proc = ManagedProcess(plan, tmp_path / "bound.log", on_line=lines.append).start()
+    try:
+        _wait_for(lambda: any(line.startswith("pids") for line in lines))
+        grandchild = int(next(line for line in lines if line.startswith("pids")).split()[1])
+        assert os.sched_getaffinity(proc.pid) == {core}
+        assert os.sched_getaffinity(grandchild) == {core}
+    finally:
+        proc.stop(grace=5)
