@@ -48,11 +48,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # model runner waits up to this long for the KV write that starts then, so the write has the core to
     # itself instead of a time slice beside P's sampling. Ignored with the KV cache on a GPU. 0: no wait.
     wait_write_ms: float = 20.0
+    # D: in a step with nothing to compute, the worker waits up to this long for a pull in flight to
+    # conclude, so that its news reaches the scheduler in this step rather than the next (vLLM's engine
+    # sleeps 1 ms between idle steps). A new request reaching an idle D waits at most this long more. 0: off.
+    idle_wait_ms: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.idle_wait_ms <= 1_000:
+            raise ConfigError(f"kv_connector_extra_config.idle_wait_ms must be 0..1000, got {self.idle_wait_ms}")
         if not 0 <= self.wait_write_ms <= 10_000:
             raise ConfigError(f"kv_connector_extra_config.wait_write_ms must be 0..10000, got {self.wait_write_ms}")
         if not 0 <= self.switch_interval_us <= 1_000_000:

@@ -70,6 +70,7 @@ class KVReceiver:
         self.ipc = ipc
         self._results = Results()
         self._lock = threading.Lock()
+        self._news = threading.Event()  # set when a pull concludes, cleared when results are taken
         self._loop = EventLoopThread("pdkv-receiver")
         self._peers: dict[str, SideChannelPeer] = {}
         self._addr_cache: dict[tuple[str, str], str] = {}
@@ -85,22 +86,34 @@ class KVReceiver:
         pulls: list[PullSpec] | None = None,
         aborts: list[str] | None = None,
         first_tokens: dict[str, tuple[float, int]] | None = None,
+        releases: list[PullSpec] | None = None,
     ) -> None:
-        if pulls or aborts or first_tokens:
+        if pulls or aborts or first_tokens or releases:
             now = time.time()
-            self._loop.call_soon(self._apply, list(pulls or ()), list(aborts or ()), dict(first_tokens or {}), now)
+            self._loop.call_soon(self._apply, list(pulls or ()), list(aborts or ()), dict(first_tokens or {}), now, list(releases or ()))
+
+    def wait_results(self, timeout: float) -> None:
+        """Wait up to `timeout` s for a pull in flight to conclude; return at once when none is in flight."""
+        if timeout > 0 and self.tracker.entries and not self._news.is_set():
+            self._news.wait(timeout)
 
     def take_results(self) -> Results:
         with self._lock:
             out, self._results = self._results, Results()
+            self._news.clear()
         for tid in out.transfer_ids.values():
             self.trace.event(tid, "reported")
         return out
 
     # --- loop thread -----------------------------------------------------------
 
-    def _apply(self, pulls: list[PullSpec], aborts: list[str], first_tokens: dict[str, tuple[float, int]], now: float) -> None:
+    def _apply(
+        self, pulls: list[PullSpec], aborts: list[str], first_tokens: dict[str, tuple[float, int]], now: float,
+        releases: list[PullSpec] | None = None,
+    ) -> None:
         loop = asyncio.get_running_loop()
+        for spec in releases or ():
+            loop.create_task(self._release(spec))
         for spec in pulls:
             self.trace.event(spec.transfer_id, "pull_scheduled", now, d_req_id=spec.d_req_id)
             self.tracker.started(spec.d_req_id, spec.transfer_id, now)
@@ -148,6 +161,14 @@ class KVReceiver:
             self._addr_cache[key] = addr
             return addr
         raise PdkvError(f"prefill engine {engine_id} is not registered at {bootstrap}")
+
+    async def _release(self, spec: PullSpec) -> None:
+        """Tell P that D will never pull `spec`'s KV, so that P frees its blocks now rather than at expiry."""
+        try:
+            addr = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull"))
+        except Exception as exc:  # noqa: BLE001 - P's expiry frees the blocks anyway
+            log.warning("pdkv: could not release transfer %s at the prefill side: %s", spec.transfer_id, exc)
 
     def _peer(self, addr: str) -> SideChannelPeer:
         peer = self._peers.get(addr)
@@ -225,6 +246,7 @@ class KVReceiver:
             self._results.transfer_ids[outcome.d_req_id] = outcome.transfer_id
             if outcome.error is not None:
                 self._results.failed[outcome.d_req_id] = outcome.error
+            self._news.set()
 
     async def _tick_forever(self) -> None:
         while True:

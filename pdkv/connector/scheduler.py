@@ -46,12 +46,15 @@ class StepMeta:
     cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
     pulls: list[PullSpec] = field(default_factory=list)  # D
     aborts: list[str] = field(default_factory=list)  # D: d_req_ids whose pull is no longer wanted
+    releases: list[PullSpec] = field(default_factory=list)  # D: requests that will never pull (ended first, or all local)
     first_tokens: dict[str, tuple[float, int]] = field(default_factory=dict)  # D: d_req_id -> (unix time, tokens computed)
     at: float = 0.0  # unix time the scheduler built this step
+    idle: bool = False  # nothing is computed in this step (D: the worker may wait for pulls to conclude)
 
     def empty(self) -> bool:
         return not (
-            self.registered or self.computed or self.ready or self.cancelled or self.pulls or self.aborts or self.first_tokens
+            self.registered or self.computed or self.ready or self.cancelled or self.pulls or self.aborts
+            or self.releases or self.first_tokens
         )
 
 
@@ -111,6 +114,7 @@ class ConnectorScheduler:
         if params.get("do_remote_prefill") and self.is_consumer:
             local = self._local_hit.pop(rid, 0)
             if num_external_tokens <= 0:
+                self._release(request, "decode had the whole prompt cached")
                 params["do_remote_prefill"] = False  # one transfer per request
                 return
             spec = self._pull_spec(request, blocks, local)
@@ -126,6 +130,18 @@ class ConnectorScheduler:
                 self._prefills[rid] = _Prefill(tid, request, list(ids))
             else:
                 log.error("pdkv: prefill request %s has do_remote_decode without a transfer_id; its KV will not be sent", rid)
+
+    def _release(self, request: Any, reason: str) -> None:
+        """Tell P (through the worker) that this D request will not pull; invalid params have no P to tell."""
+        try:
+            role, p = classify_params(request.kv_transfer_params)
+            if role != "decode" or not isinstance(p, DecodeParams):
+                return
+            check_decode_params(p)
+        except ParamsError:
+            return
+        log.info("pdkv: request %s releases transfer %s: %s", request.request_id, p.transfer_id, reason)
+        self._next.releases.append(PullSpec(request.request_id, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, []))
 
     def _pull_spec(self, request: Any, blocks: Any, local_tokens: int) -> PullSpec:
         rid = request.request_id
@@ -155,6 +171,12 @@ class ConnectorScheduler:
             # D's request ended while its KV is still coming: tell P to stop.
             # vLLM itself holds these blocks until the pull is reported done.
             self._next.aborts.append(rid)
+            return False, None
+        if self.is_consumer and params.get("do_remote_prefill"):
+            # D's request ended before it was scheduled: it will never pull, so P may free its blocks now.
+            self._release(request, f"decode request ended ({_status_name(request)}) before it pulled")
+            params["do_remote_prefill"] = False
+            self._local_hit.pop(rid, None)
             return False, None
         self._arrived.discard(rid)
         if not (self.is_producer and params.get("do_remote_decode")):
@@ -189,6 +211,7 @@ class ConnectorScheduler:
         Called before vLLM adds this step's tokens to `num_computed_tokens`."""
         meta, self._next = self._next, StepMeta()
         meta.at = time.time()
+        meta.idle = getattr(output, "total_num_scheduled_tokens", None) == 0
         num_scheduled_tokens = getattr(output, "num_scheduled_tokens", None)
         if self._prefills and num_scheduled_tokens:
             self._announce_computed(output, num_scheduled_tokens, meta)

@@ -132,7 +132,7 @@ class KVSender:
             return
         # KV in host memory: the write and this thread share the cores, so this thread steps aside
         # (for at most wait_write_s) while the sends that can start now run; P samples its token after.
-        sends: list[concurrent.futures.Future[tuple[str | None, int, int]]] = []
+        sends: list[concurrent.futures.Future[None]] = []
         with self._table_lock:
             for p_req_id, (tid, blocks) in items.items():
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
@@ -238,16 +238,21 @@ class KVSender:
                 ),
             )
 
-    def _start_send(self, a: StartSend) -> concurrent.futures.Future[tuple[str | None, int, int]]:
-        """Run the write on a transfer thread (from any thread); the loop thread concludes it."""
+    def _start_send(self, a: StartSend) -> concurrent.futures.Future[None]:
+        """Run the write on a transfer thread (from any thread); the loop thread tells D.
+        The returned future is done once D has been told (or the sender closed)."""
+        told: concurrent.futures.Future[None] = concurrent.futures.Future()
         fence = self._fences.pop(a.transfer_id, None)
         fut = self._pool.submit(self._transfer, a, fence)
-        fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f))
-        return fut
+        fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f, told))
+        return told
 
-    def _concluded(self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]]) -> None:
-        if not fut.cancelled():  # cancelled: the sender is closing
-            asyncio.get_running_loop().create_task(self._conclude(a, *fut.result()))
+    def _concluded(self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]], told: concurrent.futures.Future[None]) -> None:
+        if fut.cancelled():  # the sender is closing
+            told.set_result(None)
+            return
+        task = asyncio.get_running_loop().create_task(self._conclude(a, *fut.result()))
+        task.add_done_callback(lambda _t: told.set_result(None))
 
     def _transfer(self, a: StartSend, fence: Any) -> tuple[str | None, int, int]:
         """Plan and write one transfer (on a transfer thread, or inline): (error, bytes, descriptors)."""

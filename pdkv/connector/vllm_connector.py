@@ -167,7 +167,8 @@ class PdkvConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sent, recv = self._worker.results()
+        meta = self._connector_metadata
+        sent, recv = self._worker.results(idle=isinstance(meta, PdkvConnectorMetadata) and meta.step.idle)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=set(recv.finished), failed_recving=set(recv.failed))
 
     def shutdown(self) -> None:

@@ -125,7 +125,7 @@ class ConnectorWorker:
         if self.sender is not None:
             self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at, scheduled_at=meta.at)
         if self.receiver is not None:
-            self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens)
+            self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens, meta.releases)
 
     def forward_done(self, meta: StepMeta) -> None:
         """After the forward: start sending the requests whose prompt it completed (P); never blocks.
@@ -144,8 +144,12 @@ class ConnectorWorker:
         ev.record()
         return ev
 
-    def results(self) -> tuple[set[str], Results]:
-        """Steps 32 and 35: (P requests whose blocks may be freed, D pulls concluded)."""
+    def results(self, idle: bool = False) -> tuple[set[str], Results]:
+        """Steps 32 and 35: (P requests whose blocks may be freed, D pulls concluded).
+
+        `idle`: this step computed nothing, so D may wait (idle_wait_ms) for a pull in flight."""
+        if idle and self.receiver is not None:
+            self.receiver.wait_results(self.config.idle_wait_ms / 1000)
         sent = self.sender.take_finished() if self.sender is not None else set()
         recv = self.receiver.take_results() if self.receiver is not None else Results()
         for rid, why in recv.failed.items():

@@ -31,19 +31,21 @@ def _decode(conn, bootstrap_url: str) -> None:
         t.register([(base, mem.numel())])
         with KVReceiver(t.session_address, regions, liveness_s=5.0, ipc=t.export()) as rx:
             conn.send("ready")
-            blocks = conn.recv()
-            rx.apply_step(pulls=[PullSpec("d1", "x1", bootstrap_url, ENGINE, blocks)])
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                res = rx.take_results()
-                if "d1" in res.finished:
-                    break
-                time.sleep(0.01)
-            torch.cuda.synchronize(device)
-            conn.send((dict(res.failed), mem.cpu().numpy()))
+            while (job := conn.recv()) is not None:  # (d_req_id, transfer_id, blocks), one pull at a time
+                d_req, tid, blocks = job
+                rx.apply_step(pulls=[PullSpec(d_req, tid, bootstrap_url, ENGINE, blocks)])
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    res = rx.take_results()
+                    if d_req in res.finished:
+                        break
+                    time.sleep(0.01)
+                torch.cuda.synchronize(device)
+                conn.send((dict(res.failed), mem.cpu().numpy()))
 
 
-def test_p_pushes_over_cuda_ipc_into_a_decode_process():
+@pytest.mark.parametrize("when", ["finished", "computed"])
+def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
     import torch
 
     from pdkv.bootstrap.client import BootstrapClient
@@ -57,6 +59,7 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process():
         pytest.skip("no CUDA device")
     with start_background("127.0.0.1", 0) as bs, CudaIpcTransport(0) as t:
         src = torch.randint(0, 256, (LAYERS, BLOCKS, BLOCK_LEN), dtype=torch.uint8, device="cuda:0")
+        final = src.clone()
         base = src.data_ptr()
         t.register([(base, src.numel())])
         regions = [Region(base + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(LAYERS)]
@@ -70,12 +73,37 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process():
             try:
                 assert parent.poll(120) and parent.recv() == "ready"
                 p_blocks, d_blocks = [2, 3, 4, 9], [5, 6, 7, 12]
-                sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", p_blocks)})
-                parent.send(d_blocks)
+                # A first transfer of the same shape: handles opened and the copy graph captured (both synchronize the device).
+                sender.apply_step(registered={"p0": "x0"}, ready={"p0": ("x0", p_blocks)})
+                parent.send(("d0", "x0", d_blocks))
+                assert parent.poll(60) and parent.recv()[0] == {}
+                deadline = time.monotonic() + 10
+                while "p0" not in sender.take_finished():
+                    assert time.monotonic() < deadline, "the warm-up transfer's blocks were not freed"
+                    time.sleep(0.01)
+                sender.apply_step(registered={"p1": "x1"})
+                parent.send(("d1", "x1", d_blocks))
+                if when == "finished":
+                    sender.apply_step(ready={"p1": ("x1", p_blocks)})
+                else:
+                    # A "forward" still running on the GPU writes the prompt's KV: the write must wait for it.
+                    time.sleep(0.5)  # D's pull is parked at P
+                    src.zero_()
+                    torch.cuda.synchronize()
+                    forward = torch.cuda.Stream()  # as vLLM's, not the stream the copy is issued on
+                    with torch.cuda.stream(forward):
+                        torch.cuda._sleep(200_000_000)
+                        src.copy_(final)
+                        fence = torch.cuda.Event()
+                        fence.record()
+                    sender.computed({"p1": ("x1", p_blocks)}, fence)
+                    time.sleep(0.5)
+                    assert "p1" not in sender.take_finished()  # not freed before P's request finishes
+                    sender.apply_step(ready={"p1": ("x1", p_blocks)})
                 assert parent.poll(60)
                 failed, got = parent.recv()
                 assert failed == {}
-                want = src.cpu().numpy()
+                want = final.cpu().numpy()
                 for layer in range(LAYERS):
                     for pb, db in zip(p_blocks, d_blocks, strict=True):
                         assert (got[layer, db] == want[layer, pb]).all()
@@ -84,4 +112,5 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process():
                 trace = sender.trace.get("x1")
                 assert trace is not None and trace.status == "sent" and trace.bytes == 4 * LAYERS * BLOCK_LEN
             finally:
+                parent.send(None)
                 proc.join(30)

@@ -6,6 +6,7 @@ worker hooks would. Every wait is bounded in seconds.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -93,11 +94,12 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         bs = start_background("127.0.0.1", 0)
         stack.callback(bs.stop)
 
-        def make(limits: SendLimits | None = None, liveness_s: float = 2.0) -> Pair:
+        def make(limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0) -> Pair:
             p = make_side(stack, fill=1)
             d = make_side(stack, fill=None)
             sender = stack.enter_context(
-                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2)
+                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2,
+                         wait_write_s=wait_write_s)
             )
             with BootstrapClient(bs.url) as c:
                 c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
@@ -139,6 +141,52 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
     for ev in ("registered", "p_computed", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
         assert ev in trace.events
     assert trace.events["p_computed"] == computed <= trace.events["p_finished"]
+
+
+@pytest.mark.parametrize("wait_write_s", [0.0, 0.5])
+def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s):
+    pair = make_pair(wait_write_s=wait_write_s)
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
+    pair.sender.apply_step(registered={"p1": "x1"})
+    time.sleep(0.2)  # D's pull is parked at P
+    pair.sender.computed({"p1": ("x1", [2, 3])})  # the forward that completed P's prompt just ran
+    if wait_write_s:
+        # The model runner's thread stepped aside until the write was done and D told.
+        assert "reply_sent" in pair.sender.trace.get("x1").events
+    res = wait_results(pair.receiver, {"d1"})
+    assert res.failed == {}
+    assert_copied(pair, [2, 3], [5, 6])
+    time.sleep(0.2)
+    assert pair.sender.take_finished() == set()  # P's scheduler has not finished the request: not ours to free
+    pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
+    wait_freed(pair.sender, {"p1"})
+    ev = pair.sender.trace.get("x1").events
+    assert ev["p_forward_done"] <= ev["transfer_start"] <= ev["transfer_end"] <= ev["p_finished"]
+
+
+def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):
+    pair = make_pair()
+    assert pair.receiver.wait_results(5.0) is None  # nothing in flight: no wait at all
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5])])
+    pair.sender.apply_step(registered={"p1": "x1"})
+    time.sleep(0.2)
+    start = time.monotonic()
+    threading.Timer(0.3, pair.sender.computed, args=({"p1": ("x1", [1])},)).start()
+    pair.receiver.wait_results(5.0)
+    assert 0.25 < time.monotonic() - start < 2.0  # woke by the DONE, well before the bound
+    assert pair.receiver.take_results().finished == {"d1"}
+    start = time.monotonic()
+    pair.receiver.wait_results(0.3)  # nothing in flight any more
+    assert time.monotonic() - start < 0.1
+
+
+def test_d_request_that_never_pulls_releases_ps_blocks_at_once(make_pair):
+    pair = make_pair()  # expiry stays at its 120 s default
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [4, 5])})
+    pair.receiver.apply_step(releases=[pair.spec("d1", "x1", [])])
+    assert wait_freed(pair.sender, {"p1"}, timeout=5.0) < 5.0
+    assert pair.sender.trace.get("x1").status == "released"
+    assert_untouched(pair, [])
 
 
 def test_pull_before_p_finished_waits_then_arrives(make_pair):

@@ -66,6 +66,7 @@ class Out:
     num_scheduled_tokens: dict[str, int]
     scheduled_new_reqs: list[NewReq] = field(default_factory=list)
     scheduled_cached_reqs: Cached | None = None
+    total_num_scheduled_tokens: int = -1
 
 
 def p_req(n: int = 100, tid: str = "xfer-1", max_tokens: int | None = 1) -> Req:
@@ -209,6 +210,41 @@ def test_d_abort_during_the_pull_is_sent_to_the_worker_and_first_token_is_timed(
     assert s.build_meta(Out({"other": 1})).first_tokens == {}
     [(at, ntok)] = s.build_meta(Out({"d2": 1})).first_tokens.values()
     assert ntok == 1 and at > 0
+
+
+def test_d_request_ending_before_it_pulls_releases_ps_blocks():
+    s = consumer()
+    r = d_req(100)
+    assert s.get_num_new_matched_tokens(r, 0) == (100, True)  # waiting, never allocated
+    r.status = Status.FINISHED_ABORTED
+    assert s.request_finished(r, []) == (False, None)
+    [rel] = s.build_meta(None).releases
+    assert (rel.d_req_id, rel.transfer_id, rel.engine_id, rel.bootstrap_addr) == ("d1", "xfer-1", "e", "http://h:8998")
+    assert s.request_finished(r, []) == (False, None)
+    assert s.build_meta(None).releases == []  # once
+
+
+def test_d_with_the_whole_prompt_cached_releases_instead_of_pulling():
+    s = consumer()
+    r = d_req(64)
+    s.update_state_after_alloc(r, Blocks([1, 2]), 0)
+    meta = s.build_meta(None)
+    assert meta.pulls == [] and [x.transfer_id for x in meta.releases] == ["xfer-1"]
+
+
+def test_d_invalid_params_have_no_p_to_release():
+    s = consumer()
+    r = d_req(10, remote_engine_id="")
+    r.status = Status.FINISHED_ABORTED
+    s.request_finished(r, [])
+    assert s.build_meta(None).releases == []
+
+
+def test_a_step_that_computes_nothing_is_marked_idle():
+    s = consumer()
+    assert s.build_meta(Out({}, total_num_scheduled_tokens=0)).idle
+    assert not s.build_meta(Out({"d9": 1}, total_num_scheduled_tokens=1)).idle
+    assert not s.build_meta(None).idle  # unknown: never wait
 
 
 def test_requests_without_pd_params_are_left_alone():
