@@ -12,7 +12,8 @@ through pdkv's proxy, one at a time.
     flock /tmp/pdkv-vllm.lock python benchmarks/handover.py --prompts 40 --tokens 850
     python benchmarks/handover.py --connectors pdkv --json
 
-Prints median and p99 handover per connector, and the target check:
+Prints median and p99 handover per connector, how many P/D answers equal
+P alone's (greedy, so all of them when the KV arrived whole), and the target check:
 pdkv's median at most half of vLLM's, pdkv's p99 under 3x its median.
 For pdkv it also splits the handover with the connector's own records
 (fetched from P's side channel, as `pdkv trace` does): median per phase,
@@ -49,20 +50,24 @@ def free_port() -> int:
 
 
 def ttft(url: str, body: dict, headers: dict | None = None, at: dict | None = None) -> float:
-    """Seconds from sending a streamed completion to its first content chunk; `at` gets both as unix times."""
+    """Seconds from sending a streamed completion to its first content chunk; `at` gets both as unix
+    times and the answer's text (to check that P/D answers what P alone answers)."""
     t0 = time.perf_counter()
     sent = time.time()
+    text = []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120) as r:
         if r.status_code >= 400:
             raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
         first = None
         for line in r.iter_lines():
-            if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                first = time.perf_counter() - t0
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if first is None:
+                    first = time.perf_counter() - t0
+                text += [c.get("text", "") for c in json.loads(line[6:]).get("choices", ())]
     if first is None:
         raise RuntimeError("the stream ended without a token")
     if at is not None:
-        at["client_sent"], at["client_first_token"] = sent, sent + first
+        at["client_sent"], at["client_first_token"], at["text"] = sent, sent + first, "".join(text)
     return first
 
 
@@ -107,7 +112,7 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, logs: Path) -> dict:
+def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, logs: Path, extra: dict | None = None) -> dict:
     from pdkv.proxy.routing import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
@@ -116,6 +121,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
     common = dict(
         model=model, host="127.0.0.1", protocol="tcp", platform="cpu", block_size=32, max_model_len=1024,
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
+        connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )
     p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}"), logs / f"p-{connector}.log")
     d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}"), logs / f"d-{connector}.log")
@@ -132,15 +138,17 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                 w = [int(x) for x in rng.integers(100, VOCAB_HIGH, size=len(prompts[0]))]
                 ttft(p.url, {**body, "prompt": w})
                 ttft(proxy.url, {**body, "prompt": w[::-1]})
-            alone, pd, hand, rids, client = [], [], [], [], {}
+            alone, pd, hand, rids, client, same = [], [], [], [], {}, 0
             gc.collect()
             gc.disable()  # no collection of this process's garbage inside a timed request
             try:
                 for i, ids in enumerate(prompts):
                     rid = f"hb-{connector}-{i}-{time.time_ns()}"
-                    a = ttft(p.url, {**body, "prompt": ids})
+                    a_at: dict = {}
+                    a = ttft(p.url, {**body, "prompt": ids}, at=a_at)
                     client[rid] = {}
                     b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": rid}, at=client[rid])
+                    same += a_at["text"] == client[rid].pop("text")
                     alone.append(a)
                     pd.append(b)
                     hand.append(b - a)
@@ -162,6 +170,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
         return {
             "connector": connector,
             "n": len(hand),
+            "same_answer": same,  # P/D's greedy tokens equal P alone's: the KV arrived whole
             "p_alone_ttft_ms_median": 1000 * statistics.median(alone),
             "pd_ttft_ms_median": 1000 * statistics.median(pd),
             "handover_ms_median": 1000 * statistics.median(hand),
@@ -187,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=850, help="tokens per prompt")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--connectors", default="pdkv,mooncake", help="comma-separated: pdkv, mooncake")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kv_connector_extra_config entry for pdkv's connector (JSON value), e.g. wait_write_ms=0")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="pdkv-handover-"))
@@ -199,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     global VOCAB_HIGH
     VOCAB_HIGH = json.loads((Path(model) / "config.json").read_text())["vocab_size"] - 100
     prompts = [[int(x) for x in rng.integers(100, VOCAB_HIGH, size=args.tokens)] for _ in range(args.prompts)]
-    results = [run_pair(c.strip(), model, prompts, args.warmup, work) for c in args.connectors.split(",") if c.strip()]
+    extra = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+    results = [run_pair(c.strip(), model, prompts, args.warmup, work, extra) for c in args.connectors.split(",") if c.strip()]
     by = {r["connector"]: r for r in results}
     verdict = {}
     if "pdkv" in by:
@@ -210,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"results": results, "verdict": verdict, "logs": str(work)}, indent=2))
         return 0
     print(f"handover = P/D TTFT - P-alone TTFT; {args.prompts} prompts of {args.tokens} tokens; logs in {work}")
-    print(f"{'connector':<10} {'n':>4} {'P alone':>9} {'P/D':>9} {'median':>9} {'p99':>9} {'max':>9}   (ms)")
+    print(f"{'connector':<10} {'n':>4} {'same':>5} {'P alone':>9} {'P/D':>9} {'median':>9} {'p99':>9} {'max':>9}   (ms)")
     for r in results:
         print(
-            f"{r['connector']:<10} {r['n']:>4} {r['p_alone_ttft_ms_median']:>9.2f} {r['pd_ttft_ms_median']:>9.2f} "
+            f"{r['connector']:<10} {r['n']:>4} {r['same_answer']:>5} {r['p_alone_ttft_ms_median']:>9.2f} {r['pd_ttft_ms_median']:>9.2f} "
             f"{r['handover_ms_median']:>9.2f} {r['handover_ms_p99']:>9.2f} {r['handover_ms_max']:>9.2f}"
         )
     for r in results:

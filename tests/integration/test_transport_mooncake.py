@@ -130,7 +130,7 @@ def test_write_to_a_silent_peer_is_bounded():
 
 
 def test_a_peer_that_answered_once_then_stops_is_bounded_too():
-    # After a first answer, writes to a peer are polled on the caller's thread: the same bound holds.
+    # A connection that worked, then a peer that stops (SIGSTOP): the write is bounded all the same.
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target, args=(child,), daemon=True)
@@ -142,22 +142,22 @@ def test_a_peer_that_answered_once_then_stops_is_bounded_too():
             src = np.ones(4096, dtype=np.uint8)
             p.register([(src.ctypes.data, src.nbytes)])
             p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
-            p.write(peer, [Descriptor(src.ctypes.data, dst_base + 4096, 4096)])  # polled, lands
+            p.write(peer, [Descriptor(src.ctypes.data, dst_base + 4096, 4096)])
             os.kill(proc.pid, signal.SIGSTOP)
             start = time.monotonic()
-            with pytest.raises(TransferError, match="no answer within 1 s"):
+            with pytest.raises(TransferError, match=peer):
                 p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
-            assert time.monotonic() - start < 3
+            assert time.monotonic() - start < 3  # the bound (1 s) holds, on the caller's thread too
     finally:
         proc.kill()  # SIGKILL ends a stopped process too
         proc.join(10)
 
 
-def test_a_rejected_write_after_an_answered_one_fails_with_mooncakes_status(pair):
+def test_a_rejected_write_after_an_answered_one_fails_and_the_next_lands(pair):
     p, d, src, dst = pair
     p.write(d.session_address, [Descriptor(src.ctypes.data, dst.ctypes.data, 4096)])
     beyond = dst.ctypes.data + dst.nbytes - 100
-    with pytest.raises(TransferError, match="Mooncake returned -1"):
+    with pytest.raises(TransferError, match="Mooncake returned"):
         p.write(d.session_address, [Descriptor(src.ctypes.data, beyond, 4096)])
     p.write(d.session_address, [Descriptor(src.ctypes.data + 4096, dst.ctypes.data + 4096, 4096)])  # and recovers
     assert bytes(dst[: 2 * 4096]) == bytes(src[: 2 * 4096])
