@@ -118,7 +118,10 @@ def _disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config: 
             return "vLLM's default" if b is None else str(b)
 
         out.append(Problem(pair, f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}", "set the same block_size on both"))
-    if max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
+    if ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
+        out.append(Problem(pair, f"TP sizes differ: P {ps.tp}, D {ds.tp}; pdkv's connector moves KV between equal TP ranks only",
+                           "set the same tp on both, or connector = \"mooncake\" (vLLM's connector maps unequal TP)"))
+    elif max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
         out.append(Problem(pair, f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped", "use TP sizes where one divides the other"))
     return out
 

@@ -39,6 +39,27 @@ _json_encode = msgspec.json.Encoder().encode
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
+FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
+
+
+def _message_of(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else its first 200 characters."""
+    body = body.strip().split(b"\n", 1)[0]
+    try:
+        err = msgspec.json.decode(body)
+        if isinstance(err, dict) and isinstance(err.get("error"), dict):
+            return str(err["error"].get("message", ""))[:200]
+    except msgspec.DecodeError:
+        pass
+    return body[:200].decode("utf-8", "replace")
+
+
+def _is_error_event(chunks: list[bytes]) -> bool:
+    """D's first stream bytes are an error event, not a token."""
+    head = b"".join(chunks)[:64].lstrip()
+    return head.startswith(b"data: {") and b'"error"' in b"".join(chunks)[:200]
+
+
 def error_body(status: int, message: str, cause: str, request_id: str | None = None) -> bytes:
     err: dict[str, Any] = {"message": message, "type": "pdkv_proxy_error", "code": status, "cause": cause}
     if request_id:
@@ -262,13 +283,32 @@ class ProxyApp:
                            f"decode {d_state.url}: {err}")
                 return
             if d_ex.status and not 200 <= d_ex.status < 300:
-                if d_ex.finished:  # D's own error goes to the client as D wrote it
+                if d_ex.finished:  # D's own error goes to the client as D wrote it, with the transfer's fate
                     p_ex.abort()
                     t.error, t.status = "decode_status", d_ex.status
-                    conn.respond(d_ex.status, b"".join(d_ex.chunks), d_ex.content_type, [("x-request-id", t.request_id)])
+                    body = b"".join(d_ex.chunks)
+                    why = await self._transfer_fate(p_state, t) if d_ex.status >= 500 else None
+                    if why is not None:
+                        t.error = "decode_kv_transfer"
+                        body = error_body(d_ex.status, f"decode {d_state.url} answered {d_ex.status} ({_message_of(body)}): {why}",
+                                          "decode_kv_transfer", t.request_id)
+                        d_ex.content_type = "application/json"
+                    conn.respond(d_ex.status, body, d_ex.content_type, [("x-request-id", t.request_id)])
                     t.last_byte = time.time()
                     return
             elif stream:
+                if not committed and d_ex.first and _is_error_event(d_ex.chunks):
+                    # D failed before its first token: say why the KV did not come, if P knows.
+                    why = await self._transfer_fate(p_state, t)
+                    if why is not None:
+                        p_ex.abort()
+                        message = f"decode {d_state.url} failed ({_message_of(b''.join(d_ex.chunks)[6:])}): {why}"
+                        t.error, t.status = "decode_kv_transfer", d_ex.status
+                        conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)])
+                        conn.end_stream(b"data: " + error_body(500, message, "decode_kv_transfer", t.request_id) + b"\n\ndata: [DONE]\n\n")
+                        d_ex.abort()
+                        t.last_byte = time.time()
+                        return
                 if not committed and (d_ex.first or d_ex.finished):
                     committed = True
                     conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)], b"".join(d_ex.chunks))
@@ -283,6 +323,25 @@ class ProxyApp:
                 t.status, t.last_byte = d_ex.status, time.time()
                 return
             await flight.wait()
+
+    async def _transfer_fate(self, p_state: BackendState, t: ProxyTiming) -> str | None:
+        """Why this request's KV transfer failed, as P's connector recorded it; None if P does not say
+        (vLLM's connector, P unreachable, or the transfer did not fail). Bounded by FATE_TIMEOUT_S."""
+        from pdkv.connector.side_channel import request_once
+        from pdkv.protocol import StatsQuery, StatsReply
+
+        addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
+        for addr in addrs:
+            try:
+                reply = await request_once(addr, StatsQuery(since=t.received, limit=1000), FATE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - another protocol, or no answer: nothing to add
+                continue
+            if not isinstance(reply, StatsReply):
+                continue
+            for rec in reply.traces:
+                if rec.transfer_id == t.transfer_id and rec.status not in ("", "sent"):
+                    return f"KV transfer {rec.transfer_id} {rec.status}" + (f": {rec.error}" if rec.error else "")
+        return None
 
     def _prefill_failure(self, p_ex: _Prefill, p_state: BackendState) -> tuple[int, str, str]:
         err = p_ex.error

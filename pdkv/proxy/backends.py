@@ -38,12 +38,13 @@ class BackendState:
 
 
 class PrefillState(BackendState):
-    __slots__ = ("bootstrap_url", "engines")
+    __slots__ = ("bootstrap_url", "engines", "workers")
 
     def __init__(self, url: str, bootstrap_url: str, pool: UpstreamPool) -> None:
         super().__init__("prefill", url, pool)
         self.bootstrap_url = bootstrap_url
         self.engines: dict[int, str] = {}
+        self.workers: dict[int, list[str]] = {}  # DP rank -> its workers' side channels (from the bootstrap)
 
 
 class Backends:
@@ -175,6 +176,7 @@ class Backends:
         if engines != p.engines and p.engines:
             log.info("prefill %s engine ids changed: %s -> %s", p.url, p.engines, engines)
         p.engines = engines
+        p.workers = {rank: [a for tp in entry.worker_addr.values() for a in tp.values()] for rank, entry in entries.items()}
         self._mark(p, True, "ok")
 
     async def _check_decode(self, d: BackendState) -> None:

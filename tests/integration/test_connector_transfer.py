@@ -294,3 +294,50 @@ def test_decode_abort_releases_ps_blocks(make_pair):
     pair.sender.apply_step(ready={"p1": ("x1", [3])})
     wait_freed(pair.sender, {"p1"}, timeout=3)
     assert_untouched(pair, [])
+
+
+def test_equal_tp_each_rank_pulls_from_its_own_prefill_rank():
+    # TP 2 on both sides: each D worker pulls the same blocks from the P worker of its rank, whose memory
+    # holds its own share of the heads; the bootstrap lists both P ranks under one engine id.
+    with ExitStack() as stack:
+        bs = start_background("127.0.0.1", 0)
+        stack.callback(bs.stop)
+        ps = [make_side(stack, fill=10 + rank) for rank in range(2)]
+        ds = [make_side(stack, fill=None) for _ in range(2)]
+        senders = []
+        for rank, p in enumerate(ps):
+            sender = stack.enter_context(
+                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id="engine-tp", tp_rank=rank, tp_size=2, heartbeat_s=0.2)
+            )
+            with BootstrapClient(bs.url) as c:
+                c.register(RegisterRequest(engine_id="engine-tp", dp_rank=0, tp_rank=rank, pp_rank=0, addr=sender.address))
+            senders.append(sender)
+        receivers = [
+            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=rank, tp_size=2, liveness_s=2.0))
+            for rank, d in enumerate(ds)
+        ]
+        spec = PullSpec("d1", "x-tp", bs.url, "engine-tp", [5, 6, 7])
+        for rx in receivers:  # the scheduler's metadata reaches every worker alike
+            rx.apply_step(pulls=[spec])
+        for sender in senders:
+            sender.apply_step(registered={"p1": "x-tp"}, ready={"p1": ("x-tp", [1, 2, 3])})
+        for rank, rx in enumerate(receivers):
+            assert wait_results(rx, {"d1"}).failed == {}
+            for layer in range(LAYERS):
+                for pb, db in zip([1, 2, 3], [5, 6, 7], strict=True):
+                    assert np.array_equal(ps[rank].block(layer, pb), ds[rank].block(layer, db)), f"rank {rank} layer {layer}"
+        assert not np.array_equal(ds[0].mem, ds[1].mem)  # each rank got its own P rank's bytes
+        for sender in senders:
+            wait_freed(sender, {"p1"})
+
+
+def test_unequal_tp_fails_the_pull_at_once_with_the_reason(make_pair):
+    pair = make_pair()  # P registered TP 1
+    d = make_side(ExitStack(), fill=None)
+    with KVReceiver(d.transport.session_address, d.regions, tp_rank=0, tp_size=2, liveness_s=5.0) as rx:
+        start = time.monotonic()
+        rx.apply_step(pulls=[pair.spec("d1", "x1", [1])])
+        res = wait_results(rx, {"d1"}, timeout=5.0)
+        assert time.monotonic() - start < 3.0
+        assert "unequal TP" in res.failed["d1"]
+    d.transport.close()

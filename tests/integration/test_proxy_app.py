@@ -76,6 +76,13 @@ class Stub:
         if b.get("hang"):
             await self._wait(request, None)
             return web.Response(status=499)
+        if b.get("error_event") and body.get("stream"):  # vLLM's way to fail a stream before its first token
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
         if b["status"] != 200:
             if not await self._wait(request, b["delay"]):
                 return web.Response(status=499)
@@ -316,6 +323,68 @@ def test_decode_error_reaches_the_client_and_cancels_prefill(deployment: Deploym
         assert r.status_code == 400 and r.json() == {"error": {"message": "prompt too long for D"}}
         _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P cancelled")
         assert c.get("/pdkv/requests").json()[0]["error"] == "decode_status"
+
+
+class FateServer:
+    """A P worker's side channel that answers stats queries with one failed transfer, as pdkv's connector would."""
+
+    def __init__(self, transfer_id: str) -> None:
+        from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
+
+        self.transfer_id = transfer_id
+        self.loop = EventLoopThread("fate")
+        self.server = SideChannelServer(self.loop, "127.0.0.1", self.handle)
+
+    async def handle(self, identity: bytes, msg: Any) -> None:
+        from pdkv.protocol import StatsQuery, StatsReply, TransferTrace
+
+        if isinstance(msg, StatsQuery):
+            trace = TransferTrace(transfer_id=self.transfer_id, status="cancelled",
+                                  error="prefill request p-1 finished as FINISHED_ABORTED", events={"registered": time.time()})
+            await self.server.send(identity, StatsReply(engine_id="engine-a", tp_rank=0, traces=[trace], metrics=""))
+
+    def close(self) -> None:
+        self.server.close()
+        self.loop.stop()
+
+
+def _register_side_channel(dep: Deployment, addr: str) -> None:
+    dep.deregister(0, "engine-a")
+    with BootstrapClient(dep.bootstraps[0].url, retries=0) as bs:
+        bs.register(RegisterRequest(engine_id="engine-a", dp_rank=0, tp_rank=0, pp_rank=0, addr=addr))
+    _wait_for(lambda: addr in json.dumps(httpx.get(f"{dep.bootstraps[0].url}/query").json()), what="registration")
+    time.sleep(0.3)  # a health round picks up the worker's address
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, stream: bool):
+    # D (vLLM) only says "Internal server error"; P's connector knows the transfer was cancelled, and why.
+    fate = FateServer("xfer-req-fate")
+    try:
+        _register_side_channel(deployment, fate.server.address)
+        if stream:
+            deployment.decodes[0].behaviour.update(error_event=True)
+        else:
+            deployment.decodes[0].behaviour.update(status=500, body={"error": {"message": "Internal server error"}})
+        with deployment.client() as c:
+            r = c.post("/v1/completions", json={**REQUEST, "stream": stream}, headers={"X-Request-Id": "req-fate"})
+            err = json.loads(_events(r.text)[0])["error"] if stream else r.json()["error"]
+            assert err["cause"] == "decode_kv_transfer"
+            assert "Internal server error" in err["message"]
+            assert "xfer-req-fate cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
+            assert c.get("/pdkv/requests").json()[0]["error"] == "decode_kv_transfer"
+    finally:
+        fate.close()
+
+
+def test_decode_failure_without_a_pdkv_side_channel_is_passed_through_in_bounded_time(deployment: Deployment):
+    # The stub P's side channel is not pdkv's (as with vLLM's connector): D's own answer goes to the client.
+    deployment.decodes[0].behaviour.update(status=500, body={"error": {"message": "Internal server error"}})
+    with deployment.client() as c:
+        start = time.monotonic()
+        r = c.post("/v1/completions", json=REQUEST)
+        assert r.status_code == 500 and r.json() == {"error": {"message": "Internal server error"}}
+        assert time.monotonic() - start < 2.0
 
 
 def test_decode_first_byte_timeout():

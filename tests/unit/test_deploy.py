@@ -137,9 +137,16 @@ def test_block_size_mismatch(tmp_path: Path) -> None:
 
 def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
     other = _model(tmp_path, "other", num_hidden_layers=4)
-    problems = check_engines(_parts({"dtype": "float16", "tp": 2}, {"model": other, "tp": 3}, model=_model(tmp_path, "m")))
+    problems = check_engines(_parts({"dtype": "float16", "tp": 2}, {"model": other, "tp": 3}, model=_model(tmp_path, "m"), connector="mooncake"))
     text = " | ".join(p.what for p in problems)
     assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
+
+
+def test_unequal_tp_is_refused_at_start_up_for_pdkvs_connector(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")
+    [problem] = check_engines(_parts({"tp": 2}, {"tp": 1}, model=model))
+    assert "TP sizes differ: P 2, D 1" in problem.what and "mooncake" in problem.fix
+    assert check_engines(_parts({"tp": 2}, {"tp": 1}, model=model, connector="mooncake")) == []  # vLLM's maps it
 
 
 def test_same_config_under_another_path_is_the_same_model(tmp_path: Path) -> None:
