@@ -39,9 +39,13 @@ CHROMIUM = "/usr/bin/chromium"
 PHASES = ("proxy forward", "P queue", "P prefill + P next step", "wait for D's pull", "transfer", "D notified",
           "D one-token forward")
 SPLIT = ("P prefill", "P next step")
+# A one-token P request's write starts right after its forward (p_forward_done): P's next step is off the path.
+EARLY = ("proxy forward", "P queue", "P prefill", "wait for D's pull", "transfer", "D notified", "D one-token forward")
 
 
 def expected_phases(event_names: set[str]) -> list[str]:
+    if "p_forward_done" in event_names:
+        return list(EARLY)
     if "p_computed" not in event_names:
         return list(PHASES)
     return [*PHASES[:2], *SPLIT, *PHASES[3:]]

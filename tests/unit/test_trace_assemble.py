@@ -218,3 +218,17 @@ def test_one_host() -> None:
     assert one_host("http://127.0.0.1:8000", ["http://127.0.0.1:8100", "http://localhost:8200"])
     assert one_host("http://10.0.0.5:8000", ["http://127.0.0.1:8100", "http://10.0.0.5:8200"])
     assert not one_host("http://10.0.0.5:8000", ["http://10.0.0.6:8100", "http://10.0.0.5:8200"])
+
+
+def test_early_write_chain_takes_p_forward_done_and_leaves_ps_finish_off_the_path() -> None:
+    # A one-token P request: its write started right after the forward, before P sampled and finished.
+    events = {"registered": 10.0, "p_forward_done": 20.0, "pull_received": 15.0, "transfer_start": 20.2, "transfer_end": 21.0,
+              "reply_sent": 21.2, "notified": 21.5, "p_computed": 23.0, "p_finished": 25.0, "reported": 22.0,
+              "first_token_scheduled": 23.5}
+    t = assemble(proxy_record(decode_first_byte=28.0), [connector_record(events)], model="tiny")
+    got = {p.name: p.ms for p in t.phases}
+    assert list(got) == ["proxy forward", "P queue", "P prefill", "wait for D's pull", "transfer", "D notified", "D one-token forward"]
+    assert got["P prefill"] == near(10.0) and got["wait for D's pull"] == near(0.2) and got["transfer"] == near(1.3)
+    assert got["D notified"] == near(2.0) and got["D one-token forward"] == near(4.5)
+    assert t.phases_ms == near(28.0)
+    assert not t.notes
