@@ -138,7 +138,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                 w = [int(x) for x in rng.integers(100, VOCAB_HIGH, size=len(prompts[0]))]
                 ttft(p.url, {**body, "prompt": w})
                 ttft(proxy.url, {**body, "prompt": w[::-1]})
-            alone, pd, hand, rids, client, same = [], [], [], [], {}, 0
+            alone, pd, hand, rids, client, same, differ = [], [], [], [], {}, 0, []
             gc.collect()
             gc.disable()  # no collection of this process's garbage inside a timed request
             try:
@@ -148,7 +148,10 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                     a = ttft(p.url, {**body, "prompt": ids}, at=a_at)
                     client[rid] = {}
                     b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": rid}, at=client[rid])
-                    same += a_at["text"] == client[rid].pop("text")
+                    pd_text = client[rid].pop("text")
+                    same += a_at["text"] == pd_text
+                    if a_at["text"] != pd_text:
+                        differ.append({"prompt": i, "p_alone": a_at["text"], "pd": pd_text})
                     alone.append(a)
                     pd.append(b)
                     hand.append(b - a)
@@ -171,6 +174,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
             "connector": connector,
             "n": len(hand),
             "same_answer": same,  # P/D's greedy tokens equal P alone's: the KV arrived whole
+            "different_answers": differ,
             "p_alone_ttft_ms_median": 1000 * statistics.median(alone),
             "pd_ttft_ms_median": 1000 * statistics.median(pd),
             "handover_ms_median": 1000 * statistics.median(hand),
