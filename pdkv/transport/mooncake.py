@@ -28,13 +28,6 @@ for 60 s, and no `MC_*` setting shortens that read. The worker lets `write`
 raise TransferError after `write_timeout_s`; the stalled call is abandoned
 and `close()` waits for it, bounded, before unregistering memory. Until
 `close()` returns the caller must keep the source memory alive.
-
-Once a peer has answered a write, later writes to it skip that thread: they
-are submitted with `batch_transfer_async_write` on the caller's thread and
-polled with `transfer_check_status` (0 pending, 1 done, -1 failed) against
-the same bound. On a machine whose cores are busy, each thread hand-off
-costs a scheduler slice, and a 442 KB loopback write went from 5.4 to
-3.7 ms (median, `benchmarks/handover.py --pin`) without the one it saves.
 """
 
 from __future__ import annotations
@@ -42,7 +35,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -149,14 +141,6 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-def _failed(peer: str, lens: list[int], why: object) -> TransferError:
-    return TransferError(
-        f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} failed (Mooncake returned {why})",
-        hint="is the peer running, reachable, and are the destination ranges inside its registered memory? "
-        "set MC_LOG_LEVEL=INFO for Mooncake's reason",
-    )
-
-
 class MooncakeTransport:
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
@@ -211,7 +195,6 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._worker = _Worker()
         self._stalled: list[_Worker] = []
-        self._answered: set[str] = set()  # peers a write reached: written to from the caller's thread
         self._closed = False
 
     # -- Transport -------------------------------------------------------
@@ -282,9 +265,6 @@ class MooncakeTransport:
             return 0
 
         bound = self.write_timeout_s if timeout_s is None else timeout_s
-        if peer in self._answered:
-            self._write_polled(peer, srcs, dsts, lens, bound)
-            return
         with self._lock:
             worker = self._worker
             fut = worker.submit(call)
@@ -304,32 +284,11 @@ class MooncakeTransport:
         except Exception as exc:  # pybind raises for ill-typed arguments
             raise TransferError(f"write of {sum(lens):,} B to {peer} failed: {exc}") from None
         if rc != 0:
-            raise _failed(peer, lens, rc)
-        self._answered.add(peer)
-
-    def _write_polled(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int], bound: float) -> None:
-        """Submit on this thread and poll for completion until `bound` seconds have passed."""
-        engine, step = self._engine, self.max_batch
-        deadline = time.monotonic() + bound
-        for i in range(0, len(lens), step):
-            batch = engine.batch_transfer_async_write(peer, srcs[i : i + step], dsts[i : i + step], lens[i : i + step])
-            if not batch:
-                self._answered.discard(peer)
-                raise _failed(peer, lens, "no batch: the peer is unreachable")
-            pause = 0.0
-            while (status := engine.transfer_check_status(batch)) == 0:
-                if time.monotonic() >= deadline:
-                    # Abandoned: Mooncake may still finish it; the next write to this peer goes through a worker.
-                    self._answered.discard(peer)
-                    raise TransferError(
-                        f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} got no answer within {bound:g} s",
-                        hint="the peer accepts connections but does not answer: is its process stopped or overloaded?",
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause or 20e-6, 200e-6)
-            if status != 1:
-                self._answered.discard(peer)
-                raise _failed(peer, lens, status)
+            raise TransferError(
+                f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} failed (Mooncake returned {rc})",
+                hint="is the peer running, reachable, and are the destination ranges inside its registered memory? "
+                "set MC_LOG_LEVEL=INFO for Mooncake's reason",
+            )
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Wait (bounded) for abandoned writes, unregister everything, and release the engine. Idempotent."""
