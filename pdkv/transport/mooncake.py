@@ -28,15 +28,6 @@ for 60 s, and no `MC_*` setting shortens that read. The worker lets `write`
 raise TransferError after `write_timeout_s`; the stalled call is abandoned
 and `close()` waits for it, bounded, before unregistering memory. Until
 `close()` returns the caller must keep the source memory alive.
-
-Once a peer has answered, a write of at most `PARALLEL_MAX` descriptors
-skips that thread: each descriptor goes as its own batch
-(`batch_transfer_async_write`), submitted on the caller's thread, and each
-batch is polled with `transfer_check_status` (0 pending, 1 done, -1 failed)
-against the same bound. One descriptor per batch, because that call reports
-a batch done as soon as its first descriptor is. In one batch Mooncake tcp
-finished a request's two 221 KB descriptors 0.7 and 4.4 ms after the start
-on the busy cores of a P/D pair; as two batches both land together.
 """
 
 from __future__ import annotations
@@ -44,7 +35,6 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -151,17 +141,6 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-PARALLEL_MAX = 64  # writes of at most this many descriptors go one batch per descriptor (see the module doc)
-
-
-def _failed(peer: str, lens: list[int], why: object) -> TransferError:
-    return TransferError(
-        f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} failed (Mooncake returned {why})",
-        hint="is the peer running, reachable, and are the destination ranges inside its registered memory? "
-        "set MC_LOG_LEVEL=INFO for Mooncake's reason",
-    )
-
-
 class MooncakeTransport:
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
@@ -216,7 +195,6 @@ class MooncakeTransport:
         self._lock = threading.Lock()
         self._worker = _Worker()
         self._stalled: list[_Worker] = []
-        self._answered: set[str] = set()  # peers a write reached: small writes to them are submitted and polled here
         self._closed = False
 
     # -- Transport -------------------------------------------------------
@@ -287,9 +265,6 @@ class MooncakeTransport:
             return 0
 
         bound = self.write_timeout_s if timeout_s is None else timeout_s
-        if peer in self._answered and len(lens) <= PARALLEL_MAX:
-            self._write_parallel(peer, srcs, dsts, lens, bound)
-            return
         with self._lock:
             worker = self._worker
             fut = worker.submit(call)
@@ -309,39 +284,11 @@ class MooncakeTransport:
         except Exception as exc:  # pybind raises for ill-typed arguments
             raise TransferError(f"write of {sum(lens):,} B to {peer} failed: {exc}") from None
         if rc != 0:
-            raise _failed(peer, lens, rc)
-        self._answered.add(peer)
-
-    def _write_parallel(self, peer: str, srcs: list[int], dsts: list[int], lens: list[int], bound: float) -> None:
-        """One batch per descriptor, submitted and polled on this thread until every one is done or `bound` passes."""
-        engine = self._engine
-        deadline = time.monotonic() + bound
-        batches = [engine.batch_transfer_async_write(peer, [s], [d], [n]) for s, d, n in zip(srcs, dsts, lens, strict=True)]
-        if not all(batches):
-            self._answered.discard(peer)
-            raise _failed(peer, lens, "no batch id: the peer is unreachable")
-        pending, pause = list(batches), 0.0
-        while pending:
-            still = []
-            for b in pending:
-                status = engine.transfer_check_status(b)
-                if status == 0:
-                    still.append(b)
-                elif status != 1:
-                    self._answered.discard(peer)
-                    raise _failed(peer, lens, status)
-            pending = still
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                # Abandoned: Mooncake may still finish these; the next write to this peer goes through a worker.
-                self._answered.discard(peer)
-                raise TransferError(
-                    f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} got no answer within {bound:g} s",
-                    hint="the peer accepts connections but does not answer: is its process stopped or overloaded?",
-                )
-            time.sleep(pause)
-            pause = min(2 * pause or 20e-6, 200e-6)
+            raise TransferError(
+                f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} failed (Mooncake returned {rc})",
+                hint="is the peer running, reachable, and are the destination ranges inside its registered memory? "
+                "set MC_LOG_LEVEL=INFO for Mooncake's reason",
+            )
 
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
         """Wait (bounded) for abandoned writes, unregister everything, and release the engine. Idempotent."""
