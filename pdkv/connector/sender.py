@@ -127,6 +127,8 @@ class KVSender:
         """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
         is an event the KV writes wait for (the forward may still run on the GPU)."""
         now = time.time()
+        if getattr(self, "_closed", False):
+            return  # shutting down: the scheduler frees what it holds
         if self.wait_write_s <= 0:
             self._loop.call_soon(self._apply_computed, dict(items), now, fence)
             return
@@ -136,6 +138,8 @@ class KVSender:
         with self._table_lock:
             for p_req_id, (tid, blocks) in items.items():
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
+                if fence is not None:
+                    self._fences[tid] = fence
                 actions = self.table.computed(tid, p_req_id, blocks, now)
                 sends += [self._start_send(a) for a in actions if isinstance(a, StartSend)]
                 rest = [a for a in actions if not isinstance(a, StartSend)]

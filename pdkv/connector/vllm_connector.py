@@ -155,7 +155,8 @@ class PdkvConnector(KVConnectorBase_V1):
         return None  # P pushes whole requests once they finish, not layer by layer
 
     def wait_for_save(self) -> None:
-        # After the forward: requests whose prompt it completed start sending now (never blocks).
+        # After the forward: requests whose prompt it completed start sending now (on CPU hosts the
+        # worker then waits up to wait_write_ms for those writes; on GPUs it never blocks).
         assert self._worker is not None
         meta = self._connector_metadata
         if isinstance(meta, PdkvConnectorMetadata) and meta.step.computed:

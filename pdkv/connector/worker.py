@@ -128,9 +128,10 @@ class ConnectorWorker:
             self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens, meta.releases)
 
     def forward_done(self, meta: StepMeta) -> None:
-        """After the forward: start sending the requests whose prompt it completed (P); never blocks.
+        """After the forward: start sending the requests whose prompt it completed (P).
 
-        On a GPU the forward may still be running: the write waits on an event recorded here."""
+        On a GPU the forward may still be running: the write waits on an event recorded here and this
+        returns at once. With the KV in host memory this waits up to wait_write_ms for those writes."""
         if self.sender is None or not meta.computed:
             return
         self.sender.computed(meta.computed, self._fence())
