@@ -19,8 +19,9 @@ Sends a streamed completion through pdkv's proxy with its own X-Request-Id,
 then gathers the proxy's record of it and, from P's side channel (found
 through the bootstrap server), what pdkv's connector recorded on P and D.
 Prints every event in the step numbers of docs/timeline.md and the TTFT decomposition:
-proxy forward + P queue and prefill + P's next step + wait for D's pull +
-transfer + D notified + D's one-token forward, each in ms and as a share,
+proxy forward + P queue and prefill + P's next step (left out when P wrote
+the KV right after its forward) + wait for D's pull + transfer + D notified +
+D's one-token forward, each in ms and as a share,
 with the link floor beside the measured KV write. With vLLM's
 MooncakeConnector only the proxy's part is visible.
 

@@ -125,27 +125,29 @@ class KVSender:
 
     def computed(self, items: dict[str, tuple[str, list[int]]], fence: Any = None) -> None:
         """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
-        is an event the KV writes wait for (the forward may still run on the GPU)."""
+        is an event the KV writes wait for (the forward may still run on the GPU).
+
+        Sends whose pull is already here start now, on the transfer threads. With `wait_write_s` (KV in
+        host memory: the write and this thread share the cores) this thread then steps aside for at most
+        that long while they run, and P samples its token after."""
         now = time.time()
         if getattr(self, "_closed", False):
             return  # shutting down: the scheduler frees what it holds
-        if self.wait_write_s <= 0:
-            self._loop.call_soon(self._apply_computed, dict(items), now, fence)
-            return
-        # KV in host memory: the write and this thread share the cores, so this thread steps aside
-        # (for at most wait_write_s) while the sends that can start now run; P samples its token after.
         sends: list[concurrent.futures.Future[None]] = []
+        rest: list[Any] = []
         with self._table_lock:
             for p_req_id, (tid, blocks) in items.items():
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
                 if fence is not None:
                     self._fences[tid] = fence
-                actions = self.table.computed(tid, p_req_id, blocks, now)
-                sends += [self._start_send(a) for a in actions if isinstance(a, StartSend)]
-                rest = [a for a in actions if not isinstance(a, StartSend)]
-                if rest:
-                    self._loop.call_soon(self._run, rest)
-        if sends:
+                for a in self.table.computed(tid, p_req_id, blocks, now):
+                    if isinstance(a, StartSend):
+                        sends.append(self._start_send(a))
+                    else:
+                        rest.append(a)
+        if rest:
+            self._loop.call_soon(self._run, rest)
+        if sends and self.wait_write_s > 0:
             concurrent.futures.wait(sends, timeout=self.wait_write_s)
 
     def take_finished(self) -> set[str]:
@@ -176,15 +178,6 @@ class KVSender:
             self.trace.finish(tid, "cancelled", reason)
             with self._table_lock:
                 actions = self.table.cancelled(tid, reason, now)
-            self._run(actions)
-
-    def _apply_computed(self, items: dict[str, tuple[str, list[int]]], now: float, fence: Any) -> None:
-        for p_req_id, (tid, blocks) in items.items():
-            self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
-            if fence is not None:
-                self._fences[tid] = fence
-            with self._table_lock:
-                actions = self.table.computed(tid, p_req_id, blocks, now)
             self._run(actions)
 
     def _run(self, actions: list[Any]) -> None:

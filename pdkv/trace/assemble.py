@@ -92,16 +92,8 @@ PDKV_CHAIN: tuple[tuple[str, str, str], ...] = (
     ("first_token_scheduled", "D one-token forward", "38-39"),
     ("decode_first_byte", "", ""),
 )
-EARLY_CHAIN: tuple[tuple[str, str, str], ...] = (
-    ("received", "proxy forward", "8-10"),
-    ("prefill_dispatched", "P queue", "11"),
-    ("registered", "P prefill", "12-15"),
-    ("p_forward_done", "wait for D's pull", "16-22"),
-    ("transfer_start", "transfer", "28-30"),
-    ("notified", "D notified", "34-37"),
-    ("first_token_scheduled", "D one-token forward", "38-39"),
-    ("decode_first_byte", "", ""),
-)
+# The early write: P's finish and next step leave the path; the wait for D's pull starts at the forward.
+EARLY_CHAIN: tuple[tuple[str, str, str], ...] = (*PDKV_CHAIN[:3], ("p_forward_done", "wait for D's pull", "16-22"), *PDKV_CHAIN[5:])
 PROXY_CHAIN: tuple[tuple[str, str, str], ...] = (
     ("received", "proxy forward", "8-10"),
     ("prefill_dispatched", "P request (seen by the proxy)", "11-25"),
