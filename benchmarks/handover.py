@@ -5,16 +5,18 @@ P's next scheduler step, the KV transfer, D noticing, and D's one-token
 forward (seed steps 23-39). Measured side by side in one run for pdkv's
 connector and vLLM's own MooncakeConnector (behind the test-only CPU shim
 in tests/shims/cpu_accelerator), each as a 1P1D pair on the tiny model,
-Mooncake tcp on loopback, P's processes bound to core 0 and D's to core 1, prefix
-caching off (so P alone and P/D both compute the whole prompt), requests
-through pdkv's proxy, one at a time.
+P's processes bound to core 0 and D's to core 1, prefix caching off (so P
+alone and P/D both compute the whole prompt), requests through pdkv's proxy,
+one at a time. pdkv runs twice: `pdkv/cma`, the transport `pdkv up` picks for
+a 1P1D on one CPU host (P writes into D's memory with process_vm_writev), and
+`pdkv/tcp`, Mooncake tcp on loopback like vLLM's connector.
 
     flock /tmp/pdkv-vllm.lock python benchmarks/handover.py --prompts 40 --tokens 850
-    python benchmarks/handover.py --connectors pdkv --json
+    python benchmarks/handover.py --connectors pdkv/tcp,mooncake --json
 
 Prints median and p99 handover per connector, how many P/D answers equal
-P alone's (greedy, so all of them when the KV arrived whole), and the target check:
-pdkv's median at most half of vLLM's, pdkv's p99 under 3x its median.
+P alone's (greedy, so all of them when the KV arrived whole), and the target check
+for each pdkv run: its median at most half of vLLM's, its p99 under 3x its median.
 For pdkv it also splits the handover with the connector's own records
 (fetched from P's side channel, as `pdkv trace` does): median per phase,
 and the phases of the slowest requests.
@@ -49,13 +51,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ttft(url: str, body: dict, headers: dict | None = None, at: dict | None = None) -> float:
+def ttft(client: httpx.Client, url: str, body: dict, headers: dict | None = None, at: dict | None = None) -> float:
     """Seconds from sending a streamed completion to its first content chunk; `at` gets both as unix
-    times and the answer's text (to check that P/D answers what P alone answers)."""
+    times and the answer's text (to check that P/D answers what P alone answers).
+
+    `client` is made once per run and keeps its connections, as a load generator's would: a client
+    made per request would put its own setup (an SSL context, a TCP connect) into every TTFT."""
+    content = json.dumps({**body, "stream": True}).encode()
     t0 = time.perf_counter()
     sent = time.time()
     text = []
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=120) as r:
+    with client.stream("POST", f"{url}/v1/completions", content=content, headers={"Content-Type": "application/json", **(headers or {})}) as r:
         if r.status_code >= 400:
             raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
         first = None
@@ -73,7 +79,8 @@ def ttft(url: str, body: dict, headers: dict | None = None, at: dict | None = No
 
 # Consecutive connector events of one transfer (pdkv.connector.timing): the handover's phases.
 PHASES = (
-    ("client_sent", "registered", "P queue"),
+    ("client_sent", "proxy_received", "to the proxy"),
+    ("proxy_received", "registered", "P queue"),
     ("registered", "p_forward_done", "P forward"),
     ("p_forward_done", "transfer_start", "wait for D's pull"),
     ("transfer_start", "transfer_end", "KV write"),
@@ -112,42 +119,48 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, logs: Path, extra: dict | None = None) -> dict:
+def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs: Path, extra: dict | None = None) -> dict:
     from pdkv.proxy.routing import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
+
+    connector, _, protocol = label.partition("/")
+    if connector not in ("pdkv", "mooncake") or protocol not in ("", "tcp", "cma") or (connector == "mooncake" and protocol == "cma"):
+        raise SystemExit(f"unknown connector {label!r}: use pdkv/cma, pdkv/tcp or mooncake")
+    protocol = protocol or ("cma" if connector == "pdkv" else "tcp")
+    label = f"{connector}/{protocol}" if connector == "pdkv" else connector
 
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     common = dict(
-        model=model, host="127.0.0.1", protocol="tcp", platform="cpu", block_size=32, max_model_len=1024,
+        model=model, host="127.0.0.1", protocol=protocol, platform="cpu", block_size=32, max_model_len=1024,
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
         connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )
-    p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}"), logs / f"p-{connector}.log")
-    d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}"), logs / f"d-{connector}.log")
+    p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}-{protocol}"), logs / f"p-{connector}-{protocol}.log")
+    d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}-{protocol}"), logs / f"d-{connector}-{protocol}.log")
     p.start()  # the launcher binds every process of P to core 0, of D to core 1
     d.start()
     try:
         p.wait_healthy(300)
         d.wait_healthy(300)
         burl = f"http://127.0.0.1:{bport}"
-        with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:
+        with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy, httpx.Client(timeout=120) as http:
             body = {"model": model, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
             rng = np.random.default_rng(7)
             for _ in range(warmup):
                 w = [int(x) for x in rng.integers(100, VOCAB_HIGH, size=len(prompts[0]))]
-                ttft(p.url, {**body, "prompt": w})
-                ttft(proxy.url, {**body, "prompt": w[::-1]})
+                ttft(http, p.url, {**body, "prompt": w})
+                ttft(http, proxy.url, {**body, "prompt": w[::-1]})
             alone, pd, hand, rids, client, same, differ = [], [], [], [], {}, 0, []
             gc.collect()
             gc.disable()  # no collection of this process's garbage inside a timed request
             try:
                 for i, ids in enumerate(prompts):
-                    rid = f"hb-{connector}-{i}-{time.time_ns()}"
+                    rid = f"hb-{connector}-{protocol}-{i}-{time.time_ns()}"
                     a_at: dict = {}
-                    a = ttft(p.url, {**body, "prompt": ids}, at=a_at)
+                    a = ttft(http, p.url, {**body, "prompt": ids}, at=a_at)
                     client[rid] = {}
-                    b = ttft(proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": rid}, at=client[rid])
+                    b = ttft(http, proxy.url, {**body, "prompt": ids}, headers={"X-Request-Id": rid}, at=client[rid])
                     pd_text = client[rid].pop("text")
                     same += a_at["text"] == pd_text
                     if a_at["text"] != pd_text:
@@ -164,6 +177,10 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                 from pdkv.protocol import transfer_id_for
 
                 records = connector_records(burl)
+                seen = httpx.get(f"{proxy.url}/pdkv/requests", params={"limit": 10_000}, timeout=10).json()
+                for t in seen:
+                    if t["request_id"] in client:
+                        client[t["request_id"]]["proxy_received"] = t["received"]
                 split = {rid: phases_of({**records.get(transfer_id_for(rid), {}), **client[rid]}) for rid in rids}
         by_phase: dict[str, list[float]] = {}
         for ph in split.values():
@@ -171,7 +188,7 @@ def run_pair(connector: str, model: str, prompts: list[list[int]], warmup: int, 
                 by_phase.setdefault(k, []).append(v)
         slowest = sorted(range(len(hand)), key=lambda i: hand[i], reverse=True)[:3]
         return {
-            "connector": connector,
+            "connector": label,
             "n": len(hand),
             "same_answer": same,  # P/D's greedy tokens equal P alone's: the KV arrived whole
             "different_answers": differ,
@@ -199,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=40, help="distinct prompts per connector (>= 30)")
     ap.add_argument("--tokens", type=int, default=850, help="tokens per prompt")
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--connectors", default="pdkv,mooncake", help="comma-separated: pdkv, mooncake")
+    ap.add_argument("--connectors", default="pdkv/cma,pdkv/tcp,mooncake", help="comma-separated: pdkv/cma, pdkv/tcp, mooncake")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a kv_connector_extra_config entry for pdkv's connector (JSON value), e.g. wait_write_ms=0")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -218,10 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     results = [run_pair(c.strip(), model, prompts, args.warmup, work, extra) for c in args.connectors.split(",") if c.strip()]
     by = {r["connector"]: r for r in results}
     verdict = {}
-    if "pdkv" in by:
-        verdict["pdkv_p99_under_3x_median"] = by["pdkv"]["handover_ms_p99"] < 3 * by["pdkv"]["handover_ms_median"]
-    if "pdkv" in by and "mooncake" in by:
-        verdict["pdkv_median_at_most_half_of_vllm"] = by["pdkv"]["handover_ms_median"] <= 0.5 * by["mooncake"]["handover_ms_median"]
+    for name, r in by.items():
+        if not name.startswith("pdkv"):
+            continue
+        verdict[f"{name}_p99_under_3x_median"] = r["handover_ms_p99"] < 3 * r["handover_ms_median"]
+        if "mooncake" in by:
+            vllm = by["mooncake"]["handover_ms_median"]
+            verdict[f"{name}_median_ratio_to_vllm"] = round(r["handover_ms_median"] / vllm, 3)
+            verdict[f"{name}_median_at_most_half_of_vllm"] = r["handover_ms_median"] <= 0.5 * vllm
     if args.json:
         print(json.dumps({"results": results, "verdict": verdict, "logs": str(work)}, indent=2))
         return 0
@@ -239,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  slow: handover {s['handover_ms']} (P alone {s['p_alone_ms']}, P/D {s['pd_ms']}): "
                       + ", ".join(f"{k} {v:.2f}" for k, v in s["phases_ms"].items()))
     for k, v in verdict.items():
-        print(f"{k}: {'yes' if v else 'NO'}")
+        print(f"{k}: {v if not isinstance(v, bool) else 'yes' if v else 'NO'}")
     return 0
 
 

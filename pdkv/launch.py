@@ -33,7 +33,7 @@ from pdkv.errors import StartError, UsageError
 
 Role = Literal["prefill", "decode", "none"]
 Connector = Literal["pdkv", "mooncake"]
-Protocol = Literal["rdma", "tcp", "ipc"]
+Protocol = Literal["rdma", "tcp", "ipc", "cma"]
 Platform = Literal["gpu", "cpu"]
 Launcher = Literal["auto", "serve", "module"]
 
@@ -158,8 +158,8 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for `spec`, or None for a colocated engine."""
     if spec.role == "none":
         return None
-    if spec.protocol == "ipc" and spec.connector != "pdkv":
-        raise UsageError("protocol ipc is pdkv's own transport", hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector")
+    if spec.protocol in ("ipc", "cma") and spec.connector != "pdkv":
+        raise UsageError(f"protocol {spec.protocol} is pdkv's own transport", hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector")
     extra: dict[str, Any] = {"mooncake_protocol": spec.protocol}
     if spec.device:
         extra["device_name"] = spec.device

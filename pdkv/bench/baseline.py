@@ -78,6 +78,39 @@ class CopyBaseline:
         self.scratch.close()
 
 
+class MemmoveBaseline:
+    """The cma baseline: plain memmove calls, one per descriptor, from P's buffers into a same-shaped buffer of this process.
+
+    No process boundary and no system call: the floor a copy between two
+    processes' host memory can approach.
+    """
+
+    def __init__(self, memory: Any, descriptors: list, remote_regions: list) -> None:
+        import ctypes
+
+        from pdkv.bench.memory import KVMemory
+
+        self.memmove = ctypes.memmove
+        self.scratch = KVMemory("cpu", memory.layers, memory.block_len, memory.num_blocks)
+        local = {r.base: s.base for r, s in zip(remote_regions, self.scratch.regions, strict=True)}
+        starts = sorted(local)
+        self.triples = []
+        for d in descriptors:
+            base = max(b for b in starts if b <= d.dst)
+            self.triples.append((local[base] + d.dst - base, d.src, d.length))
+
+    def write_ms(self) -> float:
+        memmove = self.memmove
+        t0 = time.perf_counter()
+        for dst, src, n in self.triples:
+            memmove(dst, src, n)
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        self.triples = []
+        self.scratch.close()
+
+
 class TebResult(msgspec.Struct, frozen=True):
     """transfer_engine_bench's own figure for blocks of `block_size` B in batches of `batch_size`."""
 

@@ -93,6 +93,8 @@ class BenchTarget:
         self.dst = parse_device(dst)
         if protocol == "ipc" and not self.dst.startswith("cuda:"):
             raise StartError("protocol ipc needs GPU memory on the decode side", hint="pass --dst cuda:N")
+        if protocol == "cma" and self.dst != "cpu":
+            raise StartError("protocol cma moves host memory", hint="pass --dst cpu")
         self.protocol = protocol
         bind_host = host or "0.0.0.0"
         # Mooncake needs a concrete address to advertise: the one we bind, or the caller's choice.

@@ -126,6 +126,10 @@ def check_spec(spec: BenchSpec) -> None:
         if not (src.startswith("cuda:") and dst.startswith("cuda:")):
             raise UsageError("--protocol ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
         return
+    if spec.protocol == "cma":
+        if (src, dst) != ("cpu", "cpu"):
+            raise UsageError("--protocol cma moves host memory between processes of this host", hint="use --src cpu --dst cpu, or --protocol ipc for GPUs")
+        return
     # Before any process starts: a wrong protocol or a missing RDMA device fails here, in seconds.
     check_protocol(spec.protocol, spec.device)
 
@@ -306,12 +310,18 @@ def _writer(transport, peer: str, descriptors, local_ids, remote_ids, local_regi
 
 
 def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):
-    """The baseline write for this protocol and what closes it: bare TransferEngine calls, or (ipc) plain copy_ calls."""
+    """The baseline write for this protocol and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
+    or (cma) plain memmove calls."""
     if spec.protocol == "ipc":
         from pdkv.bench.baseline import CopyBaseline
 
         copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
         return copier.write_ms, copier.close
+    if spec.protocol == "cma":
+        from pdkv.bench.baseline import MemmoveBaseline
+
+        mover = MemmoveBaseline(memory, descriptors, remote_regions)
+        return mover.write_ms, mover.close
     from pdkv.bench.baseline import bare_write_ms
 
     engine = transport.engine
@@ -352,6 +362,8 @@ def _baseline(
     note: str | None = None
     if spec.protocol == "ipc":
         note = "baseline: plain copy_ calls, one per descriptor, inside one process"
+    elif spec.protocol == "cma":
+        note = "baseline: plain memmove calls, one per descriptor, inside one process"
     elif not spec.transfer_engine_bench:
         note = "not asked for"
     elif spec.target is not None:

@@ -34,6 +34,8 @@ Examples:
 
   pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --protocol ipc --layout all --baseline
 
+  pdkv bench --model ./Qwen3-8B --protocol cma --layout all --baseline
+
   pdkv bench serve --host 0.0.0.0 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0
 
   pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --protocol rdma --device mlx5_0 --src cuda:0
@@ -89,7 +91,7 @@ def bench(
     head_dim: HeadDimOpt = None,
     dtype: DtypeOpt = None,
     block_size: BlockSizeOpt = 16,
-    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), or ipc (CUDA IPC between GPUs of this host)."),
+    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0; also where the link rate is read."),
     src: str = typer.Option("cpu", "--src", help="Where P's KV lives: cpu or cuda:N."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N (local target only)."),
@@ -178,7 +180,7 @@ def _render(report) -> None:
         ("layout", "blocks", "min", "p50", "p90", "p99", "max"),
     )
     rate = _table(f"rate (link {report.link_gbps:g} Gb/s)", ("layout", "blocks", "GB/s at p50", "GB/s over the run", "% of link at p50"))
-    bare_name = "copy_ p50" if report.protocol == "ipc" else "bare p50"
+    bare_name = {"ipc": "copy_ p50", "cma": "memmove p50"}.get(report.protocol, "bare p50")
     base = _table("baseline (same descriptors)", ("layout", "blocks", "pdkv p50", bare_name, "pdkv/baseline", "teb GB/s", "pdkv/teb"))
     for c in report.cases:
         t, key = c.timing, (c.layout, str(c.blocks))
@@ -199,7 +201,7 @@ def _render(report) -> None:
         console.print(base)
         notes = sorted({f"{c.layout}: {c.baseline.teb_note}" for c in report.cases if c.baseline and c.baseline.teb_note})
         for note in notes:
-            console.print(f"[dim]{note}[/]" if report.protocol == "ipc" else f"[dim]transfer_engine_bench {note}[/]")
+            console.print(f"[dim]{note}[/]" if report.protocol in ("ipc", "cma") else f"[dim]transfer_engine_bench {note}[/]")
     if report.note:
         console.print(f"[yellow]{report.note}[/]")
 
@@ -240,7 +242,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for the control channel (0.0.0.0 for all)."),
     port: int = typer.Option(18600, "--port", help="Control port; 0 picks a free one."),
     advertise: str | None = typer.Option(None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."),
-    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), or ipc (CUDA IPC between GPUs of this host)."),
+    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),

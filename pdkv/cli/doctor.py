@@ -24,6 +24,8 @@ Examples:
 
   pdkv doctor --protocol tcp --skip-mooncake
 
+  pdkv doctor --protocol cma
+
   pdkv doctor --device mlx5_0 --port 8000 --port 8998 --port 8100 --port 8200 --json
 """
 
@@ -33,13 +35,14 @@ _STYLE = {"fail": ("FAIL", "bold red"), "warn": ("WARN", "yellow"), "pass": ("ok
 class ProtocolName(StrEnum):
     rdma = "rdma"
     tcp = "tcp"
+    cma = "cma"
 
 
 DeviceOpt = Annotated[
     str | None,
     typer.Option("--device", "-d", help="RDMA device the deployment uses (Mooncake's device_name), e.g. mlx5_0; commas for several."),
 ]
-ProtocolOpt = Annotated[ProtocolName, typer.Option("--protocol", "-p", help="Mooncake protocol; tcp skips the RDMA-only checks.")]
+ProtocolOpt = Annotated[ProtocolName, typer.Option("--protocol", "-p", help="KV transport: rdma or tcp (Mooncake), or cma (P and D on one CPU host); tcp and cma skip the RDMA-only checks.")]
 PortOpt = Annotated[
     list[int] | None,
     typer.Option("--port", help="A port the deployment listens on; repeat it. Default: 8000 8998 8010 8020."),

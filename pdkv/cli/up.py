@@ -204,7 +204,7 @@ def up(
     role: Annotated[str | None, typer.Option("--role", help="Start one engine: prefill or decode.")] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model directory or hub id (default: the embedded tiny model).")] = None,
     connector: Annotated[str, typer.Option("--connector", help="KV connector: pdkv or mooncake (vLLM's own).")] = "pdkv",
-    protocol: Annotated[str | None, typer.Option("--protocol", help="KV transport: rdma or tcp (Mooncake), or ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first).")] = None,
+    protocol: Annotated[str | None, typer.Option("--protocol", help="KV transport: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma (host memory between processes of this host, CPU). Local 1P1D on CPU: cma.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
@@ -228,14 +228,16 @@ def up(
     from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
     from pdkv.errors import UsageError
 
-    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", None), "--protocol"), (platform, ("gpu", "cpu", None), "--platform")):
+    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"), (platform, ("gpu", "cpu", None), "--platform")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
     if file is not None and role is not None:
         raise UsageError("give either -f FILE or --role, not both")
     gpus = gpu_count()
     if protocol == "ipc" and (platform == "cpu" or (platform is None and not gpus)):
-        raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp on CPU hosts")
+        raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp or cma on CPU hosts")
+    if protocol == "cma" and (platform == "gpu" or (platform is None and gpus)):
+        raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU", hint="use --protocol ipc between GPUs of this host")
     served: str | None = None
     uses_tiny = model is None and file is None
     if file is not None:

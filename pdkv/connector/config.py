@@ -21,8 +21,9 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """kv_connector_extra_config, typed. Unknown keys are ignored (vLLM's own keys may be present)."""
 
-    # tcp/rdma over Mooncake, or ipc: CUDA IPC between GPUs of one host (pdkv's own; vLLM's connector has no ipc).
-    mooncake_protocol: Literal["tcp", "rdma", "ipc"] = "tcp"
+    # tcp/rdma over Mooncake; ipc: CUDA IPC between GPUs of one host; cma: process_vm_writev between
+    # processes of one host, KV in host memory (ipc and cma are pdkv's own; vLLM's connector has neither).
+    mooncake_protocol: Literal["tcp", "rdma", "ipc", "cma"] = "tcp"
     device_name: str = ""
     # "host:port" of a standalone bootstrap server; unset: P's TP0 worker runs one.
     bootstrap_server_address: str | None = None

@@ -295,6 +295,12 @@ class KVSender:
         if fence is not None:
             fence.synchronize()
         if req.ipc is None:
+            if req.session.startswith("cma:") != (getattr(self.transport, "protocol", "") == "cma"):
+                raise TransferError(
+                    f"decode asked for a {'cma' if req.session.startswith('cma:') else 'Mooncake'} write, but this prefill "
+                    f"engine's transport is {getattr(self.transport, 'protocol', 'another')}",
+                    hint="use the same mooncake_protocol on P and D",
+                )
             self.transport.write(req.session, descs)
             return
         connect = getattr(self.transport, "connect", None)

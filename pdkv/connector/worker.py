@@ -74,6 +74,10 @@ class ConnectorWorker:
             if getattr(device, "type", "cpu") != "cuda":
                 raise StartError("mooncake_protocol ipc needs the KV cache in GPU memory", hint="use tcp or rdma on CPU hosts")
             self.transport = open_transport("ipc", gpu=device.index or 0)
+        elif protocol == "cma":
+            if self._on_gpu:
+                raise StartError("mooncake_protocol cma moves KV in host memory", hint="use ipc between GPUs of one host")
+            self.transport = open_transport("cma", writable=not self.is_producer)
         else:
             self.transport = open_transport(
                 protocol, self.host, self.config.device_name, write_timeout_s=self.config.write_timeout_s

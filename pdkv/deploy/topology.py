@@ -185,13 +185,14 @@ def local_deployment(
     device: str = "",
     proxy_port: int = 8000,
 ) -> Deployment:
-    """1P1D on this host. Without a GPU: CPU, the tiny model, Mooncake tcp, P on core 0 and D on core 1."""
+    """1P1D on this host. Without a GPU: CPU, the tiny model, P on core 0 and D on core 1, the KV moved by
+    cma (pdkv's connector; both engines on this host) or Mooncake tcp (vLLM's)."""
     if gpus == 0:
         return Deployment(
             model=model or str(tiny_model_path()),
             served_model_name=None if model else TINY_SERVED_NAME,
             connector=connector,
-            protocol=protocol or "tcp",
+            protocol=protocol or ("cma" if connector == "pdkv" else "tcp"),
             device=device,
             platform="cpu",
             host="127.0.0.1",

@@ -79,7 +79,7 @@ def check_alloc_conf(host: Host, options: DoctorOptions) -> CheckResult:
     seen = ", ".join(f"{k}={v}" for k, v in found.items())
     if not expandable:
         return CheckResult(name, Status.PASS, seen)
-    if options.protocol == "tcp":
+    if options.protocol != "rdma":
         return CheckResult(name, Status.PASS, f"{seen} (expandable segments only break RDMA registration)")
     return CheckResult(
         name,

@@ -17,7 +17,7 @@ import msgspec
 
 from pdkv.doctor.sysroot import SysRoot
 
-Protocol = Literal["rdma", "tcp"]
+Protocol = Literal["rdma", "tcp", "cma"]
 
 # Proxy, bootstrap, and the P and D HTTP ports of docs/timeline.md's example.
 DEFAULT_PORTS: tuple[int, ...] = (8000, 8998, 8010, 8020)

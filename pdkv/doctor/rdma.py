@@ -123,6 +123,8 @@ def target_devices(devices: list[RdmaDevice], options: DoctorOptions) -> list[Rd
 def skip_for_tcp(name: str, options: DoctorOptions) -> CheckResult | None:
     if options.protocol == "tcp":
         return CheckResult(name, Status.SKIP, "protocol tcp moves KV over sockets: no RDMA NIC involved")
+    if options.protocol == "cma":
+        return CheckResult(name, Status.SKIP, "protocol cma moves KV between processes of this host: no RDMA NIC involved")
     return None
 
 

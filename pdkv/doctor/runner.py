@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from pdkv.doctor.cma import check_cma
 from pdkv.doctor.gpu import check_gpu_nic_numa, check_gpudirect_rdma, check_gpus
 from pdkv.doctor.host import check_alloc_conf, check_mc_env, check_memlock, check_ports
 from pdkv.doctor.model import STATUS_ORDER, Check, CheckResult, DoctorOptions, DoctorReport, Host, Status
@@ -32,6 +33,7 @@ CHECKS: tuple[Check, ...] = (
     check_vllm_host_ip,
     check_mc_env,
     check_mooncake,
+    check_cma,
     check_vllm,
     check_ports,
 )

@@ -77,3 +77,18 @@ def test_usage_errors_exit_2(capsys, argv, message):
 def test_no_geometry_is_a_usage_error(capsys):
     assert run(["bench"]) == 2
     assert "geometry" in capsys.readouterr().err
+
+
+def test_cma_between_two_processes_verified_beside_memmove(capsys):
+    assert run(["bench", *TINY, *QUICK, "--protocol", "cma", "--blocks", "4", "--layout", "all", "--baseline", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["protocol"] == "cma" and (report["src"], report["dst"]) == ("cpu", "cpu")
+    assert report["peer"].startswith("cma:")
+    for c in report["cases"]:
+        assert c["verified"] and c["baseline"]["bare"]["p50_ms"] > 0
+        assert "memmove" in c["baseline"]["teb_note"]
+
+
+def test_cma_moves_host_memory_only(capsys):
+    assert run(["bench", *TINY, "--protocol", "cma", "--src", "cuda:0"]) == 2
+    assert "host memory" in capsys.readouterr().err

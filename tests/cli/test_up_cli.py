@@ -169,3 +169,25 @@ def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
     config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["mooncake_protocol"] == "ipc"
     assert part["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_cma_needs_host_memory_and_pdkvs_connector(capsys):
+    from pdkv.cli import run
+
+    assert run(["up", "--protocol", "cma", "--platform", "gpu", "--dry-run"]) == 2
+    assert "host memory" in capsys.readouterr().err
+    assert run(["up", "--role", "decode", "--model", "m", "--platform", "cpu", "--protocol", "cma", "--connector", "mooncake", "--dry-run"]) == 2
+    assert "pdkv's own transport" in capsys.readouterr().err
+
+
+def test_local_cpu_dry_run_moves_kv_with_cma(capsys):
+    import json
+
+    from pdkv.cli import run
+
+    assert run(["up", "--platform", "cpu", "--dry-run", "--json"]) == 0
+    parts = [p for p in json.loads(capsys.readouterr().out)["parts"] if "--kv-transfer-config" in p["argv"]]
+    assert len(parts) == 2
+    for part in parts:
+        config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
+        assert config["kv_connector_extra_config"]["mooncake_protocol"] == "cma"

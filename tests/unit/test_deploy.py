@@ -97,10 +97,25 @@ def test_local_cpu_topology() -> None:
         assert part.plan.env["VLLM_HOST_IP"] == "127.0.0.1"
         assert part.plan.env["HF_HUB_OFFLINE"] == "1"
         assert kv_config(part)["kv_connector"] == "PdkvConnector"
-        assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+        assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "cma"  # both engines on this host
         argv = part.plan.argv
         assert argv[argv.index("--block-size") + 1] == "32"
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
+
+
+def test_local_cpu_topology_with_vllms_connector_keeps_mooncake_tcp() -> None:
+    dep = local_deployment(gpus=0, connector="mooncake")
+    for part in deployment_parts(dep)[1:3]:
+        assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
+    assert local_deployment(gpus=0, protocol="tcp").protocol == "tcp"
+
+
+def test_cma_with_vllms_connector_is_refused() -> None:
+    from pdkv.errors import UsageError
+    from pdkv.launch import EngineSpec, kv_transfer_config
+
+    with pytest.raises(UsageError, match="protocol cma is pdkv's own transport"):
+        kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", protocol="cma", platform="cpu"))
 
 
 def test_local_gpu_topology_splits_gpus() -> None:

@@ -164,3 +164,34 @@ def test_report_lists_failures_first_then_warnings():
     assert statuses == sorted(statuses, key=[Status.FAIL, Status.WARN, Status.PASS, Status.SKIP].index)
     assert report.checks[0].name == "alloc_conf" and not report.ok
     assert report.counts["fail"] == 1 and report.counts["warn"] == 1
+
+
+def test_cma_skips_every_rdma_only_check_and_mooncake():
+    cma = DoctorOptions(protocol="cma")
+    for check in (check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa, check_mooncake):
+        result = check(host_for("port_down"), cma)
+        assert result.status is Status.SKIP and "protocol cma" in result.detail
+
+
+@pytest.mark.parametrize("scope", ["2", "3"])
+def test_cma_fails_where_yama_forbids_writing_into_another_process(tmp_path, scope):
+    from pdkv.doctor.cma import check_cma
+
+    yama = tmp_path / "proc/sys/kernel/yama"
+    yama.mkdir(parents=True)
+    (yama / "ptrace_scope").write_text(scope + "\n")
+    host = Host(root=SysRoot(tmp_path), env={}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
+    result = check_cma(host, DoctorOptions(protocol="cma"))
+    assert result.status is Status.FAIL and f"ptrace_scope is {scope}" in result.detail
+    assert "--protocol tcp" in result.hint
+
+
+def test_cma_writes_into_a_real_child_process_and_checks_the_bytes(tmp_path):
+    # No Yama in the tree (as on this machine): the live probe decides.
+    from pdkv.doctor.cma import check_cma
+
+    host = Host(root=SysRoot(tmp_path), env={}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
+    result = check_cma(host, DoctorOptions(protocol="cma"))
+    assert result.status is Status.PASS, result.detail
+    assert "bytes verified" in result.detail
+    assert check_cma(host, DoctorOptions(protocol="tcp")).status is Status.SKIP
