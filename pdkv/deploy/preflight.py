@@ -95,6 +95,8 @@ def check_engines(parts: list[Part]) -> list[Problem]:
         assert spec is not None
         if spec.platform == "cpu" and spec.block_size is not None and spec.block_size % CPU_BLOCK_MULTIPLE:
             problems.append(Problem(part.plan.name, f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs", f"set block_size = {CPU_BLOCK_MULTIPLE}"))
+        if spec.protocol == "cma" and spec.platform != "cpu":
+            problems.append(Problem(part.plan.name, "protocol cma moves KV in host memory, and this engine keeps it on a GPU", "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma"))
     for d in (p for p in engines if p.kind == "decode"):
         for p in (p for p in engines if p.kind == "prefill"):
             problems += _disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))

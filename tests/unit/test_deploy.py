@@ -183,6 +183,14 @@ def test_cpu_block_size_must_be_a_multiple_of_32(tmp_path: Path) -> None:
     assert all("multiple of 32" in p.what for p in problems)
 
 
+def test_cma_is_refused_for_engines_that_keep_the_kv_on_a_gpu(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")
+    problems = check_engines(_parts({}, {}, model=model, platform="gpu", protocol="cma"))
+    assert {p.part for p in problems} == {"prefill-0", "decode-0"}
+    assert all("host memory" in p.what and "ipc" in p.fix for p in problems)
+    assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")) == []
+
+
 def test_problems_become_one_preflight_error_one_line_each(tmp_path: Path) -> None:
     problems = check_engines(_parts({"block_size": 32}, {"block_size": 64, "dtype": "float32"}, model=_model(tmp_path, "m")))
     with pytest.raises(PreflightError) as info:
