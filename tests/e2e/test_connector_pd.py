@@ -255,6 +255,65 @@ def test_p_stopping_on_its_first_token_still_serves_d(pair: Pair, prompts, coloc
     assert_same(answer(r), colocated[n])
 
 
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.findall(rf"^vllm:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_p_aborted_in_its_queue_fails_d_at_once(pair: Pair, prompts) -> None:
+    only_pdkv(pair)
+    # P runs --max-num-seqs 2: two long plain requests fill it and two more queue behind them (each pair
+    # decodes for about 1.8 s here), so P's copy of the P/D request waits in P's queue until its client
+    # hangs up and vLLM aborts it there, before P ever computes it.
+    hold = {**body(pair.model, prompts[1], max_tokens=1000), "logprobs": None}
+    held: list[float] = []
+    holders = [threading.Thread(target=_hold, args=(pair.p.url, hold, held)) for _ in range(4)]
+    for t in holders:
+        t.start()
+    deadline = time.monotonic() + 20
+    while gauge(pair.p.url, "num_requests_running") < 2 or gauge(pair.p.url, "num_requests_waiting") < 2:
+        assert time.monotonic() < deadline, "P never ran the two holding requests"
+        time.sleep(0.05)
+    tid = f"xfer-abort-{time.time_ns()}"
+    ids = prompts[33]
+    d_kv = {"do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
+            "remote_engine_id": pair.engine_id, "transfer_id": tid}
+    out: dict[str, object] = {}
+
+    def decode() -> None:
+        r = complete(pair.d.url, {**body(pair.model, ids), "kv_transfer_params": d_kv}, timeout=60)
+        out["d"], out["d_at"] = r, time.monotonic()
+
+    d_thread = threading.Thread(target=decode)
+    d_thread.start()
+    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}}
+    with pytest.raises(httpx.ReadTimeout):
+        complete(pair.p.url, p_body, timeout=0.5)  # the hang-up: vLLM aborts the request
+    hung_up = time.monotonic()
+    queued_when_aborted = gauge(pair.p.url, "num_requests_running") >= 2
+    d_thread.join(30)
+    assert "d" in out, "D's request did not end within 30 s"
+    for th in holders:
+        th.join(60)
+    assert queued_when_aborted, f"the holding requests ended before the hang-up (they took {held} s): P's request was not kept queued"
+    assert d_failed(out["d"]), out["d"].text[:300]  # type: ignore[union-attr]
+    # At once: well inside P's unknown-transfer bound (unknown_wait_s), which would also fail it.
+    assert out["d_at"] - hung_up < PDKV_EXTRA["unknown_wait_s"] - 1.5  # type: ignore[operator]
+    t = p_trace(pair, tid)
+    assert t.status == "cancelled" and "FINISHED_ABORTED" in t.error and "before its prompt was computed" in t.error
+    print(f"holding requests took {held} s; D failed {out['d_at'] - hung_up:.2f} s after P's hang-up")  # type: ignore[operator]
+
+
+def _hold(url: str, b: dict, took: list[float]) -> None:
+    t0 = time.monotonic()
+    try:
+        complete(url, b, timeout=6.0)  # hangs up after 6 s: vLLM aborts what is left of it
+    except httpx.HTTPError:
+        pass
+    took.append(round(time.monotonic() - t0, 2))
+
+
 def test_unknown_transfer_fails_d_within_ps_wait_bound(pair: Pair, prompts) -> None:
     only_pdkv(pair)
     d_params = {
