@@ -139,8 +139,9 @@ class CmaTransport:
     """The Transport protocol over process_vm_writev, for KV in host memory of processes on one host.
 
     `write` copies on the calling thread and returns when every byte has
-    landed; it cannot block on the peer (the kernel copies page by page), so
-    it needs no worker thread and no timeout. Every source range must lie in
+    landed; it never waits on the peer (the kernel copies into D's pages
+    itself, no thread of D's takes part), so it needs no worker thread and no
+    timeout. Every source range must lie in
     memory registered here.
     """
 
@@ -242,10 +243,13 @@ class CmaTransport:
         local = array("Q")
         remote = array("Q")
         total = 0
-        for d in chunk:
-            local.extend((d.src, d.length))
-            remote.extend((d.dst, d.length))
-            total += d.length
+        try:
+            for d in chunk:
+                local.extend((d.src, d.length))
+                remote.extend((d.dst, d.length))
+                total += d.length
+        except OverflowError:
+            raise TransferError(f"a descriptor in {chunk[0]}.. has an address or length outside 0..2**64") from None
         n = self._writev(pid, local.buffer_info()[0], len(chunk), remote.buffer_info()[0], len(chunk), 0)
         if n == total:
             return

@@ -192,3 +192,11 @@ def test_write_after_close_is_refused(decode):
     t.close()
     with pytest.raises(TransferError, match="closed"):
         t.write(decode.session, [Descriptor(src.ctypes.data, decode.base, BL)])
+
+
+def test_a_negative_remote_address_is_a_transfer_error(prefill, decode):
+    # A hostile pull could name regions below address 0: refused as a transfer error, nothing written.
+    t, src = prefill
+    with pytest.raises(TransferError, match="outside 0..2\\*\\*64"):
+        t.write(decode.session, [Descriptor(src.ctypes.data, -4096, BL)])
+    assert not decode.memory().any()
