@@ -145,9 +145,20 @@ def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
     return problems
 
 
+def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0) -> list[Problem]:
+    """With protocol cma, one live probe that a process of this host may write into another's memory."""
+    if not any(p.spec is not None and p.spec.protocol == "cma" and p.spec.platform == "cpu" for p in parts):
+        return []
+    from pdkv.doctor.cma import cma_verdict
+    from pdkv.transport.cma import ptrace_scope
+
+    ok, detail, fix = cma_verdict(ptrace_scope(proc_root), timeout)
+    return [] if ok else [Problem("cma", detail, fix)]
+
+
 def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Problem]:
     """Every pre-flight problem of `parts`, in start order; empty when all is well."""
-    return check_ports(parts) + check_engines(parts) + check_bootstraps(list(bootstrap_urls))
+    return check_ports(parts) + check_engines(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls))
 
 
 def raise_problems(problems: list[Problem]) -> None:

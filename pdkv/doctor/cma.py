@@ -61,21 +61,26 @@ def probe_cma(timeout_s: float) -> tuple[bool, str]:
         child.wait(5)
 
 
+def cma_verdict(scope: int | None, timeout_s: float) -> tuple[bool, str, str]:
+    """(works, what was seen, how to fix it) for cma on this host, given Yama's ptrace_scope (None: no Yama)."""
+    if scope is not None and scope >= 2:
+        return (
+            False,
+            f"kernel.yama.ptrace_scope is {scope}: no process may write into another's memory without CAP_SYS_PTRACE",
+            "sysctl -w kernel.yama.ptrace_scope=1 (pdkv's D then lets processes of its user write into it), or use --protocol tcp",
+        )
+    ok, detail = probe_cma(timeout_s)
+    if not ok:
+        return False, detail, FIX
+    if scope == 1:
+        detail += "; Yama ptrace_scope 1: D lets processes of its user write into it"
+    return True, detail, ""
+
+
 def check_cma(host: Host, options: DoctorOptions) -> CheckResult:
     name = "cma"
     if options.protocol != "cma":
         return CheckResult(name, Status.SKIP, f"protocol {options.protocol} does not write into another process's memory")
-    scope = host.root.read("proc/sys/kernel/yama/ptrace_scope")
-    if scope in ("2", "3"):
-        return CheckResult(
-            name,
-            Status.FAIL,
-            f"kernel.yama.ptrace_scope is {scope}: no process may write into another's memory without CAP_SYS_PTRACE",
-            "sysctl -w kernel.yama.ptrace_scope=1 (pdkv's D then lets processes of its user write into it), or use --protocol tcp",
-        )
-    ok, detail = probe_cma(options.check_timeout_s)
-    if not ok:
-        return CheckResult(name, Status.FAIL, detail, FIX)
-    if scope == "1":
-        detail += "; Yama ptrace_scope 1: D lets processes of its user write into it"
-    return CheckResult(name, Status.PASS, detail)
+    text = host.root.read("proc/sys/kernel/yama/ptrace_scope")
+    ok, detail, fix = cma_verdict(int(text) if text and text.isdigit() else None, options.check_timeout_s)
+    return CheckResult(name, Status.PASS if ok else Status.FAIL, detail, fix)

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
-from pdkv.deploy.preflight import check_engines, raise_problems
+from pdkv.deploy.preflight import check_cma, check_engines, raise_problems
 from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.topology import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
@@ -189,6 +189,18 @@ def test_cma_is_refused_for_engines_that_keep_the_kv_on_a_gpu(tmp_path: Path) ->
     assert {p.part for p in problems} == {"prefill-0", "decode-0"}
     assert all("host memory" in p.what and "ipc" in p.fix for p in problems)
     assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")) == []
+
+
+def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")
+    cma = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")
+    assert check_cma(cma) == []  # the live probe: a real child process written into, bytes checked
+    assert check_cma(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), proc_root=str(tmp_path / "none")) == []
+    yama = tmp_path / "proc" / "sys/kernel/yama"
+    yama.mkdir(parents=True)
+    (yama / "ptrace_scope").write_text("3\n")
+    [problem] = check_cma(cma, proc_root=str(tmp_path / "proc"))
+    assert "ptrace_scope is 3" in problem.what and "--protocol tcp" in problem.fix
 
 
 def test_problems_become_one_preflight_error_one_line_each(tmp_path: Path) -> None:
