@@ -82,6 +82,7 @@ class KVSender:
         port: int = 0,
         wait_write_s: float = 0.0,
     ) -> None:
+        self._closed = False
         self.transport = transport
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
@@ -131,7 +132,7 @@ class KVSender:
         host memory: the write and this thread share the cores) this thread then steps aside for at most
         that long while they run, and P samples its token after."""
         now = time.time()
-        if getattr(self, "_closed", False):
+        if self._closed:
             return  # shutting down: the scheduler frees what it holds
         sends: list[concurrent.futures.Future[None]] = []
         rest: list[Any] = []
@@ -295,12 +296,6 @@ class KVSender:
         if fence is not None:
             fence.synchronize()
         if req.ipc is None:
-            if req.session.startswith("cma:") != (getattr(self.transport, "protocol", "") == "cma"):
-                raise TransferError(
-                    f"decode asked for a {'cma' if req.session.startswith('cma:') else 'Mooncake'} write, but this prefill "
-                    f"engine's transport is {getattr(self.transport, 'protocol', 'another')}",
-                    hint="use the same mooncake_protocol on P and D",
-                )
             self.transport.write(req.session, descs)
             return
         connect = getattr(self.transport, "connect", None)
@@ -346,7 +341,7 @@ class KVSender:
 
     def close(self) -> None:
         """Stop listening and release the loop; idempotent."""
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         self._ticker.cancel()

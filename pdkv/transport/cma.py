@@ -72,7 +72,7 @@ def parse_session(session: str) -> tuple[str, int, int]:
     """(boot id, pid, start time) from `cma:<boot id>:<pid>:<start time>`; TransferError if malformed."""
     parts = session.split(":")
     if len(parts) != 4 or parts[0] != "cma":
-        raise TransferError(f"{session!r} is not a cma session address", hint="P and D must use the same mooncake_protocol")
+        raise TransferError(f"{session!r} is not a cma session address: use the same mooncake_protocol on P and D")
     try:
         pid, start = int(parts[2]), int(parts[3])
     except ValueError:
@@ -166,7 +166,8 @@ class CmaTransport:
         self._session = f"cma:{self._boot}:{self._pid}:{process_start_time(self._pid, proc_root)}"
         self._writev = _libc_writev()
         self._lock = threading.Lock()
-        self._spans: list[tuple[int, int]] = []
+        # Sorted (address, length) of registered memory and their addresses (for bisect), swapped as one.
+        self._index: tuple[list[tuple[int, int]], list[int]] = ([], [])
         self._peers: dict[str, CmaPeer] = {}
         self._closed = False
 
@@ -177,12 +178,12 @@ class CmaTransport:
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         with self._lock:
-            self._spans = sorted({*self._spans, *((int(a), int(n)) for a, n in regions if n > 0)})
+            self._set_spans(sorted({*self._index[0], *((int(a), int(n)) for a, n in regions if n > 0)}))
 
     def unregister(self, regions: list[tuple[int, int]]) -> None:
         gone = {(int(a), int(n)) for a, n in regions}
         with self._lock:
-            self._spans = [s for s in self._spans if s not in gone]
+            self._set_spans([s for s in self._index[0] if s not in gone])
 
     def write(self, peer: str, descriptors: Sequence[Descriptor]) -> None:
         """Copy every descriptor into `peer`'s memory; return once all bytes have landed, else raise TransferError."""
@@ -202,7 +203,7 @@ class CmaTransport:
         with self._lock:
             self._closed = True
             peers, self._peers = list(self._peers.values()), {}
-            self._spans = []
+            self._set_spans([])
         for p in peers:
             p.close()
 
@@ -231,9 +232,11 @@ class CmaTransport:
         if p is not None:
             p.close()
 
+    def _set_spans(self, spans: list[tuple[int, int]]) -> None:
+        self._index = (spans, [a for a, _ in spans])
+
     def _check_local(self, descriptors: Sequence[Descriptor]) -> None:
-        spans = self._spans
-        starts = [a for a, _ in spans]
+        spans, starts = self._index
         for d in descriptors:
             i = bisect.bisect_right(starts, d.src) - 1
             if d.length <= 0 or i < 0 or d.src + d.length > spans[i][0] + spans[i][1]:

@@ -250,6 +250,9 @@ class MooncakeTransport:
         `write_timeout_s`).
         """
         self._check_open()
+        if peer.startswith("cma:"):
+            # host:port parsing would accept it and Mooncake would try to resolve "cma:<boot id>".
+            raise TransferError(f"decode's address {peer!r} is for cma, but this engine moves KV with Mooncake {self.protocol}: use the same mooncake_protocol on P and D")
         if not descriptors:
             return
         srcs = [d.src for d in descriptors]

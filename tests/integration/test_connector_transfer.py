@@ -178,7 +178,7 @@ def test_p_and_d_on_different_transports_fail_the_pull_at_once_with_the_reason(m
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     res = wait_results(pair.receiver, {"d1"}, timeout=5.0)
     assert time.monotonic() - start < 3.0
-    assert "same mooncake_protocol" in res.failed["d1"] or "transport is" in res.failed["d1"], res.failed
+    assert "same mooncake_protocol" in res.failed["d1"], res.failed
     assert_untouched(pair, [])
     wait_freed(pair.sender, {"p1"})
 
