@@ -251,8 +251,11 @@ class KVReceiver:
     async def _tick_forever(self) -> None:
         while True:
             await asyncio.sleep(0.1)
-            for outcome in self.tracker.tick(time.time()):
-                self._conclude(outcome)
+            try:
+                for outcome in self.tracker.tick(time.time()):
+                    self._conclude(outcome)
+            except Exception:  # noqa: BLE001 - the liveness bound must outlive one bad entry
+                log.exception("pdkv: receiver tick failed")
 
     def close(self) -> None:
         async def _close() -> None:

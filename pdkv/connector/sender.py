@@ -3,7 +3,8 @@
 `KVSender` owns the side-channel server, the SendTable and the writes. The
 model runner's thread calls `apply_step` (scheduler metadata) and
 `take_finished` (step 32); everything else runs on the sender's loop thread.
-Writes run on a small thread pool so a slow peer never stalls the listener.
+Writes run on a small thread pool per D, so a slow D never stalls the
+listener nor the transfers to another D.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
@@ -32,6 +34,10 @@ from pdkv.transport.base import Region, Transport
 from pdkv.transport.planner import check_blocks, plan_descriptors
 
 log = logging.getLogger("pdkv.connector")
+
+# Writes to one D run on up to this many threads at once; each D has its own.
+WRITERS_PER_PEER = 4
+MAX_PEER_POOLS = 64
 
 
 class _Parked:
@@ -82,22 +88,25 @@ class KVSender:
         port: int = 0,
         wait_write_s: float = 0.0,
     ) -> None:
-        self._closed = False
+        self._closed = False  # set under _table_lock: no send starts once it is
         self.transport = transport
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
         self.table = SendTable(limits)
         # The table is the loop thread's, except for `computed` on the model runner's thread.
-        self._table_lock = threading.Lock()
+        self._table_lock = threading.RLock()
         self.wait_write_s = wait_write_s
         self.heartbeat_s = heartbeat_s
         self.trace = trace or TraceLog("prefill", engine_id=engine_id, tp_rank=tp_rank)
         self._finished: set[str] = set()
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdkv-send")
+        # D session -> the threads that write to it, so a stalled D holds up only its own transfers; least
+        # recently used last; guarded by _table_lock
+        self._pools: OrderedDict[str, concurrent.futures.ThreadPoolExecutor] = OrderedDict()
         self._ipc_lock = threading.Lock()
-        self._ipc_peers: dict[str, Any] = {}  # D session -> the IpcExport its handles were opened from
-        self._fences: dict[str, Any] = {}  # transfer_id -> event the write waits for (GPU forward still running)
+        self._ipc_peers: dict[str, Any] = {}  # D session -> the IpcExport its handles were opened from; guarded by _ipc_lock
+        # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
+        self._fences: dict[str, Any] = {}
         self._loop = EventLoopThread("pdkv-sender")
         self.server = SideChannelServer(self._loop, host, self._handle, port=port)
         self._ticker = self._loop.submit(self._tick_forever())
@@ -132,11 +141,11 @@ class KVSender:
         host memory: the write and this thread share the cores) this thread then steps aside for at most
         that long while they run, and P samples its token after."""
         now = time.time()
-        if self._closed:
-            return  # shutting down: the scheduler frees what it holds
         sends: list[concurrent.futures.Future[None]] = []
         rest: list[Any] = []
         with self._table_lock:
+            if self._closed:
+                return  # shutting down: the scheduler frees what it holds
             for p_req_id, (tid, blocks) in items.items():
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
                 if fence is not None:
@@ -193,7 +202,8 @@ class KVSender:
                     if a.error.startswith("prefill side never saw"):
                         self.trace.finish(a.transfer_id, "unknown", a.error)
             elif isinstance(a, Free):
-                self._fences.pop(a.transfer_id, None)
+                with self._table_lock:
+                    self._fences.pop(a.transfer_id, None)
                 self.trace.event(a.transfer_id, "freed")
                 if a.outcome in ("expired", "released", "duplicate"):
                     self.trace.finish(a.transfer_id, a.outcome)
@@ -240,10 +250,27 @@ class KVSender:
         """Run the write on a transfer thread (from any thread); the loop thread tells D.
         The returned future is done once D has been told (or the sender closed)."""
         told: concurrent.futures.Future[None] = concurrent.futures.Future()
-        fence = self._fences.pop(a.transfer_id, None)
-        fut = self._pool.submit(self._transfer, a, fence)
+        with self._table_lock:
+            if self._closed:  # the pool is shut down; the scheduler frees what it holds
+                told.set_result(None)
+                return told
+            fence = self._fences.pop(a.transfer_id, None)
+            fut = self._pool_for(a.pull.request.session).submit(self._transfer, a, fence)
         fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f, told))
         return told
+
+    def _pool_for(self, session: str) -> concurrent.futures.ThreadPoolExecutor:
+        """The transfer threads for one D (with _table_lock held); past MAX_PEER_POOLS the oldest is let go."""
+        pool = self._pools.get(session)
+        if pool is None:
+            pool = self._pools[session] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=WRITERS_PER_PEER, thread_name_prefix="pdkv-send"
+            )
+            if len(self._pools) > MAX_PEER_POOLS:
+                _, oldest = self._pools.popitem(last=False)
+                oldest.shutdown(wait=False)  # its running writes finish; its threads then end
+        self._pools.move_to_end(session)
+        return pool
 
     def _concluded(self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]], told: concurrent.futures.Future[None]) -> None:
         if fut.cancelled():  # the sender is closing
@@ -341,13 +368,17 @@ class KVSender:
 
     def close(self) -> None:
         """Stop listening and release the loop; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._table_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._ticker.cancel()
         self.server.close()
         self._loop.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._table_lock:
+            pools, self._pools = list(self._pools.values()), OrderedDict()
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         self.trace.close()
 
     def __enter__(self) -> KVSender:

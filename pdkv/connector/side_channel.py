@@ -59,7 +59,12 @@ class EventLoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+        """Run `fn(*args)` on the loop; dropped once the loop is closed (its owner is shutting down)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.loop.is_closed():

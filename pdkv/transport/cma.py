@@ -95,7 +95,13 @@ def _libc_writev():
 
 
 class CmaPeer:
-    """One process this transport writes into: its pid, held open as a pidfd so its exit is seen."""
+    """One process this transport writes into: its pid, held open as a pidfd so its exit is seen.
+
+    Any number of transfer threads share one peer. The pidfd is guarded by
+    `_lock`: `alive()` polls it with a poll object of its own call, and
+    `close()` never closes it while another thread polls it, so a closed fd
+    number reused by the process is never polled in its place.
+    """
 
     def __init__(self, session: str, own_boot: str) -> None:
         boot, pid, start = parse_session(session)
@@ -105,7 +111,7 @@ class CmaPeer:
                 hint="cma moves KV between processes of one host; use tcp or rdma across hosts",
             )
         try:
-            self.pidfd = os.pidfd_open(pid)
+            pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
             raise TransferError(f"decode process {pid} does not exist (it exited, or lives in another pid namespace)") from None
         except OSError as exc:
@@ -115,24 +121,30 @@ class CmaPeer:
         except (OSError, ValueError, IndexError):
             actual = -1
         if actual != start:
-            os.close(self.pidfd)
+            os.close(pidfd)
             raise TransferError(
                 f"pid {pid} is not the decode process that sent this address (it exited and the pid was reused, "
                 "or it lives in another pid namespace)",
                 hint="cma needs P and D in one pid namespace; use tcp otherwise",
             )
         self.pid = pid
-        self._poll = select.poll()
-        self._poll.register(self.pidfd, select.POLLIN)
+        self._lock = threading.Lock()
+        self._pidfd: int | None = pidfd  # guarded by _lock; None once closed
 
     def alive(self) -> bool:
-        return not self._poll.poll(0)
+        """False once the process has exited or this peer was closed."""
+        with self._lock:
+            if self._pidfd is None:
+                return False
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            return not poller.poll(0)
 
     def close(self) -> None:
-        try:
-            os.close(self.pidfd)
-        except OSError:
-            pass
+        with self._lock:
+            fd, self._pidfd = self._pidfd, None
+        if fd is not None:
+            os.close(fd)
 
 
 class CmaTransport:
@@ -141,8 +153,10 @@ class CmaTransport:
     `write` copies on the calling thread and returns when every byte has
     landed; it never waits on the peer (the kernel copies into D's pages
     itself, no thread of D's takes part), so it needs no worker thread and no
-    timeout. Every source range must lie in
-    memory registered here.
+    timeout. Every source range must lie in memory registered here. Writes
+    may run from any number of threads at once, to one peer or several: the
+    only state they share is the peer table and the span index (both swapped
+    under `_lock`) and each peer's pidfd (guarded by the peer).
     """
 
     protocol = "cma"
@@ -167,8 +181,8 @@ class CmaTransport:
         self._writev = _libc_writev()
         self._lock = threading.Lock()
         # Sorted (address, length) of registered memory and their addresses (for bisect), swapped as one.
-        self._index: tuple[list[tuple[int, int]], list[int]] = ([], [])
-        self._peers: dict[str, CmaPeer] = {}
+        self._index: tuple[list[tuple[int, int]], list[int]] = ([], [])  # replaced whole under _lock
+        self._peers: dict[str, CmaPeer] = {}  # guarded by _lock
         self._closed = False
 
     # -- Transport protocol --
@@ -193,10 +207,11 @@ class CmaTransport:
             return
         target = self._peer(peer)
         self._check_local(descriptors)
-        if not target.alive():
-            self._drop(peer)
-            raise TransferError(f"decode process {target.pid} exited", hint="D died; its request fails there")
         for start in range(0, len(descriptors), IOV_MAX):
+            # Checked before every system call: the pid of a process that exited may name another one soon.
+            if not target.alive():
+                self._drop(peer, target)
+                raise TransferError(f"decode process {target.pid} exited", hint="D died; its request fails there")
             self._writev_chunk(target.pid, descriptors[start : start + IOV_MAX])
 
     def close(self) -> None:
@@ -215,22 +230,27 @@ class CmaTransport:
 
     # -- internals --
     def _peer(self, session: str) -> CmaPeer:
-        p = self._peers.get(session)
-        if p is None:
-            p = CmaPeer(session, self._boot)
-            with self._lock:
-                old = self._peers.get(session)
-                if old is not None:
-                    p.close()
-                    return old
-                self._peers[session] = p
-        return p
-
-    def _drop(self, session: str) -> None:
         with self._lock:
-            p = self._peers.pop(session, None)
+            p = self._peers.get(session)
         if p is not None:
-            p.close()
+            return p
+        p = CmaPeer(session, self._boot)  # reads /proc: outside the lock
+        with self._lock:
+            old = self._peers.get(session)
+            if old is None and not self._closed:
+                self._peers[session] = p
+                return p
+        p.close()
+        if old is None:
+            raise TransferError("the cma transport is closed")
+        return old
+
+    def _drop(self, session: str, peer: CmaPeer) -> None:
+        """Forget `peer` (its process exited), unless another thread already put a new one in its place."""
+        with self._lock:
+            if self._peers.get(session) is peer:
+                del self._peers[session]
+        peer.close()
 
     def _set_spans(self, spans: list[tuple[int, int]]) -> None:
         self._index = (spans, [a for a, _ in spans])

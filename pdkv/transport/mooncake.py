@@ -22,12 +22,17 @@ transports in the same process keep the first level. The settings users need
     MC_FORCE_TCP                 use tcp even where rdma devices exist
     MC_TE_METRIC                 1 to have Mooncake log its own throughput
 
-Why writes run on a worker thread: a peer that accepts the handshake
+Why writes run on worker threads: a peer that accepts the handshake
 connection but never answers (a stopped process) blocks Mooncake's handshake
 for 60 s, and no `MC_*` setting shortens that read. The worker lets `write`
 raise TransferError after `write_timeout_s`; the stalled call is abandoned
 and `close()` waits for it, bounded, before unregistering memory. Until
 `close()` returns the caller must keep the source memory alive.
+
+Each peer has a worker of its own, so a stalled or slow D delays only the
+writes to that D; writes to one peer run one after another, in the order
+they were asked for. A worker left idle for `IDLE_WORKER_S` ends, so a fleet
+whose D engines come and go keeps no thread per departed D.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -54,6 +60,7 @@ DEFAULT_CLOSE_TIMEOUT_S = 5.0
 # this many descriptors; measured on loopback tcp, the cut costs no time.
 DEFAULT_MAX_BATCH = 1024
 SYSFS_INFINIBAND = "/sys/class/infiniband"
+IDLE_WORKER_S = 60.0
 
 
 def apply_mc_settings(settings: Mapping[str, str] | None) -> dict[str, str]:
@@ -113,28 +120,53 @@ def link_gbps_of(device_name: str, sysfs_root: str | Path = SYSFS_INFINIBAND) ->
 
 
 class _Worker:
-    """One daemon thread that runs blocking engine calls so that the caller can stop waiting."""
+    """One daemon thread that runs one peer's blocking engine calls, so that the caller can stop waiting.
 
-    def __init__(self) -> None:
+    It ends after `idle_s` without work; `submit` then returns None and the
+    caller starts a new worker. `lock` is the transport's: it orders a
+    submit against the worker's decision to end.
+    """
+
+    def __init__(self, name: str, lock: threading.Lock, idle_s: float = IDLE_WORKER_S) -> None:
         self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="pdkv-mooncake-write", daemon=True)
+        self._lock = lock
+        self._idle_s = idle_s
+        self.ended = False  # guarded by the transport's lock
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._jobs.empty():
+                        self.ended = True
+                        return
+                continue
+            if job is None:
+                return
             fut, fn = job
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # handed to the waiting caller
                 fut.set_exception(exc)
 
-    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+    def submit(self, fn: Callable[[], Any]) -> Future[Any] | None:
+        """Queue `fn`; None if this worker has ended. Call with the transport's lock held."""
+        if self.ended:
+            return None
         fut: Future[Any] = Future()
         self._jobs.put((fut, fn))
         return fut
 
     def retire(self) -> None:
         self._jobs.put(None)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def join(self, timeout: float) -> bool:
         self._thread.join(timeout)
@@ -191,11 +223,11 @@ class MooncakeTransport:
         if port <= 0:
             raise StartError(f"Mooncake started without an RPC port (got {port})", hint="set MC_LOG_LEVEL=INFO and read its log")
         self._session = f"{hostname}:{port}"
-        self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._worker = _Worker()
-        self._stalled: list[_Worker] = []
-        self._closed = False
+        self._registered: dict[int, int] = {}  # guarded by _lock
+        self._workers: dict[str, _Worker] = {}  # peer session -> its worker; guarded by _lock
+        self._stalled: list[_Worker] = []  # abandoned after a timeout, joined by close(); guarded by _lock
+        self._closed = False  # set under _lock
 
     # -- Transport -------------------------------------------------------
 
@@ -211,13 +243,16 @@ class MooncakeTransport:
 
     def register(self, regions: Iterable[tuple[int, int]]) -> None:
         """Register (address, length) ranges; ranges already registered with the same length are skipped."""
-        self._check_open()
-        todo = [(int(a), int(n)) for a, n in regions if self._registered.get(int(a)) != int(n)]
-        for addr, length in todo:
-            if addr <= 0 or length <= 0:
-                raise TransferError(f"cannot register {length} B at {addr:#x}: address and length must be positive")
-        if not todo:
-            return
+        with self._lock:
+            self._check_open()
+            todo = [(int(a), int(n)) for a, n in regions if self._registered.get(int(a)) != int(n)]
+            for addr, length in todo:
+                if addr <= 0 or length <= 0:
+                    raise TransferError(f"cannot register {length} B at {addr:#x}: address and length must be positive")
+            if todo:
+                self._register(todo)
+
+    def _register(self, todo: list[tuple[int, int]]) -> None:
         rc = self._engine.batch_register_memory([a for a, _ in todo], [n for _, n in todo])
         if rc != 0:
             total = sum(n for _, n in todo)
@@ -229,13 +264,14 @@ class MooncakeTransport:
         self._registered.update(todo)
 
     def unregister(self, regions: Iterable[tuple[int, int]]) -> None:
-        self._check_open()
-        addrs = [int(a) for a, _ in regions if int(a) in self._registered]
-        if not addrs:
-            return
-        rc = self._engine.batch_unregister_memory(addrs)
-        for a in addrs:
-            self._registered.pop(a, None)
+        with self._lock:
+            self._check_open()
+            addrs = [int(a) for a, _ in regions if int(a) in self._registered]
+            if not addrs:
+                return
+            rc = self._engine.batch_unregister_memory(addrs)
+            for a in addrs:
+                self._registered.pop(a, None)
         if rc != 0:
             raise TransferError(f"Mooncake could not unregister {len(addrs)} regions, rc {rc}")
 
@@ -268,18 +304,16 @@ class MooncakeTransport:
             return 0
 
         bound = self.write_timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            worker = self._worker
-            fut = worker.submit(call)
+        worker, fut = self._submit(peer, call)
         try:
             rc = fut.result(timeout=bound)
         except FutureTimeout:
             with self._lock:
                 # The stalled worker finishes (or times out inside Mooncake) on its own; later writes get a fresh one.
-                if self._worker is worker:
+                if self._workers.get(peer) is worker:
+                    del self._workers[peer]
                     worker.retire()
-                    self._stalled.append(worker)
-                    self._worker = _Worker()
+                    self._stalled = [w for w in self._stalled if w.running] + [worker]
             raise TransferError(
                 f"write of {sum(lens):,} B in {len(lens)} descriptors to {peer} got no answer within {bound:g} s",
                 hint="the peer accepts connections but does not answer: is its process stopped or overloaded?",
@@ -293,14 +327,32 @@ class MooncakeTransport:
                 "set MC_LOG_LEVEL=INFO for Mooncake's reason",
             )
 
+    def _submit(self, peer: str, call: Callable[[], int]) -> tuple[_Worker, Future[Any]]:
+        """Queue `call` on `peer`'s worker, starting one if it has none (or its worker just ended)."""
+        with self._lock:
+            self._check_open()
+            worker = self._workers.get(peer)
+            fut = worker.submit(call) if worker is not None else None
+            if fut is None:
+                worker = self._workers[peer] = _Worker(f"pdkv-mooncake-write {peer}", self._lock)
+                fut = worker.submit(call)
+            assert fut is not None
+            return worker, fut
+
     def close(self, timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S) -> None:
-        """Wait (bounded) for abandoned writes, unregister everything, and release the engine. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._worker.retire()
-        for w in self._stalled:
-            w.join(timeout_s)
+        """Wait (bounded, `timeout_s` in all) for writes in flight and abandoned ones, unregister everything,
+        and release the engine. Idempotent; writes asked for after it starts are refused."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = [*self._workers.values(), *self._stalled]
+            self._workers.clear()
+        for w in workers:
+            w.retire()
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            w.join(max(0.0, deadline - time.monotonic()))
         if self._registered:
             try:
                 self._engine.batch_unregister_memory(list(self._registered))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import multiprocessing as mp
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,9 @@ LAYERS, BLOCKS = 3, 8
 SIZE = LAYERS * BLOCKS * BL
 
 
-def _decode_main(conn) -> None:
-    """A decode process: registered zeroed memory; answers (session, base) and then digests on request."""
-    mem = np.zeros(SIZE, dtype=np.uint8)
+def _decode_main(conn, blocks: int) -> None:
+    """A decode process: registered zeroed memory; answers (session, base) and then its bytes on request."""
+    mem = np.zeros(LAYERS * blocks * BL, dtype=np.uint8)
     with CmaTransport() as t:
         t.register([(mem.ctypes.data, mem.nbytes)])
         conn.send((t.session_address, mem.ctypes.data))
@@ -36,17 +38,18 @@ def _decode_main(conn) -> None:
 
 
 class Decode:
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = BLOCKS) -> None:
         ctx = mp.get_context("fork")
+        self.blocks = blocks
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_decode_main, args=(child, blocks), daemon=True)
         self.proc.start()
         assert self.conn.poll(10), "decode process did not start"
         self.session, self.base = self.conn.recv()
 
     @property
     def regions(self) -> list[Region]:
-        return [Region(self.base + i * BLOCKS * BL, BL, BLOCKS) for i in range(LAYERS)]
+        return [Region(self.base + i * self.blocks * BL, BL, self.blocks) for i in range(LAYERS)]
 
     def memory(self) -> np.ndarray:
         self.conn.send("bytes")
@@ -74,12 +77,12 @@ def prefill():
         yield t, src
 
 
-def local_regions(src: np.ndarray) -> list[Region]:
-    return [Region(src.ctypes.data + i * BLOCKS * BL, BL, BLOCKS) for i in range(LAYERS)]
+def local_regions(src: np.ndarray, blocks: int = BLOCKS) -> list[Region]:
+    return [Region(src.ctypes.data + i * blocks * BL, BL, blocks) for i in range(LAYERS)]
 
 
-def block_bytes(mem: np.ndarray, layer: int, b: int) -> bytes:
-    off = (layer * BLOCKS + b) * BL
+def block_bytes(mem: np.ndarray, layer: int, b: int, blocks: int = BLOCKS) -> bytes:
+    off = (layer * blocks + b) * BL
     return mem[off : off + BL].tobytes()
 
 
@@ -200,3 +203,73 @@ def test_a_negative_remote_address_is_a_transfer_error(prefill, decode):
     with pytest.raises(TransferError, match="outside 0..2\\*\\*64"):
         t.write(decode.session, [Descriptor(src.ctypes.data, -4096, BL)])
     assert not decode.memory().any()
+
+
+
+def _write_from_threads(t: CmaTransport, jobs: list[tuple[str, list[Descriptor]]]) -> list[BaseException | None]:
+    """Every job's `t.write(session, descriptors)`, all started at once, one thread each; each job's outcome."""
+    start = threading.Barrier(len(jobs))
+
+    def run(job: tuple[str, list[Descriptor]]) -> BaseException | None:
+        start.wait(10)
+        try:
+            t.write(*job)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            return exc
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, jobs, timeout=60))
+
+
+WIDE = 64  # blocks per layer for the concurrency tests: 32 requests of 2 blocks each
+
+
+def test_32_concurrent_writes_into_one_peer_each_land_in_their_own_blocks():
+    # 32 requests in flight to one D: each one's blocks land whole, in its own destination blocks, rounds on end.
+    rng = np.random.default_rng(11)
+    d = Decode(WIDE)
+    try:
+        with CmaTransport() as t:
+            src = rng.integers(0, 256, LAYERS * WIDE * BL, dtype=np.uint8)
+            t.register([(src.ctypes.data, src.nbytes)])
+            for _ in range(5):
+                dst = rng.permutation(WIDE).reshape(32, 2)  # disjoint destinations, a fresh scatter each round
+                srcb = rng.integers(0, WIDE, (32, 2))  # source blocks may overlap between requests
+                jobs = [
+                    (d.session, plan_descriptors([int(b) for b in srcb[i]], [int(b) for b in dst[i]], local_regions(src, WIDE), d.regions))
+                    for i in range(32)
+                ]
+                assert _write_from_threads(t, jobs) == [None] * 32
+                mem = d.memory()
+                for i in range(32):
+                    for layer in range(LAYERS):
+                        for lb, rb in zip(srcb[i], dst[i], strict=True):
+                            assert block_bytes(mem, layer, int(rb), WIDE) == block_bytes(src, layer, int(lb), WIDE)
+    finally:
+        d.stop()
+
+
+def test_a_peer_killed_under_concurrent_writes_fails_them_cleanly_and_another_peer_keeps_landing():
+    rng = np.random.default_rng(12)
+    dying, alive = Decode(WIDE), Decode(WIDE)
+    try:
+        with CmaTransport() as t:
+            src = rng.integers(0, 256, LAYERS * WIDE * BL, dtype=np.uint8)
+            t.register([(src.ctypes.data, src.nbytes)])
+            blocks = list(range(WIDE))
+
+            def jobs(peer: Decode) -> list[tuple[str, list[Descriptor]]]:
+                return [(peer.session, plan_descriptors(blocks, blocks, local_regions(src, WIDE), peer.regions, coalesce=False))] * 16
+
+            assert _write_from_threads(t, jobs(dying) + jobs(alive)) == [None] * 32
+            dying.proc.kill()
+            dying.proc.join(10)
+            outcomes = _write_from_threads(t, jobs(dying) + jobs(alive))
+            assert all(isinstance(e, TransferError) and "exited" in e.message for e in outcomes[:16]), outcomes[:16]
+            assert outcomes[16:] == [None] * 16
+            mem = alive.memory()
+            assert mem.tobytes() == src.tobytes()
+    finally:
+        dying.stop()
+        alive.stop()

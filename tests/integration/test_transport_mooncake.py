@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 
 import numpy as np
@@ -237,3 +239,88 @@ def test_a_write_above_mooncakes_per_peer_queue_limit_lands():
         assert p.max_batch < 2048
         p.write(d.session_address, ds)
         assert np.array_equal(dst.reshape(n, size), src.reshape(n, size)[::-1])
+
+
+def _concurrently(fns: list) -> list[BaseException | None]:
+    """Call every function at once, one thread each; each one's exception or None."""
+    start = threading.Barrier(len(fns))
+
+    def run(fn) -> BaseException | None:
+        start.wait(10)
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            return exc
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(len(fns)) as pool:
+        return list(pool.map(run, fns, timeout=120))
+
+
+def test_16_concurrent_writes_into_one_peer_each_land_in_their_own_blocks():
+    wide = 32  # 16 requests of 2 blocks each
+    rng = np.random.default_rng(5)
+    with MooncakeTransport(settings=QUIET) as p, MooncakeTransport(settings=QUIET) as d:
+        src = rng.integers(0, 256, LAYERS * wide * BL, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        p.register([(src.ctypes.data, src.nbytes)])
+        d.register([(dst.ctypes.data, dst.nbytes)])
+        regions = lambda buf: [Region(buf.ctypes.data + i * wide * BL, BL, wide) for i in range(LAYERS)]  # noqa: E731
+        for _ in range(3):
+            remote = rng.permutation(wide).reshape(16, 2)
+            local = rng.integers(0, wide, (16, 2))
+            plans = [plan_descriptors([int(b) for b in local[i]], [int(b) for b in remote[i]], regions(src), regions(dst)) for i in range(16)]
+            assert _concurrently([lambda ds=ds: p.write(d.session_address, ds) for ds in plans]) == [None] * 16
+            for i in range(16):
+                for r_src, r_dst in zip(regions(src), regions(dst), strict=True):
+                    for lb, rb in zip(local[i], remote[i], strict=True):
+                        s_off, d_off = r_src.base - src.ctypes.data + int(lb) * BL, r_dst.base - dst.ctypes.data + int(rb) * BL
+                        assert dst[d_off : d_off + BL].tobytes() == src[s_off : s_off + BL].tobytes()
+
+
+def test_a_stalled_peer_does_not_delay_writes_to_another():
+    # One D stopped (SIGSTOP) with writes to it in flight: writes to a healthy D still land at once.
+    with target_process() as (_, proc, stalled, stalled_base), MooncakeTransport(settings=QUIET, write_timeout_s=3.0) as p, \
+            MooncakeTransport(settings=QUIET) as d:
+        src = np.ones(8 * 4096, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        p.register([(src.ctypes.data, src.nbytes)])
+        d.register([(dst.ctypes.data, dst.nbytes)])
+        p.write(stalled, [Descriptor(src.ctypes.data, stalled_base, 4096)])  # it answered once
+        os.kill(proc.pid, signal.SIGSTOP)
+        healthy_s: list[float] = []
+
+        def to_stalled() -> None:
+            p.write(stalled, [Descriptor(src.ctypes.data, stalled_base, 4096)])
+
+        def to_healthy(i: int) -> None:
+            time.sleep(0.3)  # the stalled writes are queued first
+            t0 = time.monotonic()
+            p.write(d.session_address, [Descriptor(src.ctypes.data + i * 4096, dst.ctypes.data + i * 4096, 4096)])
+            healthy_s.append(time.monotonic() - t0)
+
+        outcomes = _concurrently([to_stalled] * 4 + [lambda i=i: to_healthy(i) for i in range(8)])
+        assert all(isinstance(e, TransferError) and "no answer" in e.message for e in outcomes[:4]), outcomes[:4]
+        assert outcomes[4:] == [None] * 8
+        assert max(healthy_s) < 1.0, healthy_s  # the stalled writes take 3 s each
+        assert dst.all()
+
+
+def test_close_waits_for_writes_in_flight_before_unregistering():
+    with target_process() as (parent, _, peer, dst_base):
+        p = MooncakeTransport(settings=QUIET)
+        src = np.random.default_rng(2).integers(0, 256, LAYERS * BLOCKS * BL, dtype=np.uint8)
+        p.register([(src.ctypes.data, src.nbytes)])
+        remote_regions = [Region(dst_base + i * BLOCKS * BL, BL, BLOCKS) for i in range(LAYERS)]
+        ds = plan_descriptors(list(range(BLOCKS)), list(range(BLOCKS)), layer_regions(src), remote_regions, coalesce=False)
+        writer = threading.Thread(target=lambda: _concurrently([lambda: p.write(peer, ds)] * 4))
+        writer.start()
+        time.sleep(0.05)
+        p.close()
+        writer.join(30)
+        assert not writer.is_alive()
+        with pytest.raises(TransferError, match="closed"):
+            p.write(peer, ds)
+        parent.send(list(range(BLOCKS)))
+        assert parent.poll(30)
+        assert parent.recv() == hashlib.sha256(spans(src, layer_regions(src), list(range(BLOCKS)))).hexdigest()
