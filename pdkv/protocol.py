@@ -17,7 +17,40 @@ EngineId = str
 TransferId = str
 WorkerAddr = str  # "tcp://host:port", a ZMQ side-channel address
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# --- bounds ------------------------------------------------------------------
+# Every number on every wire pdkv decodes has one of these types, so a frame
+# or body with an out-of-range value fails decoding (msgspec names the field)
+# before any state is touched. msgspec checks integer bounds only within int64.
+
+MAX_RANK = 65536  # dp/tp/pp ranks lie in [0, MAX_RANK); the largest deployments use a few hundred
+BLOCK_LIMIT = 2**31  # block ids and counts: vLLM's block tables are int32
+ADDRESS_LIMIT = 2**64  # a region or range must end at or below this (see check_span)
+INT64_MAX = 2**63 - 1
+UNIX_TIME_LIMIT = 2.0**34  # unix seconds (the year 2514): rejects NaN, inf and garbage timestamps
+MAX_WAIT_S = 7 * 86_400.0  # any wait bound P reports; P's own expiries are minutes
+MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES, the most choices it samples per request
+
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
+RankCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_RANK)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_LIMIT)]
+BlockCount = Annotated[int, msgspec.Meta(gt=0, le=BLOCK_LIMIT)]
+# Addresses travel only in msgpack frames, which cannot carry an integer past 2**64 - 1: that is
+# their upper bound, and check_span bounds where a region ends.
+Address = Annotated[int, msgspec.Meta(ge=0)]
+Length = Annotated[int, msgspec.Meta(gt=0)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # bytes, descriptors, tokens, entries
+UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=UNIX_TIME_LIMIT)]
+WaitSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
+HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=999)]  # any three-digit code a backend may send
+
+
+def check_span(what: str, base: int, length: int) -> None:
+    """Raise ValueError naming `what` when [base, base + length) runs past the 64-bit address space.
+
+    Called from __post_init__, so msgspec turns it into a ValidationError while decoding.
+    """
+    if base + length > ADDRESS_LIMIT:
+        raise ValueError(f"{what} ends past 2**64 (base {base:#x}, {length} bytes)")
 
 
 # --- bootstrap -------------------------------------------------------------
@@ -56,14 +89,15 @@ def split_worker_addr(addr: str) -> tuple[str, int]:
 class RegisterRequest(msgspec.Struct, frozen=True):
     """POST /register body, as vLLM's MooncakeConnector sends it.
 
-    Decoding (and construction) rejects negative ranks, an empty engine_id and
-    an addr that is not `tcp://host:port`.
+    Decoding rejects a rank outside [0, MAX_RANK) (bools, floats and strings
+    too), an empty engine_id and an addr that is not `tcp://host:port`;
+    construction checks only the addr.
     """
 
     engine_id: Annotated[EngineId, msgspec.Meta(min_length=1)]
-    dp_rank: NonNegative
-    tp_rank: NonNegative
-    pp_rank: NonNegative
+    dp_rank: Rank
+    tp_rank: Rank
+    pp_rank: Rank
     addr: WorkerAddr
 
     def __post_init__(self) -> None:
@@ -91,7 +125,7 @@ class DeregisterResponse(msgspec.Struct, frozen=True):
     """Answer to POST /deregister: how many worker addresses were removed (0 is not an error)."""
 
     status: str
-    removed: int
+    removed: Count
 
 
 class EngineEntry(msgspec.Struct):
@@ -109,8 +143,8 @@ class HealthResponse(msgspec.Struct, frozen=True):
     """GET /health: the server answers and how much it holds."""
 
     status: str
-    engines: int
-    workers: int
+    engines: Count
+    workers: Count
 
 
 class ErrorResponse(msgspec.Struct, frozen=True):
@@ -125,26 +159,38 @@ class ErrorResponse(msgspec.Struct, frozen=True):
 class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
     """One exported KV region: `length` bytes at `base` (exporter's address), inside allocation `alloc`."""
 
-    alloc: int  # index into IpcExport.allocations
-    base: int
-    length: int
+    alloc: Count  # index into IpcExport.allocations
+    base: Address
+    length: Length
+
+    def __post_init__(self) -> None:
+        check_span("ipc region", self.base, self.length)
 
 
 class IpcAllocation(msgspec.Struct, frozen=True, array_like=True):
     handle: bytes  # cudaIpcMemHandle_t of the allocation
-    base: int  # allocation base in the exporter's address space
-    size: int
+    base: Address  # allocation base in the exporter's address space
+    size: Length
+
+    def __post_init__(self) -> None:
+        check_span("ipc allocation", self.base, self.size)
 
 
 class IpcExport(msgspec.Struct, frozen=True):
     """What D sends P once per layout so P can open D's KV regions."""
 
     host_id: str  # boot id + hostname: IPC works only inside one host (one kernel)
-    pid: int
-    device: int
+    pid: Annotated[int, msgspec.Meta(gt=0, le=4_194_304)]  # Linux's PID_MAX_LIMIT
+    device: Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]  # a CUDA device ordinal
     device_uuid: str
     allocations: list[IpcAllocation]
     regions: list[IpcRegion]
+
+    def __post_init__(self) -> None:
+        # P indexes allocations by region.alloc while it holds opened handles: a bad index must not get there.
+        for i, region in enumerate(self.regions):
+            if region.alloc >= len(self.allocations):
+                raise ValueError(f"ipc regions[{i}].alloc is {region.alloc}, but there are {len(self.allocations)} allocations")
 
 
 # --- kv_transfer_params (proxy -> connector) --------------------------------
@@ -184,9 +230,12 @@ def transfer_id_for(request_id: str) -> TransferId:
 class RegionSpec(msgspec.Struct, frozen=True, array_like=True):
     """One registered KV region as a peer describes it: block b lies at base + b * block_len."""
 
-    base: NonNegative
-    block_len: Annotated[int, msgspec.Meta(gt=0)]
-    num_blocks: NonNegative
+    base: Address
+    block_len: Length
+    num_blocks: BlockCount
+
+    def __post_init__(self) -> None:
+        check_span("region", self.base, self.block_len * self.num_blocks)
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
@@ -200,11 +249,11 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
     transfer_id: TransferId
     d_req_id: str
     session: str  # D's transfer-engine address ("host:port"), where P writes
-    tp_rank: NonNegative
-    tp_size: Annotated[int, msgspec.Meta(gt=0)]
+    tp_rank: Rank
+    tp_size: RankCount
     regions: list[RegionSpec]
-    block_ids: list[NonNegative]
-    first_block: NonNegative = 0
+    block_ids: list[BlockId]
+    first_block: BlockId = 0
     # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
     ipc: IpcExport | None = None
 
@@ -221,14 +270,14 @@ class TraceReport(msgspec.Struct, frozen=True, tag="trace", kw_only=True):
     """D -> P: D's timestamps for a transfer (unix seconds), so P holds the whole trace."""
 
     transfer_id: TransferId
-    events: dict[str, float]
-    first_step_tokens: NonNegative = 0  # tokens D computed in the request's first step after the KV arrived
+    events: dict[str, UnixTime]
+    first_step_tokens: Count = 0  # tokens D computed in the request's first step after the KV arrived
 
 
 class StatsQuery(msgspec.Struct, frozen=True, tag="stats", kw_only=True):
     """Anyone -> P: the transfer traces recorded since `since` (unix seconds) and the metrics text."""
 
-    since: float = 0.0
+    since: UnixTime = 0.0
     limit: Annotated[int, msgspec.Meta(gt=0, le=100_000)] = 1000
 
 
@@ -248,9 +297,9 @@ class PullReply(msgspec.Struct, frozen=True, tag="reply", kw_only=True, omit_def
     d_req_id: str
     status: PullStatus
     error: str = ""
-    bytes: NonNegative = 0
-    descriptors: NonNegative = 0
-    wait_bound_s: float = 0.0  # how long P still waits before giving up on this pull
+    bytes: Count = 0
+    descriptors: Count = 0
+    wait_bound_s: WaitSeconds = 0.0  # how long P still waits before giving up on this pull
 
 
 class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -261,15 +310,15 @@ class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     d_req_id: str = ""
     status: str = ""
     error: str = ""
-    bytes: NonNegative = 0
-    descriptors: NonNegative = 0
-    first_step_tokens: NonNegative = 0  # D's first step after the KV arrived: 1 means only the last prompt token
-    events: dict[str, float] = {}
+    bytes: Count = 0
+    descriptors: Count = 0
+    first_step_tokens: Count = 0  # D's first step after the KV arrived: 1 means only the last prompt token
+    events: dict[str, UnixTime] = {}
 
 
 class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply", kw_only=True):
     engine_id: EngineId
-    tp_rank: NonNegative
+    tp_rank: Rank
     traces: list[TransferTrace]
     metrics: str  # Prometheus text exposition format
 
@@ -286,12 +335,25 @@ SideChannelReply = PullReply | StatsReply | ErrorReply
 # --- proxy -------------------------------------------------------------------
 
 
+class CompletionFields(msgspec.Struct, frozen=True):
+    """The fields of a client's completions body that the proxy itself acts on; the rest pass unread.
+
+    `msgspec.convert(body, CompletionFields)` refuses a `stream` that is not a
+    bool and an `n` outside [1, MAX_N_SEQUENCES], naming the field; null means
+    unset, as vLLM reads it.
+    """
+
+    stream: bool | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N_SEQUENCES)] | None = None
+
+
 class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
     """The proxy's own record of one request, for `pdkv trace`: unix times in seconds.
 
     Keyed by `request_id` (the client's X-Request-Id, or one the proxy made)
     and `transfer_id`; times stay None until the step happens. `error` names
-    the cause when the request failed (see docs/proxy.md).
+    the cause when the request failed (see docs/proxy.md); `detail` says what
+    happened with the backends' addresses and bodies, which the client is not told.
     """
 
     request_id: str
@@ -299,14 +361,15 @@ class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
     endpoint: str
     stream: bool = False
     prefill_url: str = ""
-    prefill_dp_rank: int | None = None
+    prefill_dp_rank: Rank | None = None
     decode_url: str = ""
-    received: float = 0.0
-    prefill_dispatched: float | None = None
-    prefill_responded: float | None = None
-    prefill_status: int | None = None
-    decode_dispatched: float | None = None
-    decode_first_byte: float | None = None
-    last_byte: float | None = None
-    status: int | None = None
+    received: UnixTime = 0.0
+    prefill_dispatched: UnixTime | None = None
+    prefill_responded: UnixTime | None = None
+    prefill_status: HttpStatus | None = None
+    decode_dispatched: UnixTime | None = None
+    decode_first_byte: UnixTime | None = None
+    last_byte: UnixTime | None = None
+    status: HttpStatus | None = None
     error: str | None = None
+    detail: str | None = None

@@ -10,30 +10,38 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from pdkv.errors import PdkvError, RemoteError, UnreachableError
+from pdkv.protocol import Address, BlockCount, IpcExport, Length, check_span
 from pdkv.transport.base import Region
-from pdkv.protocol import IpcExport
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
+MAX_LAYERS = 4096  # KV regions per model; the deepest models have a few hundred layers
+
+# Seeds feed numpy's and torch's generators (torch's after scaling by 100_003, inside 64 bits).
+Seed = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 
 
 class Setup(msgspec.Struct, tag="setup", tag_field="op", frozen=True):
-    layers: int
-    block_len: int
-    num_blocks: int
-    seed: int
+    layers: Annotated[int, msgspec.Meta(gt=0, le=MAX_LAYERS)]
+    block_len: Length
+    num_blocks: BlockCount
+    seed: Seed
 
 
 class Refill(msgspec.Struct, tag="refill", tag_field="op", frozen=True):
-    seed: int
+    seed: Seed
 
 
 class Checksum(msgspec.Struct, tag="checksum", tag_field="op", frozen=True):
-    ranges: list[tuple[int, int]]
+    ranges: list[tuple[Address, Length]]
+
+    def __post_init__(self) -> None:
+        for i, (addr, length) in enumerate(self.ranges):
+            check_span(f"checksum ranges[{i}]", addr, length)
 
 
 class Bye(msgspec.Struct, tag="bye", tag_field="op", frozen=True):

@@ -7,8 +7,9 @@ Routes:
     GET  /query        {"<dp>": {"engine_id", "worker_addr": {"<tp>": {"<pp>": addr}}}}
     GET  /health       {"status": "ok", "engines": n, "workers": n}
     GET  /metrics      Prometheus text
-Errors answer {"detail": message}: 400 malformed JSON, 422 wrong fields,
-401 missing or wrong token, 409 conflict; the registry is unchanged by any of them.
+Errors answer {"detail": message}: 400 malformed JSON, 422 wrong fields (a
+rank outside [0, 65536) among them: pdkv.protocol.MAX_RANK), 401 missing or
+wrong token, 409 conflict; the registry is unchanged by any of them.
 
 Liveness: an engine is dead when none of its side-channel addresses accepts a
 TCP connection. A conflicting registration evicts a dead holder at once; a

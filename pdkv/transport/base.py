@@ -6,6 +6,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from pdkv.protocol import Address, BlockCount, Length, check_span
+
 
 class Region(msgspec.Struct, frozen=True):
     """One registered KV region: `num_blocks` blocks of `block_len` bytes each, starting at `base`.
@@ -15,9 +17,12 @@ class Region(msgspec.Struct, frozen=True):
     [base + b * block_len, base + (b + 1) * block_len).
     """
 
-    base: int
-    block_len: int
-    num_blocks: int
+    base: Address  # bounded so a peer's regions decode (bench's Ready) only when they make sense
+    block_len: Length
+    num_blocks: BlockCount
+
+    def __post_init__(self) -> None:
+        check_span("region", self.base, self.block_len * self.num_blocks)
 
     @property
     def size(self) -> int:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdkv.bench.control import BenchTarget, Checksum, Digest, TargetClient
+from pdkv.bench.control import BenchTarget, Checksum, Digest, Failed, Reply, TargetClient
 from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
 from pdkv.errors import RemoteError, StartError, TransferError, UnreachableError
 from pdkv.geometry import dense_geometry, plan_transfer
@@ -96,6 +96,41 @@ def test_target_refuses_ranges_outside_its_memory(served):
         assert isinstance(client.call(Checksum([inside])), Digest)
         with pytest.raises(RemoteError, match="outside"):
             client.checksum([(ready.regions[0].base + 3 * 4096, 8192)])
+
+
+def send_raw(address: str, body: dict) -> object:
+    """One request as a peer's bytes (unchecked by any Struct), and the target's decoded reply."""
+    import msgspec
+    import zmq
+
+    with zmq.Context() as ctx, ctx.socket(zmq.REQ) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(f"tcp://{address}")
+        sock.send(msgspec.msgpack.encode(body))
+        return msgspec.msgpack.decode(sock.recv(), type=Reply)
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"op": "setup", "layers": 0, "block_len": 4096, "num_blocks": 4, "seed": 1}, "$.layers"),
+        ({"op": "setup", "layers": 2, "block_len": 4096, "num_blocks": 2**40, "seed": 1}, "$.num_blocks"),
+        ({"op": "setup", "layers": 2, "block_len": 0, "num_blocks": 4, "seed": 1}, "$.block_len"),
+        ({"op": "refill", "seed": -1}, "$.seed"),
+        ({"op": "checksum", "ranges": [[2**64 - 8, 16]]}, "ends past 2**64"),
+    ],
+)
+def test_out_of_range_requests_are_refused_and_change_nothing(served, body, needle):
+    target = served()
+    with TargetClient(target.address, timeout_s=10) as client:
+        ready = client.setup(2, 4096, 4, seed=1)
+        whole = [(r.base, r.size) for r in ready.regions]
+        digest = client.checksum(whole)
+        reply = send_raw(target.address, body)
+        assert isinstance(reply, Failed) and needle in reply.message and "\n" not in reply.message, reply
+        assert target.memory is not None and target.memory.regions == ready.regions
+        assert client.checksum(whole) == digest
 
 
 def test_unanswering_target_is_bounded():

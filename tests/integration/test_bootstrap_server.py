@@ -136,6 +136,30 @@ def test_bad_registrations_are_4xx_with_a_message_and_change_nothing(http, raw, 
     assert metric(http, 'pdkv_bootstrap_rejects_total{reason="invalid"}') == 1
 
 
+BAD_RANKS = [2**70, 65536, -1, True, 1.5, "0", None]
+
+
+def test_ranks_outside_0_to_65536_are_refused_naming_the_field_and_change_nothing(http):
+    with live_addr() as a:
+        http.post("/register", json=body(engine="keep", addr=a))
+        before, health = http.get("/query").json(), http.get("/health").json()
+        refused = 0
+        for field in ("dp_rank", "tp_rank", "pp_rank"):
+            for value in BAD_RANKS:
+                # The same engine and address, so only the rank could make it a new entry.
+                r = http.post("/register", json={**body(engine="keep", addr=a), field: value})
+                assert r.status_code == 422, (field, value, r.text)
+                detail = r.json()["detail"]
+                assert f"$.{field}" in detail and "\n" not in detail, detail
+                refused += 1
+        assert http.get("/query").json() == before
+        assert http.get("/health").json() == health
+        # The last rank inside the bound is a new worker of the same engine: the bound is not off by one.
+        assert http.post("/register", json=body(engine="keep", tp=65535, addr=a)).status_code == 200
+        assert http.get("/query").json()["0"]["worker_addr"]["65535"] == {"0": a}
+    assert metric(http, 'pdkv_bootstrap_rejects_total{reason="invalid"}') == refused
+
+
 # --- restart handling -------------------------------------------------------
 
 
