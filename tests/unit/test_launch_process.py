@@ -103,3 +103,49 @@ def test_cpu_engine_processes_are_bound_to_their_cores(tmp_path: Path) -> None:
         assert os.sched_getaffinity(grandchild) == {core}
     finally:
         proc.stop(grace=5)
+
+
+# A parent that stops its own child when told to stop (as vLLM's API server stops its engine core),
+# and a child that says so when a SIGTERM reaches it from anyone else.
+STOPS_ITS_CHILD = (
+    "import signal, subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time\\n"
+    "signal.signal(signal.SIGTERM, lambda *a: (print(\"child: SIGTERM before its parent stopped it\", flush=True), sys.exit(1)))\\n"
+    "signal.signal(signal.SIGUSR1, lambda *a: (print(\"child: stopped by its parent\", flush=True), sys.exit(0)))\\n"
+    "print(\"child ready\", flush=True)\\n"
+    "time.sleep(60)'])\n"
+    "def stop(*a):\n"
+    "    time.sleep(0.3)\n"  # an API server takes a moment to begin its shutdown
+    "    child.send_signal(signal.SIGUSR1); child.wait(5); print('parent: child stopped', flush=True); sys.exit(0)\n"
+    "signal.signal(signal.SIGTERM, stop)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_stop_signals_the_process_before_its_group(tmp_path: Path) -> None:
+    lines: list[str] = []
+    proc = ManagedProcess(_plan(STOPS_ITS_CHILD), tmp_path / "parent.log", on_line=lines.append).start()
+    _wait_for(lambda: "child ready" in lines)
+    assert proc.stop(grace=5) == 0
+    log = (tmp_path / "parent.log").read_text()
+    assert "child: stopped by its parent" in log and "parent: child stopped" in log
+    assert "before its parent stopped it" not in log
+
+
+def test_stop_reaches_what_the_process_left_behind(tmp_path: Path) -> None:
+    # The parent exits at once on SIGTERM and leaves its child running: the group's SIGTERM ends the child.
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+        "print('pids', child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    lines: list[str] = []
+    proc = ManagedProcess(_plan(code), tmp_path / "orphan.log", on_line=lines.append).start()
+    _wait_for(lambda: any(line.startswith("pids") for line in lines))
+    child = int(next(line for line in lines if line.startswith("pids")).split()[1])
+    t0 = time.monotonic()
+    assert proc.stop(grace=5) == 0
+    assert time.monotonic() - t0 < 5
+    _wait_for(lambda: not _alive(child), timeout=5)
