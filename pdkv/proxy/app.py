@@ -13,7 +13,10 @@ waits for P's KV). D's first byte is forwarded as soon as it arrives. Failures
 are coupled: P answering non-2xx, timing out or dropping the connection
 cancels D and the client gets that error at once (as an SSE error event if D
 had already started streaming); D failing cancels P and the client gets D's
-error; the client going away cancels both.
+error; the client going away cancels both. A body whose own fields the proxy
+reads (CompletionFields) do not decode is a 400 before any backend sees it.
+Error messages name the failed stage, never a backend's address (see
+pdkv.proxy.errors); the addresses go to the log and the request's record.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 
 import msgspec
 
-from pdkv.protocol import ProxyTiming, transfer_id_for
+from pdkv.protocol import CompletionFields, ProxyTiming, transfer_id_for
 from pdkv.proxy.backends import Backends, BackendState
+from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.http import Exchange, Request, ServerConnection, UpstreamError, fetch
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.routing import ProxyConfig, decode_request, prefill_headers, prefill_request
@@ -40,31 +44,6 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
-
-
-def _message_of(body: bytes) -> str:
-    """The message of an OpenAI-style error body, else its first 200 characters."""
-    body = body.strip().split(b"\n", 1)[0]
-    try:
-        err = msgspec.json.decode(body)
-        if isinstance(err, dict) and isinstance(err.get("error"), dict):
-            return str(err["error"].get("message", ""))[:200]
-    except msgspec.DecodeError:
-        pass
-    return body[:200].decode("utf-8", "replace")
-
-
-def _is_error_event(chunks: list[bytes]) -> bool:
-    """D's first stream bytes are an error event, not a token."""
-    head = b"".join(chunks)[:64].lstrip()
-    return head.startswith(b"data: {") and b'"error"' in b"".join(chunks)[:200]
-
-
-def error_body(status: int, message: str, cause: str, request_id: str | None = None) -> bytes:
-    err: dict[str, Any] = {"message": message, "type": "pdkv_proxy_error", "code": status, "cause": cause}
-    if request_id:
-        err["request_id"] = request_id
-    return _json_encode({"error": err})
 
 
 class _Flight:
@@ -200,7 +179,8 @@ class ProxyApp:
         try:
             ex = await fetch(d.pool, "GET", "/v1/models", timeout=self.config.health_timeout)
         except UpstreamError as exc:
-            conn.respond(502, error_body(502, f"decode {d.url}: {exc}", f"decode_{exc.cause}"))
+            log.warning("GET /v1/models from decode %s failed: %s", d.url, exc)
+            conn.respond(502, error_body(502, no_answer_message("decode", exc), f"decode_{exc.cause}"))
             return
         conn.respond(ex.status, ex.body, ex.content_type)
 
@@ -220,10 +200,17 @@ class ProxyApp:
             self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
             self.metrics.observe(t)
             return
-        t.stream = stream = bool(body.get("stream"))
+        try:
+            fields = msgspec.convert(body, CompletionFields)
+        except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
+            self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
+            self.metrics.observe(t)
+            return
+        t.stream = stream = bool(fields.stream)
         chosen = self.backends.pair()
         if chosen is None:
-            self._finish_error(conn, t, 503, "no_backend", self.backends.readiness()[1])
+            reason = self.backends.readiness()[1]
+            self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
             self.metrics.observe(t)
             return
         pairing, p_state, d_state = chosen
@@ -271,8 +258,8 @@ class ProxyApp:
             # Prefill failed: D cannot get its KV, so it is cancelled now rather than left to time out.
             if p_ex.error is not None or (p_ex.finished and not 200 <= p_ex.status < 300):
                 d_ex.abort()
-                status, cause, message = self._prefill_failure(p_ex, p_state)
-                self._fail(conn, t, committed, status, cause, message)
+                status, cause, message, detail = self._prefill_failure(p_ex, p_state)
+                self._fail(conn, t, committed, status, cause, message, detail)
                 return
             if d_ex.error is not None:
                 p_ex.abort()
@@ -280,30 +267,36 @@ class ProxyApp:
                 if err.cause == "connect":
                     self.backends.connect_failed(d_state, str(err))
                 self._fail(conn, t, committed, 504 if err.cause == "timeout" else 502, f"decode_{err.cause}",
-                           f"decode {d_state.url}: {err}")
+                           no_answer_message("decode", err), f"decode {d_state.url}: {err}")
                 return
             if d_ex.status and not 200 <= d_ex.status < 300:
                 if d_ex.finished:  # D's own error goes to the client as D wrote it, with the transfer's fate
                     p_ex.abort()
-                    t.error, t.status = "decode_status", d_ex.status
+                    t.status = d_ex.status
                     body = b"".join(d_ex.chunks)
+                    detail = f"decode {d_state.url} answered {d_ex.status}: {body[:500].decode('utf-8', 'replace')}"
                     why = await self._transfer_fate(p_state, t) if d_ex.status >= 500 else None
-                    if why is not None:
-                        t.error = "decode_kv_transfer"
-                        body = error_body(d_ex.status, f"decode {d_state.url} answered {d_ex.status} ({_message_of(body)}): {why}",
+                    if why is None:
+                        self._record(t, "decode_status", detail)
+                        body = redact_body(body)
+                    else:
+                        self._record(t, "decode_kv_transfer", f"{detail}; {why}")
+                        body = error_body(d_ex.status, f"{status_message('decode', d_ex.status, body)}; {redact(why)}",
                                           "decode_kv_transfer", t.request_id)
                         d_ex.content_type = "application/json"
                     conn.respond(d_ex.status, body, d_ex.content_type, [("x-request-id", t.request_id)])
                     t.last_byte = time.time()
                     return
             elif stream:
-                if not committed and d_ex.first and _is_error_event(d_ex.chunks):
+                if not committed and d_ex.first and is_error_event(d_ex.chunks):
                     # D failed before its first token: say why the KV did not come, if P knows.
                     why = await self._transfer_fate(p_state, t)
                     if why is not None:
                         p_ex.abort()
-                        message = f"decode {d_state.url} failed ({_message_of(b''.join(d_ex.chunks)[6:])}): {why}"
-                        t.error, t.status = "decode_kv_transfer", d_ex.status
+                        said = message_of(b"".join(d_ex.chunks)[6:])
+                        self._record(t, "decode_kv_transfer", f"decode {d_state.url} failed ({said}): {why}")
+                        message = f"decode failed ({redact(said)}): {redact(why)}"
+                        t.status = d_ex.status
                         conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)])
                         conn.end_stream(b"data: " + error_body(500, message, "decode_kv_transfer", t.request_id) + b"\n\ndata: [DONE]\n\n")
                         d_ex.abort()
@@ -311,7 +304,10 @@ class ProxyApp:
                         return
                 if not committed and (d_ex.first or d_ex.finished):
                     committed = True
-                    conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)], b"".join(d_ex.chunks))
+                    head = b"".join(d_ex.chunks)
+                    if is_error_event(d_ex.chunks):  # D's own error event reaches the client, minus addresses
+                        head = redact_body(head)
+                    conn.start_stream(d_ex.status, d_ex.content_type, [("x-request-id", t.request_id)], head)
                     d_ex.chunks = []
                     d_ex.sink = conn.write_chunk
                 if committed and d_ex.finished:
@@ -343,33 +339,44 @@ class ProxyApp:
                     return f"KV transfer {rec.transfer_id} {rec.status}" + (f": {rec.error}" if rec.error else "")
         return None
 
-    def _prefill_failure(self, p_ex: _Prefill, p_state: BackendState) -> tuple[int, str, str]:
+    def _prefill_failure(self, p_ex: _Prefill, p_state: BackendState) -> tuple[int, str, str, str]:
+        """(status, cause, client message, detail) of a failed prefill."""
         err = p_ex.error
         if err is not None:
             if err.cause == "connect":
                 self.backends.connect_failed(p_state, str(err))
             status = 504 if err.cause == "timeout" else 502
-            return status, f"prefill_{err.cause}", f"prefill {p_state.url}: {err}"
-        detail = b"".join(p_ex.chunks)[:500].decode("utf-8", "replace")
+            return status, f"prefill_{err.cause}", no_answer_message("prefill", err), f"prefill {p_state.url}: {err}"
+        body = b"".join(p_ex.chunks)
+        detail = f"prefill {p_state.url} answered {p_ex.status}: {body[:500].decode('utf-8', 'replace')}"
         # A 4xx is about the request itself (too long, bad field): the client should see it as such.
         status = p_ex.status if 400 <= p_ex.status < 500 else 502
-        return status, "prefill_status", f"prefill {p_state.url} answered {p_ex.status}: {detail}"
+        return status, "prefill_status", status_message("prefill", p_ex.status, body), detail
 
-    def _fail(self, conn: ServerConnection, t: ProxyTiming, committed: bool, status: int, cause: str, message: str) -> None:
+    def _fail(self, conn: ServerConnection, t: ProxyTiming, committed: bool, status: int, cause: str, message: str,
+              detail: str) -> None:
         if committed:
             # The client already has D's 200 and some events: end the stream with an error event.
-            t.error, t.last_byte = cause, time.time()
+            self._record(t, cause, detail)
+            t.last_byte = time.time()
             event = b"data: " + error_body(status, message, cause, t.request_id) + b"\n\ndata: [DONE]\n\n"
             conn.end_stream(event)
             return
-        self._finish_error(conn, t, status, cause, message)
+        self._finish_error(conn, t, status, cause, message, detail)
 
-    def _finish_error(self, conn: ServerConnection, t: ProxyTiming, status: int, cause: str, message: str) -> None:
-        t.error, t.status = cause, status
+    def _finish_error(self, conn: ServerConnection, t: ProxyTiming, status: int, cause: str, message: str,
+                      detail: str | None = None) -> None:
+        """Answer the client `message` (fit for it: no addresses); `detail` (default: the message) is the record's."""
+        self._record(t, cause, detail or message)
+        t.status = status
         conn.respond(status, error_body(status, message, cause, t.request_id), headers=[("x-request-id", t.request_id)])
         t.last_byte = time.time()
+
+    def _record(self, t: ProxyTiming, cause: str, detail: str) -> None:
+        """Note why the request failed in its record, and in the log unless the client caused it."""
+        t.error, t.detail = cause, detail
         if cause not in ("bad_request", "no_backend", "client_disconnect"):
-            log.warning("request %s failed (%s): %s", t.request_id, cause, message)
+            log.warning("request %s failed (%s): %s", t.request_id, cause, detail)
 
     async def close(self) -> None:
         await self.backends.close()

@@ -5,6 +5,7 @@ failure coupling. Each test finishes in a few seconds; every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -372,6 +373,8 @@ def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, str
             assert err["cause"] == "decode_kv_transfer"
             assert "Internal server error" in err["message"]
             assert "xfer-req-fate cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
+            _assert_no_address(r.text)
+            assert deployment.decodes[0].url in c.get("/pdkv/requests/req-fate").json()["detail"]
             assert c.get("/pdkv/requests").json()[0]["error"] == "decode_kv_transfer"
     finally:
         fate.close()
@@ -493,3 +496,87 @@ def test_shutdown_closes_upstream_requests_still_in_flight(deployment: Deploymen
         assert time.monotonic() - t0 < 2.0
     deployment.proxy.stop()
     _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P's connection closed at shutdown")
+
+
+# --- what the client is told, and what only the log and the record hold --------------------------
+
+
+def _assert_no_address(text: str) -> None:
+    for needle in ("127.0.0.1", "http://", "tcp://"):
+        assert needle not in text, text
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+@contextlib.contextmanager
+def _proxy_with(dep: Deployment, prefill_url: str, decode_url: str) -> Iterator[BackgroundProxy]:
+    """A proxy in front of these URLs with every backend forced up and P's engine known (no health round interferes)."""
+    dep.proxy.stop()
+    cfg = build_config([f"{prefill_url},{dep.bootstraps[0].url}"], [decode_url], port=0, health_interval=30.0, unhealthy_after=5)
+    with BackgroundProxy(cfg) as proxy:
+        _wait_for(lambda: proxy.app.backends.rounds >= 1, what="first health round")
+
+        def force_up() -> None:
+            for b in (*proxy.app.backends.prefills, *proxy.app.backends.decodes):
+                b.up = True
+            proxy.app.backends.prefills[0].engines = {0: "engine-a"}
+            proxy.app.backends._rebuild()
+
+        proxy.call(force_up)
+        yield proxy
+
+
+ADDRESSY = {"error": {"message": "prompt too long (max 8 tokens); see http://127.0.0.1:9/limits on 10.0.0.7:8100"}}
+
+
+@pytest.mark.parametrize("case", ["prefill-connect", "prefill-4xx", "decode-connect", "decode-5xx"])
+def test_client_facing_errors_carry_no_backend_address(case: str):
+    with Deployment(health_interval=30.0) as dep:
+        dead = _dead_url()
+        p_url, d_url = dep.prefills[0].url, dep.decodes[0].url
+        if case == "prefill-connect":
+            p_url = dead
+            dep.decodes[0].behaviour.update(hang=True)
+        elif case == "decode-connect":
+            d_url = dead
+            dep.prefills[0].behaviour.update(hang=True)
+        elif case == "prefill-4xx":
+            dep.prefills[0].behaviour.update(status=400, body=ADDRESSY)
+            dep.decodes[0].behaviour.update(hang=True)
+        else:
+            dep.prefills[0].behaviour.update(hang=True)
+            dep.decodes[0].behaviour.update(status=500, body={"error": {"message": "engine at http://127.0.0.1:8200 died"}})
+        with _proxy_with(dep, p_url, d_url) as proxy, httpx.Client(base_url=proxy.url, timeout=10, trust_env=False) as c:
+            r = c.post("/v1/completions", json={**REQUEST, "stream": False}, headers={"X-Request-Id": f"addr-{case}"})
+            record = c.get(f"/pdkv/requests/addr-{case}").json()
+    _assert_no_address(r.text)
+    err = r.json()["error"]
+    status, cause, message = {
+        "prefill-connect": (502, "prefill_connect", "prefill failed: could not connect to the prefill server"),
+        "prefill-4xx": (400, "prefill_status", "prefill refused the request (400): prompt too long (max 8 tokens); see <address> on <address>"),
+        "decode-connect": (502, "decode_connect", "decode failed: could not connect to the decode server"),
+        "decode-5xx": (500, "decode_status", "engine at <address> died"),  # D's own body, minus the address
+    }[case]
+    assert r.status_code == status and err["message"] == message
+    if case != "decode-5xx":
+        assert err["cause"] == cause and err["request_id"] == f"addr-{case}" and err["type"] == "pdkv_proxy_error"
+    # The whole story, with the address, is kept for the operator.
+    backend = dead if case.endswith("connect") else (p_url if case.startswith("prefill") else d_url)
+    assert record["error"] == cause and backend in record["detail"]
+
+
+def test_bad_fields_the_proxy_reads_are_400_before_any_backend_is_asked(deployment: Deployment):
+    with deployment.client() as c:
+        for bad in ({"stream": "yes"}, {"stream": 1}, {"n": 0}, {"n": True}, {"n": 2**70}):
+            r = c.post("/v1/completions", json={**REQUEST, **bad})
+            assert r.status_code == 400, (bad, r.text)
+            err = r.json()["error"]
+            field = next(iter(bad))
+            assert err["cause"] == "bad_request" and f"$.{field}" in err["message"] and "\n" not in err["message"]
+        # null is "not given", as vLLM reads it
+        assert c.post("/v1/completions", json={**REQUEST, "stream": None, "n": None}).status_code == 200
+    assert len(deployment.prefills[0].seen) == len(deployment.decodes[0].seen) == 1
