@@ -202,6 +202,8 @@ class PrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     transfer_id: TransferId
     do_remote_decode: bool = True
     do_remote_prefill: bool = False
+    # D requests that will pull this KV: the client's `n` (D samples each choice as a request of its own).
+    pulls: Annotated[int, msgspec.Meta(ge=1, le=MAX_N_SEQUENCES)] = 1
 
 
 class DecodeParams(msgspec.Struct, frozen=True, kw_only=True):

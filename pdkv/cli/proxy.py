@@ -34,6 +34,11 @@ Examples:
 """
 
 
+class ConnectorChoice(str, enum.Enum):
+    pdkv = "pdkv"
+    mooncake = "mooncake"
+
+
 class PolicyChoice(str, enum.Enum):
     round_robin = "round-robin"
     least_outstanding = "least-outstanding"
@@ -63,6 +68,10 @@ def proxy(
     decode: Annotated[list[str] | None, typer.Option("--decode", "-d", metavar="URL", help="Decode server URL; repeatable.")] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")] = None,
     policy: Annotated[PolicyChoice | None, typer.Option("--policy", help="How to pick among backends. [default: round-robin]")] = None,
+    connector: Annotated[
+        ConnectorChoice | None,
+        typer.Option("--connector", help="The KV connector the engines run (vLLM's mooncake: n > 1 is refused). [default: pdkv]"),
+    ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Address to listen on. [default: 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on. [default: 8000]")] = None,
     connect_timeout: Annotated[float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")] = None,
@@ -81,6 +90,7 @@ def proxy(
         decode or [],
         file_values=_read_config(config),
         policy=policy.value if policy else None,
+        connector=connector.value if connector else None,
         host=host,
         port=port,
         connect_timeout=connect_timeout,

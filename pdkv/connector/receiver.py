@@ -177,7 +177,7 @@ class KVReceiver:
 
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            peer = self._peers[addr] = SideChannelPeer(self._ctx, addr, self._on_reply)
+            peer = self._peers[addr] = SideChannelPeer(self._ctx, addr, self._on_reply, self._on_lost)
         return peer
 
     async def _start(self, spec: PullSpec) -> None:
@@ -230,6 +230,12 @@ class KVReceiver:
         else:
             self.trace.event(msg.transfer_id, "notified", now)
             self._conclude(self.tracker.finished(msg.d_req_id, msg.error or "prefill side reported an error"))
+
+    def _on_lost(self, addr: str) -> None:
+        """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it)."""
+        lost = [rid for rid, a in self._peer_of.items() if a == addr and rid in self.tracker.entries]
+        for rid in lost:
+            self._conclude(self.tracker.finished(rid, f"lost the connection to the prefill side channel {addr}"))
 
     def _conclude(self, outcome: PullOutcome | None) -> None:
         if outcome is None:

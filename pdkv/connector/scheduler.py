@@ -27,7 +27,7 @@ from typing import Any
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params
 from pdkv.connector.receiver import PullSpec
 from pdkv.geometry import blocks_for
-from pdkv.protocol import DecodeParams
+from pdkv.protocol import DecodeParams, PrefillParams
 
 log = logging.getLogger("pdkv.connector")
 
@@ -40,6 +40,7 @@ class StepMeta:
     """What the scheduler tells every worker in one step."""
 
     registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
+    fanout: dict[str, int] = field(default_factory=dict)  # P: transfer_id -> D requests pulling it, where more than one
     computed: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: prompt complete after this step's forward
     ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
     ready_at: dict[str, float] = field(default_factory=dict)  # P: p_req_id -> unix time the scheduler saw it finish (step 23)
@@ -74,6 +75,16 @@ def _max_tokens(request: Any) -> int | None:
     if n is None and sp is not None:
         n = getattr(sp, "max_tokens", None)
     return n if isinstance(n, int) else None
+
+
+def _pulls_of(rid: str, params: dict[str, Any]) -> int:
+    """How many D requests will pull this P request's KV (the client's `n`); 1 when the params say nothing valid."""
+    try:
+        _, p = classify_params({k: v for k, v in params.items() if not k.startswith("_pdkv")})
+    except ParamsError as exc:
+        log.error("pdkv: prefill request %s: %s; serving one pull", rid, exc)
+        return 1
+    return p.pulls if isinstance(p, PrefillParams) else 1
 
 
 def _status_name(request: Any) -> str:
@@ -126,6 +137,9 @@ class ConnectorScheduler:
             if isinstance(tid, str) and tid:
                 params["_pdkv_registered"] = True
                 self._next.registered[rid] = tid
+                pulls = _pulls_of(rid, params)
+                if pulls > 1:
+                    self._next.fanout[tid] = pulls
                 (ids, *_) = blocks.get_block_ids() or ([],)
                 self._prefills[rid] = _Prefill(tid, request, list(ids))
             else:

@@ -124,13 +124,16 @@ class KVSender:
         cancelled: dict[str, str] | None = None,
         ready_at: dict[str, float] | None = None,
         scheduled_at: float = 0.0,
+        fanout: dict[str, int] | None = None,
     ) -> None:
         """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
-        finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV."""
+        finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV;
+        `fanout`: {transfer_id: how many D requests pull it}, where more than one."""
         if registered or ready or cancelled:
             now = time.time()
             self._loop.call_soon(
-                self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now, dict(ready_at or {}), scheduled_at
+                self._apply, dict(registered or {}), dict(ready or {}), dict(cancelled or {}), now, dict(ready_at or {}), scheduled_at,
+                dict(fanout or {}),
             )
 
     def computed(self, items: dict[str, tuple[str, list[int]]], fence: Any = None) -> None:
@@ -169,12 +172,13 @@ class KVSender:
     # --- loop thread ---------------------------------------------------------
 
     def _apply(
-        self, registered: dict, ready: dict, cancelled: dict, now: float, ready_at: dict | None = None, scheduled_at: float = 0.0
+        self, registered: dict, ready: dict, cancelled: dict, now: float, ready_at: dict | None = None, scheduled_at: float = 0.0,
+        fanout: dict[str, int] | None = None,
     ) -> None:
         for p_req_id, tid in registered.items():
             self.trace.event(tid, "registered", scheduled_at or now, p_req_id=p_req_id)
             with self._table_lock:
-                actions = self.table.registered(tid, p_req_id, now)
+                actions = self.table.registered(tid, p_req_id, now, (fanout or {}).get(tid, 1))
             self._run(actions)
         for p_req_id, (tid, blocks) in ready.items():
             if ready_at and p_req_id in ready_at:
@@ -231,7 +235,7 @@ class KVSender:
             self._run(actions)
         elif isinstance(msg, Release):
             with self._table_lock:
-                actions = self.table.released(msg.transfer_id, now)
+                actions = self.table.released(msg.transfer_id, now, msg.d_req_id)
             self._run(actions)
         elif isinstance(msg, TraceReport):
             self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
@@ -315,7 +319,7 @@ class KVSender:
         self.trace.event(a.transfer_id, "reply_sent")
         self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
         with self._table_lock:
-            actions = self.table.send_finished(a.transfer_id, error, time.time())
+            actions = self.table.send_finished(a.transfer_id, error, time.time(), req.d_req_id)
         self._run(actions)
 
     def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list, fence: Any = None) -> None:

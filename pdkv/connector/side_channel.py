@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
@@ -28,6 +29,9 @@ _reply_decoder = msgspec.msgpack.Decoder(SideChannelReply)
 _encoder = msgspec.msgpack.Encoder()
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a pull for a million blocks is ~10 MB; anything larger is hostile
+# D's DEALER pings P's connection this often and drops it when no answer comes for the timeout (a cut link).
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
 
 
 def encode(msg: Any) -> bytes:
@@ -176,21 +180,49 @@ class SideChannelServer:
 
 
 class SideChannelPeer:
-    """D's DEALER to one P worker. Runs on the loop; `on_reply(msg)` gets every decoded reply."""
+    """D's DEALER to one P worker. Runs on the loop; `on_reply(msg)` gets every decoded reply.
 
-    def __init__(self, ctx: Any, address: str, on_reply: Callable[[Any], None]) -> None:
+    `on_lost(address)` runs when an established connection to P ends: P's
+    process died (its kernel closes the socket at once), P closed its side
+    channel, or ZMQ heartbeats went unanswered for HEARTBEAT_TIMEOUT_MS (a
+    cut link). P keeps no state across a reconnect, so every pull in flight
+    to it is lost then; ZMQ reconnects by itself for later pulls.
+    """
+
+    def __init__(self, ctx: Any, address: str, on_reply: Callable[[Any], None], on_lost: Callable[[str], None] | None = None) -> None:
         import zmq
 
         self.address = address
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._sock.connect(address)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._on_reply = on_reply
-        self._task = asyncio.get_running_loop().create_task(self._read())
+        self._on_lost = on_lost
+        loop = asyncio.get_running_loop()
+        self._monitor: Any = None
+        self._monitor_task: asyncio.Task | None = None
+        if on_lost is not None:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor_task = loop.create_task(self._watch(self._monitor))
+        self._sock.connect(address)
+        self._task = loop.create_task(self._read())
 
     async def send(self, msg: Any) -> None:
         await self._sock.send(encode(msg), copy=False)
+
+    async def _watch(self, monitor: Any) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            log.warning("side channel: connection to %s lost", self.address)
+            assert self._on_lost is not None
+            try:
+                self._on_lost(self.address)
+            except Exception:  # noqa: BLE001
+                log.exception("side channel: handling the loss of %s failed (%s)", self.address, event)
 
     async def _read(self) -> None:
         while True:
@@ -213,6 +245,11 @@ class SideChannelPeer:
 
     def close(self) -> None:
         self._task.cancel()
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+            with contextlib.suppress(Exception):
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)  # now: the context's term() waits for every socket
         self._sock.close(linger=0)
 
 

@@ -76,12 +76,20 @@ class SendEntry:
     phase: Phase
     p_req_id: str = ""
     blocks: list[int] | None = None
-    pull: Any = None
+    pulls: list[Any] = field(default_factory=list)  # parked: waiting for the blocks (or for registration)
     deadline: float | None = None  # UNSEEN: give up; READY: expire; CLOSED: forget
-    released: bool = False  # D said it no longer wants the KV
+    expected: int = 1  # D requests that pull this transfer (n > 1: one per choice)
+    served: int = 0  # of those, how many are done with it: sent, failed, or released by D
+    sending: dict[str, Any] = field(default_factory=dict)  # D request id -> its pull, whose write is in flight
+    failed: bool = False  # a write of this transfer failed
     outcome: str = ""
     held: bool = False  # computed, not yet finished: P's scheduler still owns the blocks
     free_due: str = ""  # the outcome of a Free that waits for `ready`
+
+    @property
+    def claimed(self) -> int:
+        """Pulls this transfer has taken: served, in flight, or parked."""
+        return self.served + len(self.sending) + len(self.pulls)
 
 
 @dataclass
@@ -89,10 +97,17 @@ class SendLimits:
     unknown_wait_s: float = 120.0  # how long a pull waits for a transfer_id P has not seen
     expiry_s: float = 120.0  # how long finished blocks wait for D's pull
     tombstone_s: float = 300.0  # how long a closed transfer's outcome is remembered
+    max_fanout: int = 128  # most D requests one transfer may serve (the proxy's `n`)
 
 
 class SendTable:
-    """P's transfers. Every method returns the actions the caller must perform, in order."""
+    """P's transfers. Every method returns the actions the caller must perform, in order.
+
+    A transfer serves `expected` pulls (one per D request: `n` choices are
+    `n` D requests sharing one prefill); it closes, and its blocks are
+    freed, once every one of them has been sent, failed or released, or
+    when it expires waiting for the rest.
+    """
 
     def __init__(self, limits: SendLimits | None = None) -> None:
         self.limits = limits or SendLimits()
@@ -101,17 +116,28 @@ class SendTable:
     def _close(self, e: SendEntry, now: float, outcome: str) -> None:
         e.phase = Phase.CLOSED
         e.outcome = outcome
-        e.pull = None
+        e.pulls = []
         e.deadline = now + self.limits.tombstone_s
 
-    def registered(self, transfer_id: str, p_req_id: str, now: float) -> list[Action]:
-        """P's scheduler allocated blocks for the request that will produce `transfer_id`."""
+    def _entry(self, transfer_id: str, phase: Phase = Phase.RUNNING) -> SendEntry:
         e = self.entries.get(transfer_id)
         if e is None:
-            self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
-        elif e.phase is Phase.UNSEEN:
-            e.phase, e.p_req_id, e.deadline = Phase.RUNNING, p_req_id, None
-        return []
+            e = self.entries[transfer_id] = SendEntry(transfer_id, phase)
+        return e
+
+    def registered(self, transfer_id: str, p_req_id: str, now: float, pulls: int = 1) -> list[Action]:
+        """P's scheduler allocated blocks for the request that will produce `transfer_id`, for `pulls` D requests."""
+        e = self.entries.get(transfer_id)
+        if e is None:
+            self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id, expected=pulls)
+            return []
+        if e.phase is not Phase.UNSEEN:
+            if e.phase is not Phase.CLOSED and e.p_req_id == p_req_id:
+                e.expected = pulls  # `computed` came first (it runs on the model runner's thread)
+            return []
+        e.phase, e.p_req_id, e.deadline, e.expected = Phase.RUNNING, p_req_id, None, pulls
+        extra, e.pulls = e.pulls[pulls:], e.pulls[:pulls]
+        return [Reply(transfer_id, x, f"transfer {transfer_id} serves {pulls} pull(s) and already has them") for x in extra]
 
     def _free(self, e: SendEntry, outcome: str) -> list[Action]:
         """Free `e`'s blocks now, or once P's request finishes if the scheduler still holds it."""
@@ -120,6 +146,19 @@ class SendTable:
             return []
         return [Free(e.transfer_id, e.p_req_id, outcome)]
 
+    def _blocks_here(self, e: SendEntry, now: float) -> list[Action]:
+        """`e`'s blocks can be sent from now on: start every parked pull, or wait in READY for them."""
+        if e.served >= e.expected and not e.sending:
+            self._close(e, now, "released")
+            return self._free(e, "released")
+        starts: list[Action] = [StartSend(e.transfer_id, e.p_req_id, e.blocks or [], x) for x in e.pulls]
+        e.sending.update((_pull_id(x, i), x) for i, x in enumerate(e.pulls))
+        e.pulls = []
+        e.phase = Phase.SENDING if e.sending else Phase.READY
+        # No expiry while held (the clock starts at `ready`) or while writes run.
+        e.deadline = now + self.limits.expiry_s if e.phase is Phase.READY and not e.held else None
+        return starts
+
     def computed(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
         """The forward that completed P's prompt ran: its KV in `blocks` may be sent before the request finishes."""
         e = self.entries.get(transfer_id)
@@ -127,23 +166,14 @@ class SendTable:
             e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
         if e.phase not in (Phase.UNSEEN, Phase.RUNNING):
             return []  # a repeat, or an id already used by another request: `ready` settles it
-        e.p_req_id, e.blocks, e.held, e.deadline = p_req_id, list(blocks), True, None
-        if e.released:
-            self._close(e, now, "released")
-            return self._free(e, "released")
-        if e.pull is not None:
-            e.phase = Phase.SENDING
-            return [StartSend(transfer_id, p_req_id, e.blocks, e.pull)]
-        e.phase = Phase.READY  # no expiry while held: the clock starts at `ready`
-        return []
+        e.p_req_id, e.blocks, e.held = p_req_id, list(blocks), True
+        return self._blocks_here(e, now)
 
     def ready(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
         """P's request finished with its prompt computed; its `blocks` are held until a Free."""
-        e = self.entries.get(transfer_id)
-        if e is None:
-            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        e = self._entry(transfer_id)
         if e.held and e.p_req_id == p_req_id:
-            # Computed earlier: the send may be done, running or waiting for D.
+            # Computed earlier: the sends may be done, running or waiting for D.
             e.held = False
             if e.free_due:
                 outcome, e.free_due = e.free_due, ""
@@ -157,75 +187,80 @@ class SendTable:
             # The transfer_id was used up (or given up) before: release these blocks at once.
             return [Free(transfer_id, p_req_id, "duplicate")]
         e.p_req_id, e.blocks = p_req_id, list(blocks)
-        if e.released:
-            self._close(e, now, "released")
-            return [Free(transfer_id, p_req_id, "released")]
-        if e.pull is not None:
-            e.phase, e.deadline = Phase.SENDING, None
-            return [StartSend(transfer_id, p_req_id, e.blocks, e.pull)]
-        e.phase, e.deadline = Phase.READY, now + self.limits.expiry_s
-        return []
+        return self._blocks_here(e, now)
 
     def cancelled(self, transfer_id: str, reason: str, now: float) -> list[Action]:
         """P's request ended without KV to send (aborted, failed, prompt not computed)."""
-        e = self.entries.get(transfer_id)
-        if e is None:
-            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
+        e = self._entry(transfer_id)
         if e.phase in (Phase.SENDING, Phase.CLOSED):
             return []
         e.held, e.free_due = False, ""  # the scheduler frees these blocks itself
-        actions: list[Action] = []
-        if e.pull is not None:
-            actions.append(Reply(transfer_id, e.pull, f"prefill request ended without KV: {reason}"))
+        actions: list[Action] = [Reply(transfer_id, x, f"prefill request ended without KV: {reason}") for x in e.pulls]
         self._close(e, now, f"cancelled: {reason}")
         return actions
 
     def pull(self, transfer_id: str, pull: Any, now: float) -> list[Action]:
-        """D asked for the KV of `transfer_id`."""
+        """D asked for the KV of `transfer_id` (`pull` names its D request, see _d_req_id)."""
         e = self.entries.get(transfer_id)
         if e is None:
             self.entries[transfer_id] = SendEntry(
-                transfer_id, Phase.UNSEEN, pull=pull, deadline=now + self.limits.unknown_wait_s
+                transfer_id, Phase.UNSEEN, pulls=[pull], deadline=now + self.limits.unknown_wait_s
             )
             return []
         if e.phase is Phase.CLOSED:
             why = "already sent" if e.outcome == "sent" else e.outcome
             return [Reply(transfer_id, pull, f"transfer {transfer_id} is closed ({why})")]
-        if e.phase is Phase.SENDING or e.pull is not None:
+        # Before registration the number of D requests is not known yet: park up to the bound.
+        limit = self.limits.max_fanout if e.phase is Phase.UNSEEN else e.expected
+        who = _pull_id(pull, e.claimed)
+        if e.claimed >= limit or who in e.sending or any(_pull_id(x, -1) == who for x in e.pulls):
             return [Reply(transfer_id, pull, f"transfer {transfer_id} already has a pull in progress")]
-        e.pull = pull
-        if e.phase is Phase.READY:
+        if e.phase in (Phase.READY, Phase.SENDING):
             e.phase, e.deadline = Phase.SENDING, None
+            e.sending[who] = pull
             assert e.blocks is not None
             return [StartSend(transfer_id, e.p_req_id, e.blocks, pull)]
+        e.pulls.append(pull)
         return []
 
-    def released(self, transfer_id: str, now: float) -> list[Action]:
-        """D no longer wants the KV (its request ended first)."""
-        e = self.entries.get(transfer_id)
-        if e is None:
-            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING)
-        if e.phase is Phase.READY:
+    def released(self, transfer_id: str, now: float, d_req_id: str = "") -> list[Action]:
+        """D request `d_req_id` no longer wants the KV (it ended first, or found the prompt cached)."""
+        e = self._entry(transfer_id)
+        if e.phase is Phase.CLOSED or (d_req_id and d_req_id in e.sending):
+            return []  # nothing left, or the write in flight settles it
+        e.served += 1
+        actions: list[Action] = []
+        mine = [x for x in e.pulls if _d_req_id(x) == d_req_id] if d_req_id else e.pulls[:1]
+        for x in mine:
+            e.pulls.remove(x)
+            actions.append(Reply(transfer_id, x, "released by the decode side"))
+        if e.phase is Phase.UNSEEN and e.served >= e.expected:
             self._close(e, now, "released")
-            return self._free(e, "released")
-        if e.phase in (Phase.UNSEEN, Phase.RUNNING):
-            e.released = True
-            actions: list[Action] = []
-            if e.pull is not None:
-                actions.append(Reply(transfer_id, e.pull, "released by the decode side"))
-                e.pull = None
-            if e.phase is Phase.UNSEEN:
-                self._close(e, now, "released")
-            return actions
-        return []  # SENDING finishes on its own; CLOSED has nothing left
+        elif e.phase is Phase.READY and e.served >= e.expected:
+            self._close(e, now, "released")
+            actions.extend(self._free(e, "released"))
+        return actions
 
-    def send_finished(self, transfer_id: str, error: str | None, now: float) -> list[Action]:
-        """The write started by StartSend ended (error None: every byte landed)."""
+    def send_finished(self, transfer_id: str, error: str | None, now: float, d_req_id: str = "") -> list[Action]:
+        """The write started by StartSend (to D request `d_req_id`) ended (error None: every byte landed)."""
         e = self.entries.get(transfer_id)
         if e is None or e.phase is not Phase.SENDING:
             return []
-        self._close(e, now, "sent" if error is None else f"failed: {error}")
-        return self._free(e, "sent" if error is None else "failed")
+        if d_req_id in e.sending:
+            del e.sending[d_req_id]
+        elif e.sending:
+            e.sending.popitem()
+        e.served += 1
+        e.failed = e.failed or error is not None
+        if e.sending:
+            return []
+        if e.served < e.expected:
+            e.phase = Phase.READY  # more D requests to come
+            e.deadline = None if e.held else now + self.limits.expiry_s
+            return []
+        outcome = "failed" if e.failed else "sent"
+        self._close(e, now, outcome if error is None else f"failed: {error}")
+        return self._free(e, outcome)
 
     def tick(self, now: float) -> list[Action]:
         """Apply every deadline that has passed."""
@@ -234,24 +269,35 @@ class SendTable:
             if e.deadline is None or e.deadline > now:
                 continue
             if e.phase is Phase.UNSEEN:
-                actions.append(
-                    Reply(tid, e.pull, f"prefill side never saw transfer {tid} within {self.limits.unknown_wait_s:g} s")
+                actions.extend(
+                    Reply(tid, x, f"prefill side never saw transfer {tid} within {self.limits.unknown_wait_s:g} s") for x in e.pulls
                 )
                 self._close(e, now, "unknown")
             elif e.phase is Phase.READY:
+                outcome = "expired" if not e.served else ("failed" if e.failed else "sent")
                 self._close(e, now, "expired")
-                actions.extend(self._free(e, "expired"))
+                actions.extend(self._free(e, outcome))
             elif e.phase is Phase.CLOSED and not e.held:
                 del self.entries[tid]
         return actions
 
     def parked_pulls(self) -> list[tuple[str, Any, float | None]]:
-        """(transfer_id, pull, deadline) of every pull still waiting on P, for heartbeats."""
-        return [(t, e.pull, e.deadline) for t, e in self.entries.items() if e.pull is not None]
+        """(transfer_id, pull, deadline) of every pull still waiting on P (parked or being written), for heartbeats."""
+        return [(t, x, e.deadline) for t, e in self.entries.items() for x in (*e.pulls, *e.sending.values())]
 
     def holding(self) -> int:
         """How many transfers hold P's blocks right now."""
         return sum(1 for e in self.entries.values() if e.phase in (Phase.READY, Phase.SENDING))
+
+
+def _d_req_id(pull: Any) -> str:
+    """The D request a parked pull came from (the sender parks PullRequests; tests may park plain tokens)."""
+    request = getattr(pull, "request", None)
+    return str(getattr(request, "d_req_id", "") or "")
+
+
+def _pull_id(pull: Any, index: int) -> str:
+    return _d_req_id(pull) or f"#{index}"
 
 
 # --- D side -----------------------------------------------------------------

@@ -127,7 +127,8 @@ class ConnectorWorker:
     def start_step(self, meta: StepMeta) -> None:
         """Steps 14 and 19: hand the scheduler's news to the sender or receiver; never blocks."""
         if self.sender is not None:
-            self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at, scheduled_at=meta.at)
+            self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at, scheduled_at=meta.at,
+                                   fanout=meta.fanout)
         if self.receiver is not None:
             self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens, meta.releases)
 

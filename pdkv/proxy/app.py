@@ -34,7 +34,7 @@ from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.http import Exchange, Request, ServerConnection, UpstreamError, fetch
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import ProxyConfig, decode_request, prefill_headers, prefill_request
+from pdkv.proxy.routing import ProxyConfig, decode_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -204,6 +204,11 @@ class ProxyApp:
             fields = msgspec.convert(body, CompletionFields)
         except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
             self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
+            self.metrics.observe(t)
+            return
+        why = unsupported_field(body, self.config.connector)
+        if why is not None:
+            self._finish_error(conn, t, 400, "bad_request", why)
             self.metrics.observe(t)
             return
         t.stream = stream = bool(fields.stream)

@@ -38,6 +38,13 @@ class Policy(enum.StrEnum):
     LEAST_OUTSTANDING = "least-outstanding"
 
 
+class KvConnector(enum.StrEnum):
+    """The KV connector the engines behind the proxy run: it decides what a request may ask for."""
+
+    PDKV = "pdkv"
+    MOONCAKE = "mooncake"  # vLLM's MooncakeConnector
+
+
 class PrefillSpec(msgspec.Struct, frozen=True):
     """One prefill server: its OpenAI URL and its Mooncake bootstrap URL."""
 
@@ -53,6 +60,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8000
     policy: Policy = Policy.ROUND_ROBIN
+    connector: KvConnector = KvConnector.PDKV
     connect_timeout: float = 5.0
     prefill_timeout: float = 120.0
     decode_first_byte_timeout: float = 180.0
@@ -203,8 +211,29 @@ def prefill_request(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
         p["max_completion_tokens"] = 1
     p["min_tokens"] = 1
     p["stream"] = False
-    p["kv_transfer_params"] = msgspec.to_builtins(PrefillParams(transfer_id=transfer_id))
+    # One prefill whatever the client's n: D samples the n choices, each one pulling the same KV.
+    n = body.get("n") or 1
+    p["n"] = 1
+    params = msgspec.to_builtins(PrefillParams(transfer_id=transfer_id, pulls=n))
+    if n == 1:
+        del params["pulls"]  # P's params stay exactly vLLM's contract where there is nothing to add
+    p["kv_transfer_params"] = params
     return p
+
+
+def unsupported_field(body: dict[str, Any], connector: KvConnector = KvConnector.PDKV) -> str | None:
+    """Why this body cannot be served through P/D (naming the field), or None.
+
+    Beam search runs many sequences that grow and fork from the prompt on one
+    engine; it cannot be split into one prefill and a decode elsewhere. vLLM's
+    MooncakeConnector sends a transfer to one D request only, so the n
+    choices of `n > 1` (n D requests) would leave all but one waiting.
+    """
+    if body.get("use_beam_search"):
+        return "use_beam_search is not supported through prefill/decode disaggregation"
+    if connector is KvConnector.MOONCAKE and (body.get("n") or 1) > 1:
+        return "n > 1 is not supported with vLLM's MooncakeConnector (it sends each prompt's KV to one decode request); use pdkv's connector"
+    return None
 
 
 def decode_request(body: dict[str, Any], transfer_id: str, target: PrefillTarget) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 - `tiny_model`: one tiny model per session (written once, ~1 s).
 - `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
-  omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
+  protocol=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
   free loopback port through pdkv.launch, waits for /health (bounded) and
   returns it; every engine is stopped by process group when its module ends,
   so idle engines of earlier modules never pile up in memory. Within a module
@@ -67,8 +67,10 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         cpu_accelerator_shim: bool = False,
         name: str | None = None,
         model: Path | None = None,
+        protocol: str = "tcp",
     ) -> ManagedProcess:
-        key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args, cpu_accelerator_shim, name, model)
+        key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args,
+               cpu_accelerator_shim, name, model, protocol)
         engine = cache.get(key)
         if engine is not None and engine.poll() is None:
             return engine
@@ -81,7 +83,7 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             port=free_port(),
             role=role,  # type: ignore[arg-type]
             connector=connector,  # type: ignore[arg-type]
-            protocol="tcp",
+            protocol=protocol,  # type: ignore[arg-type]
             platform="cpu",
             block_size=32,
             max_model_len=1024,

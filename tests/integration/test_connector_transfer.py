@@ -271,12 +271,23 @@ def test_blocks_nobody_pulls_are_freed_after_expiry(make_pair):
     assert pair.sender.trace.get("x1").status == "expired"
 
 
-def test_p_dying_fails_the_pull_within_the_liveness_bound(make_pair):
-    pair = make_pair(liveness_s=1.0)
+def test_p_closing_its_side_channel_fails_the_pull_at_once(make_pair):
+    pair = make_pair(liveness_s=30.0)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
     time.sleep(0.3)
-    pair.sender.close()  # P's worker is gone; its heartbeats stop
+    pair.sender.close()  # P's worker is gone: its socket closes, as a killed process's does
+    t0 = time.monotonic()
+    res = wait_results(pair.receiver, {"d1"}, timeout=5)
+    assert time.monotonic() - t0 < 1.0  # not the 30 s liveness bound
+    assert "lost the connection" in res.failed["d1"]
+
+
+def test_a_p_that_stops_answering_fails_the_pull_within_the_liveness_bound(make_pair):
+    pair = make_pair(liveness_s=1.0)
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    time.sleep(0.3)
+    pair.sender._ticker.cancel()  # P's loop lives (its socket stays open) but it sends no heartbeat
     t0 = time.monotonic()
     res = wait_results(pair.receiver, {"d1"}, timeout=5)
     assert time.monotonic() - t0 < 2.0

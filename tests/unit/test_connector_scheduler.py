@@ -289,3 +289,15 @@ def test_refusals_name_the_unsupported_feature():
     assert "hybrid" in refusal(use_mla=False, kv_groups=2, sliding_window=False, spec_names=["A", "B"])
     assert "sliding" in refusal(use_mla=False, kv_groups=1, sliding_window=True)
     assert refusal(use_mla=False, kv_groups=1, sliding_window=False) is None
+
+
+def test_a_prefill_for_n_choices_tells_the_worker_how_many_pulls_to_serve():
+    s = ConnectorScheduler(is_producer=True, is_consumer=False, block_size=4)
+    r = Req("p1", list(range(8)), {"do_remote_decode": True, "transfer_id": "x", "pulls": 4}, max_tokens=1)
+    s.update_state_after_alloc(r, Blocks([0, 1]), 0)
+    meta = s.build_meta()
+    assert meta.registered == {"p1": "x"} and meta.fanout == {"x": 4}
+    bad = Req("p2", list(range(8)), {"do_remote_decode": True, "transfer_id": "y", "pulls": 0}, max_tokens=1)
+    s.update_state_after_alloc(bad, Blocks([2, 3]), 0)
+    meta = s.build_meta()
+    assert meta.registered == {"p2": "y"} and meta.fanout == {}  # invalid: one pull, logged

@@ -190,3 +190,110 @@ def test_pull_tracker_abort_turns_success_into_an_error():
     tr.abort("d1")
     out = tr.finished("d1", None)
     assert out is not None and out.error == "aborted by the decode side"
+
+
+class _Pull:
+    """A parked pull as the sender keeps it: the D request it came from is `request.d_req_id`."""
+
+    def __init__(self, d_req_id: str) -> None:
+        self.request = type("Req", (), {"d_req_id": d_req_id})()
+
+    def __repr__(self) -> str:
+        return f"pull({self.request.d_req_id})"
+
+
+def test_n_pulls_share_one_prefill_and_blocks_free_after_the_last():
+    t = table()
+    t.registered("x", "p1", 0.0, pulls=3)
+    a, b, c = _Pull("0_d"), _Pull("1_d"), _Pull("2_d")
+    assert t.pull("x", a, 0.1) == []
+    starts = t.ready("x", "p1", [4, 5], 0.2)
+    assert starts == [StartSend("x", "p1", [4, 5], a)]
+    [sb] = t.pull("x", b, 0.3)  # the blocks are here: started at once, beside a's write
+    assert sb.pull is b
+    assert t.send_finished("x", None, 0.4, "0_d") == []
+    assert t.send_finished("x", None, 0.5, "1_d") == []
+    assert t.entries["x"].phase is Phase.READY  # one more choice to come
+    [sc] = t.pull("x", c, 0.6)
+    assert t.send_finished("x", None, 0.7, "2_d") == [Free("x", "p1", "sent")]
+    [r] = t.pull("x", _Pull("3_d"), 0.8)
+    assert isinstance(r, Reply) and "closed" in r.error
+
+
+def test_a_pull_beyond_n_or_a_repeat_from_one_d_request_is_refused():
+    t = table()
+    t.registered("x", "p1", 0.0, pulls=2)
+    t.ready("x", "p1", [1], 0.1)
+    [s] = t.pull("x", _Pull("0_d"), 0.2)
+    [again] = t.pull("x", _Pull("0_d"), 0.3)
+    assert isinstance(again, Reply) and "in progress" in again.error
+    t.pull("x", _Pull("1_d"), 0.4)
+    [extra] = t.pull("x", _Pull("2_d"), 0.5)
+    assert isinstance(extra, Reply) and "in progress" in extra.error
+
+
+def test_pulls_before_registration_are_parked_then_trimmed_to_n():
+    t = table()
+    pulls = [_Pull(f"{i}_d") for i in range(3)]
+    for p in pulls:
+        assert t.pull("x", p, 0.0) == []
+    [extra] = t.registered("x", "p1", 0.1, pulls=2)
+    assert isinstance(extra, Reply) and extra.pull is pulls[2]
+    starts = t.computed("x", "p1", [7], 0.2)
+    assert [s.pull for s in starts] == pulls[:2]
+
+
+def test_one_choice_released_the_others_still_get_the_kv():
+    t = table()
+    t.registered("x", "p1", 0.0, pulls=2)
+    t.ready("x", "p1", [1], 0.1)
+    assert t.released("x", 0.2, "0_d") == []  # that choice had the prompt cached
+    [s] = t.pull("x", _Pull("1_d"), 0.3)
+    assert t.send_finished("x", None, 0.4, "1_d") == [Free("x", "p1", "sent")]
+
+
+def test_a_release_from_the_d_request_being_written_is_settled_by_the_write():
+    t = table()
+    t.registered("x", "p1", 0.0, pulls=2)
+    t.ready("x", "p1", [1], 0.1)
+    t.pull("x", _Pull("0_d"), 0.2)
+    assert t.released("x", 0.25, "0_d") == []
+    assert t.send_finished("x", "peer gone", 0.3, "0_d") == []
+    assert t.entries["x"].served == 1  # counted once: the second choice may still pull
+    t.pull("x", _Pull("1_d"), 0.4)
+    assert t.send_finished("x", None, 0.5, "1_d") == [Free("x", "p1", "failed")]
+
+
+def test_computed_before_registration_learns_n_from_it():
+    # `computed` runs on the model runner's thread and may overtake `registered` on the sender loop.
+    t = table()
+    assert t.computed("x", "p1", [2], 0.0) == []
+    t.registered("x", "p1", 0.0, pulls=2)
+    t.ready("x", "p1", [2], 0.1)
+    t.pull("x", _Pull("0_d"), 0.2)
+    t.send_finished("x", None, 0.3, "0_d")
+    [s] = t.pull("x", _Pull("1_d"), 0.4)
+    assert isinstance(s, StartSend)
+
+
+def test_expiry_frees_a_transfer_whose_remaining_choices_never_pull():
+    t = table()
+    t.registered("x", "p1", 0.0, pulls=2)
+    t.ready("x", "p1", [1], 0.1)
+    t.pull("x", _Pull("0_d"), 0.2)
+    t.send_finished("x", None, 0.3, "0_d")
+    assert t.tick(5.2) == []
+    assert t.tick(5.4) == [Free("x", "p1", "sent")]
+    assert t.entries["x"].outcome == "expired"
+
+
+def test_a_pull_being_written_still_gets_heartbeats():
+    # A long write (a stalled Mooncake peer: up to its write timeout) must not look like a silent P to D.
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.ready("x", "p1", [1], 0.1)
+    p = _Pull("0_d")
+    [s] = t.pull("x", p, 0.2)
+    assert t.parked_pulls() == [("x", p, None)]
+    t.send_finished("x", None, 0.3, "0_d")
+    assert t.parked_pulls() == []

@@ -137,3 +137,21 @@ def test_prefill_headers_carry_the_dp_rank_only_for_dp_engines():
     assert prefill_headers("r1", TARGET) == [("X-Request-Id", "r1"), ("X-data-parallel-rank", "1")]
     single = PrefillTarget("http://p:1", "http://p:8998", 0, 1, "e")
     assert prefill_headers("r2", single) == [("X-Request-Id", "r2")]
+
+
+def test_n_choices_are_one_prefill_that_n_decode_requests_pull():
+    body = {"model": "m", "prompt": "hi", "n": 3, "max_tokens": 9}
+    p = prefill_request(body, "xfer-1")
+    assert p["n"] == 1 and p["max_tokens"] == 1
+    assert p["kv_transfer_params"] == {"transfer_id": "xfer-1", "do_remote_decode": True, "do_remote_prefill": False, "pulls": 3}
+    assert decode_request(body, "xfer-1", TARGET)["n"] == 3
+    # n = 1 (or unset) leaves P's params exactly vLLM's contract.
+    assert "pulls" not in prefill_request({"prompt": "hi"}, "xfer-2")["kv_transfer_params"]
+    assert "pulls" not in prefill_request({"prompt": "hi", "n": 1}, "xfer-3")["kv_transfer_params"]
+
+
+def test_beam_search_is_refused_by_name():
+    from pdkv.proxy.routing import unsupported_field
+
+    assert "use_beam_search" in unsupported_field({"use_beam_search": True})
+    assert unsupported_field({"use_beam_search": False, "n": 4}) is None
