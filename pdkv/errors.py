@@ -10,8 +10,11 @@
     ├── RemoteError                                a peer answered with an error
     │   └── RegistryConflict                       the bootstrap registry refused a registration
     ├── UnreachableError                           a peer did not answer within its bound
+    │   └── UpstreamError                          a proxied exchange ended without an HTTP answer
     ├── TransferError                              a KV transfer failed or arrived corrupted
-    └── TimeoutError_                              a bounded wait ran out
+    ├── TimeoutError_                              a bounded wait ran out
+    ├── ParamsError (also a ValueError)            kv_transfer_params a connector cannot serve
+    └── GpuLookupError                             NVML could not list the GPUs (doctor)
 
 The library raises these; only the CLI turns them into a one-line message,
 a hint and an exit code.
@@ -90,3 +93,25 @@ class TransferError(PdkvError):
 
 class TimeoutError_(PdkvError):  # noqa: N801 - avoid shadowing the builtin
     pass
+
+
+class UpstreamError(UnreachableError):
+    """A proxied exchange with a backend failed without an HTTP answer. `cause`: connect, timeout,
+    disconnect or cancelled (pdkv.proxy.http sets it; pdkv.proxy.errors words it for the client)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class ParamsError(PdkvError, ValueError):
+    """kv_transfer_params that cannot be served; the message is shown to the client.
+    Still a ValueError, as it was before it joined this tree."""
+
+
+class GpuLookupError(PdkvError):
+    """NVML could not list GPUs; `missing` is True when there is no NVML or no driver at all."""
+
+    def __init__(self, message: str, *, missing: bool) -> None:
+        super().__init__(message)
+        self.missing = missing

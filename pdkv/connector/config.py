@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.errors import ConfigError
+from pdkv.errors import ConfigError, ParamsError
 from pdkv.protocol import DecodeParams, PrefillParams
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -91,10 +91,6 @@ def bootstrap_url(config: ConnectorConfig, host: str) -> str:
     if addr is None:
         return f"http://{host}:{bootstrap_bind(config)[1]}"
     return addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
-
-
-class ParamsError(ValueError):
-    """kv_transfer_params that cannot be served; the message is shown to the client."""
 
 
 Role = Literal["prefill", "decode", "none"]

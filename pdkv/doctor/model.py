@@ -16,6 +16,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.doctor.sysroot import SysRoot
+from pdkv.errors import GpuLookupError  # noqa: F401 - exported here, where the doctor finds its types
 
 Protocol = Literal["rdma", "tcp", "cma"]
 
@@ -78,14 +79,6 @@ class GpuInventory(msgspec.Struct, frozen=True):
     gpus: list[GpuInfo]
     driver: str = ""
     cuda: str = ""
-
-
-class GpuLookupError(Exception):
-    """NVML could not list GPUs; `missing` is True when there is no NVML or no driver at all."""
-
-    def __init__(self, message: str, *, missing: bool) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 class DmabufProbe(msgspec.Struct, frozen=True):

@@ -26,6 +26,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from pdkv.errors import UpstreamError
+
 _REASONS = {
     200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed", 413: b"Payload Too Large",
     500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable", 504: b"Gateway Timeout",
@@ -201,14 +203,6 @@ class ServerConnection(asyncio.Protocol):
 
 
 # --- upstream ------------------------------------------------------------------
-
-
-class UpstreamError(Exception):
-    """An upstream exchange failed without an HTTP answer. `cause` is connect, timeout or disconnect."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
 
 
 class Exchange:
