@@ -2,8 +2,8 @@
 
 One function per check (`check_<name>(host, options) -> CheckResult`), run by
 `run_doctor` with a time bound each. Every sysfs, procfs and /dev read goes
-through `Host.root`, a `SysRoot` set by PDKV_SYS_ROOT (default "/"), so the
-checks run unchanged against fixture trees.
+through `Host.root`, a `SysRoot` set by PDKV_SYS_ROOT (default "/"; `local_host()`
+builds this machine's `Host`), so the checks run unchanged against fixture trees.
 """
 
 from pdkv.doctor.model import (
@@ -18,7 +18,7 @@ from pdkv.doctor.model import (
     Host,
     Status,
 )
-from pdkv.doctor.runner import CHECKS, check_name, run_checks, run_doctor
+from pdkv.doctor.runner import CHECKS, check_name, local_host, run_checks, run_doctor
 from pdkv.doctor.sysroot import SysRoot
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Status",
     "SysRoot",
     "check_name",
+    "local_host",
     "run_checks",
     "run_doctor",
 ]

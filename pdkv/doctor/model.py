@@ -8,7 +8,6 @@ fixture trees and fakes for what cannot exist here (an RDMA NIC, a GPU).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Literal
@@ -18,7 +17,7 @@ import msgspec
 from pdkv.doctor.sysroot import SysRoot
 from pdkv.errors import GpuLookupError  # noqa: F401 - exported here, where the doctor finds its types
 
-Protocol = Literal["rdma", "tcp", "cma"]
+TransferProtocol = Literal["rdma", "tcp", "cma"]
 
 # Proxy, bootstrap, and the P and D HTTP ports of docs/timeline.md's example.
 DEFAULT_PORTS: tuple[int, ...] = (8000, 8998, 8010, 8020)
@@ -45,7 +44,7 @@ class CheckResult(msgspec.Struct, frozen=True):
 
 
 class DoctorOptions(msgspec.Struct, frozen=True):
-    protocol: Protocol = "rdma"
+    protocol: TransferProtocol = "rdma"
     device: str | None = None
     ports: tuple[int, ...] = DEFAULT_PORTS
     skip_mooncake: bool = False
@@ -89,27 +88,13 @@ class DmabufProbe(msgspec.Struct, frozen=True):
 
 
 class Host(msgspec.Struct, frozen=True):
-    """The machine as the checks see it. `Host.local()` is the real one."""
+    """The machine as the checks see it. `pdkv.doctor.runner.local_host()` builds the real one."""
 
     root: SysRoot
     env: Mapping[str, str]
     gpus: Callable[[], GpuInventory]
     net_addrs: Callable[[], dict[str, list[str]]]
     dmabuf: Callable[[], DmabufProbe]
-
-    @classmethod
-    def local(cls, root: str | None = None, env: Mapping[str, str] | None = None) -> Host:
-        from pdkv.doctor.gpu import cuda_dmabuf_probe, nvml_gpus, once
-        from pdkv.doctor.network import local_addresses
-
-        environ = dict(os.environ if env is None else env)
-        return cls(
-            root=SysRoot(root if root is not None else environ.get("PDKV_SYS_ROOT", "/")),
-            env=environ,
-            gpus=once(nvml_gpus),
-            net_addrs=local_addresses,
-            dmabuf=cuda_dmabuf_probe,
-        )
 
 
 Check = Callable[[Host, DoctorOptions], CheckResult]

@@ -7,17 +7,19 @@ does not answer in time becomes a failed result and its thread is abandoned
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pdkv.doctor.cma import check_cma
-from pdkv.doctor.gpu import check_gpu_nic_numa, check_gpudirect_rdma, check_gpus
+from pdkv.doctor.gpu import check_gpu_nic_numa, check_gpudirect_rdma, check_gpus, cuda_dmabuf_probe, nvml_gpus, once
 from pdkv.doctor.host import check_alloc_conf, check_mc_env, check_memlock, check_ports
 from pdkv.doctor.model import STATUS_ORDER, Check, CheckResult, DoctorOptions, DoctorReport, Host, Status
-from pdkv.doctor.network import check_vllm_host_ip
+from pdkv.doctor.network import check_vllm_host_ip, local_addresses
 from pdkv.doctor.rdma import check_rdma_device, check_rdma_devices, check_roce_gid, check_uverbs
 from pdkv.doctor.software import check_mooncake, check_vllm
+from pdkv.doctor.sysroot import SysRoot
 
 # In the order they are run and, within one status, listed.
 CHECKS: tuple[Check, ...] = (
@@ -97,6 +99,18 @@ def run_checks(
     return [r for r in final if r is not None]
 
 
+def local_host(root: str | None = None, env: Mapping[str, str] | None = None) -> Host:
+    """This machine as the checks see it: sysfs through `root` (default $PDKV_SYS_ROOT, else "/"), NVML, its addresses."""
+    environ = dict(os.environ if env is None else env)
+    return Host(
+        root=SysRoot(root if root is not None else environ.get("PDKV_SYS_ROOT", "/")),
+        env=environ,
+        gpus=once(nvml_gpus),
+        net_addrs=local_addresses,
+        dmabuf=cuda_dmabuf_probe,
+    )
+
+
 def run_doctor(
     options: DoctorOptions,
     host: Host | None = None,
@@ -104,7 +118,7 @@ def run_doctor(
     on_result: Callable[[CheckResult], None] | None = None,
 ) -> DoctorReport:
     """Run the checks on `host` (default: this machine, through PDKV_SYS_ROOT) and sort failures first."""
-    host = host if host is not None else Host.local()
+    host = host if host is not None else local_host()
     start = time.monotonic()
     results = run_checks(options, host, checks, on_result)
     ordered = sorted(results, key=lambda r: STATUS_ORDER[r.status])  # stable: check order within a status
