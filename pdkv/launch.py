@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT  # noqa: F401 - pdkv.launch's name for it
 from pdkv.errors import StartError, UsageError
 
 Role = Literal["prefill", "decode", "none"]
@@ -29,7 +30,6 @@ CONNECTOR_CONFIG: dict[str, dict[str, str]] = {
     "pdkv": {"kv_connector": "PdkvConnector", "kv_connector_module_path": "pdkv.connector"},
     "mooncake": {"kv_connector": "MooncakeConnector"},
 }
-DEFAULT_BOOTSTRAP_PORT = 8998
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 

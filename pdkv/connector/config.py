@@ -12,10 +12,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.protocol import DecodeParams, PrefillParams
-
-DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,7 +80,7 @@ def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
 
 def bootstrap_bind(config: ConnectorConfig) -> tuple[str, int]:
     """Where P's TP0 runs the in-worker bootstrap server (vLLM's env var and default port)."""
-    port = int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", DEFAULT_BOOTSTRAP_PORT))
+    port = int(os.environ.get(PORT_ENV, DEFAULT_PORT))
     return "0.0.0.0", port
 
 

@@ -6,6 +6,7 @@ import errno
 import re
 import socket
 
+from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.doctor.model import DEFAULT_PORTS, CheckResult, DoctorOptions, Host, Status
 from pdkv.doctor.rdma import skip_for_tcp
 
@@ -114,9 +115,9 @@ def deployment_ports(host: Host, options: DoctorOptions) -> tuple[int, ...]:
     """The ports to probe: --port values, else the defaults with the bootstrap port from VLLM_MOONCAKE_BOOTSTRAP_PORT."""
     if options.ports != DEFAULT_PORTS:
         return options.ports
-    bootstrap = host.env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", "")
+    bootstrap = host.env.get(PORT_ENV, "")
     if bootstrap.isdigit():
-        return tuple(int(bootstrap) if p == 8998 else p for p in DEFAULT_PORTS)
+        return tuple(int(bootstrap) if p == DEFAULT_PORT else p for p in DEFAULT_PORTS)
     return DEFAULT_PORTS
 
 

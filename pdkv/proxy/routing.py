@@ -23,10 +23,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from pdkv.bootstrap import DEFAULT_PORT
 from pdkv.errors import ConfigError
 from pdkv.protocol import DecodeParams, PrefillParams
-
-DEFAULT_BOOTSTRAP_PORT = 8998
 
 # Fields a prefill must not carry: they could end P before its one token is
 # "length capped" (stop, stop_token_ids) or ask for a stream P never gives.
@@ -83,7 +82,7 @@ def _origin(url: str, what: str) -> str:
 def default_bootstrap_port() -> int:
     raw = os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT")
     try:
-        return int(raw) if raw else DEFAULT_BOOTSTRAP_PORT
+        return int(raw) if raw else DEFAULT_PORT
     except ValueError:
         raise ConfigError(f"VLLM_MOONCAKE_BOOTSTRAP_PORT={raw!r} is not a port number") from None
 
