@@ -108,11 +108,14 @@ complete -c pdkv -n '__fish_seen_subcommand_from plan' -l prompt-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l tp
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l config
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l connect-timeout
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l connector
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l decode
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l decode-first-byte-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l health-interval
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-fallback
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l no-local-fallback
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill
@@ -152,6 +155,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l platform
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l quiet
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l restart
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l role
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l tp

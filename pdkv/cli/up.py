@@ -16,7 +16,6 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
 
@@ -44,16 +43,17 @@ Examples:
 
 COLORS = {"bootstrap": "magenta", "prefill": "cyan", "decode": "green", "proxy": "yellow"}
 STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
-STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "failed": "red", "exited": "red", "stopped": "dim"}
+STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "restarting": "yellow", "failed": "red", "exited": "red", "stopped": "dim"}
 
 
 def _command_line(env: dict[str, str], argv: list[str]) -> str:
     return shlex.join([f"{k}={v}" for k, v in env.items()] + argv)
 
 
-def _part_doc(part: Any) -> dict[str, Any]:
+def _part_doc(part: Any, restart: str | None) -> dict[str, Any]:
     plan = part.plan
-    return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env, "command": _command_line(plan.env, plan.argv)}
+    return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env,
+            "command": _command_line(plan.env, plan.argv), "restart": restart or part.restart}
 
 
 def _split_cores() -> tuple[str, str]:
@@ -132,10 +132,11 @@ def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
 
 
 def _supervise(
-    parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool, once: bool = False
+    parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool,
+    once: bool = False, restart: str | None = None,
 ) -> None:
+    from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
     from pdkv.errors import PdkvError
-    from pdkv.deploy import Supervisor
 
     kinds = {p.plan.name: p.kind for p in parts}
     width = max(len(n) for n in kinds)
@@ -150,9 +151,22 @@ def _supervise(
             sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
             sys.stdout.flush()
 
+    def on_event(event: PartEvent) -> None:
+        if json_out:
+            emit(event.kind, name=event.name, message=event.message, code=event.code, delay_s=event.delay_s, pid=event.pid)
+        else:
+            style = {"restarted": "green", "gave-up": "bold red"}.get(event.kind, "yellow")
+            err_console.print(Text(f"pdkv up: {event.message}", style=style), highlight=False, soft_wrap=True)
+
     # Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
     stages = [STAGES[p.kind] for p in parts]
-    sup = Supervisor([p.plan for p in parts], log_dir, on_line=on_line if show_logs and not json_out else None, stages=stages)
+    policies = [RestartPolicy(restart or p.restart) for p in parts]  # type: ignore[arg-type]
+    restart_with: dict[str, list[str]] = {}
+    for p in parts:
+        if p.registers_with:
+            restart_with.setdefault(p.registers_with, []).append(p.plan.name)
+    sup = Supervisor([p.plan for p in parts], log_dir, on_line=on_line if show_logs and not json_out else None, stages=stages,
+                     restart=policies, restart_with=restart_with, on_event=on_event)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
     # A shell starting `pdkv up &` hands it SIGINT ignored; Ctrl-C / kill -INT must still stop everything.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -177,10 +191,10 @@ def _supervise(
             _run_trace_hook(parts, emit, json_out)
         if once:
             return
-        dead = sup.wait_for_exit()
-        tail = dead.log_tail(20)
-        emit("exited", name=dead.name, code=dead.poll())
-        raise PdkvError(f"{dead.name} exited with code {dead.poll()}; stopping the rest.\n{tail}", hint=f"read {dead.log_path}")
+        dead = sup.watch()
+        assert dead is not None  # watch returns None only when asked to stop
+        why = "no part is left running" if sup.states[dead.name] == "failed" else "it is not restarted"
+        raise PdkvError(f"{dead.name} exited with code {dead.poll()} and {why}; stopping the rest.\n{dead.log_tail(20)}", hint=f"read {dead.log_path}")
     except KeyboardInterrupt:
         if not json_out:
             err_console.print("stopping every part ...")
@@ -223,13 +237,15 @@ def up(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
     trace: Annotated[bool, typer.Option("--trace", help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
     once: Annotated[bool, typer.Option("--once", help="Stop every part once ready (and traced, with --trace) instead of serving until Ctrl-C.")] = False,
+    restart: Annotated[str | None, typer.Option("--restart", help="When a part dies: on-failure (start it again, backoff 1 s doubling to 30 s, at most 5 restarts a minute) or no (stop every part). Overrides the deployment file's restart keys; default on-failure.", show_default=False)] = None,
     json_out: JsonOpt = False,
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
     from pdkv.errors import UsageError
 
-    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"), (platform, ("gpu", "cpu", None), "--platform")):
+    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
+                                 (platform, ("gpu", "cpu", None), "--platform"), (restart, ("on-failure", "no", None), "--restart")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
     if file is not None and role is not None:
@@ -261,7 +277,7 @@ def up(
             tp=tp,
             block_size=block_size if block_size is not None else (32 if plat == "cpu" else None),
             # P's in-worker bootstrap port is set explicitly, so two prefills on one host never share 8998 by accident.
-            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else DEFAULT_BOOTSTRAP_PORT,
+            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else 8998,
             bootstrap_url=bootstrap,
             host_ip=host_ip,
             omp_bind=omp_bind,
@@ -279,7 +295,7 @@ def up(
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
 
     if dry_run:
-        docs = [_part_doc(p) for p in parts]
+        docs = [_part_doc(p, restart) for p in parts]
         if json_out:
             print_json({"parts": docs})
             return
@@ -292,7 +308,7 @@ def up(
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
     raise_problems(preflight(parts, boots))
-    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once)
+    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once, restart=restart)
 
 
 def _with_cores(dep: Any, p_cores: str, d_cores: str) -> Any:

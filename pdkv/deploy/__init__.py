@@ -3,13 +3,17 @@
 - `topology`: `Deployment` (deploy.toml or the built-in local 1P1D) and
   `deployment_parts`, the exact launch plan of every part in start order;
 - `preflight`: every reason it would fail to start, found before anything starts;
-- `supervisor`: start the parts in order, each healthy before the next, stop in reverse;
+- `process`: `ManagedProcess`, one supervised child (process group, log, health, bounded stop);
+- `restart`: `RestartPolicy`, when a part that died starts again (pure);
+- `supervisor`: start the parts in order, each healthy before the next, restart what dies, stop in reverse;
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
 from pdkv.deploy.preflight import Problem, preflight, raise_problems
+from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
 from pdkv.deploy.status import StatusReport, collect_status, status_targets
-from pdkv.deploy.supervisor import Supervisor
+from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.deploy.topology import (
     Deployment,
     Part,
@@ -24,10 +28,15 @@ from pdkv.deploy.topology import (
 
 __all__ = [
     "Deployment",
+    "ManagedProcess",
     "Part",
+    "PartEvent",
     "Problem",
+    "RestartDecision",
+    "RestartPolicy",
     "StatusReport",
     "Supervisor",
+    "Verdict",
     "collect_status",
     "deployment_parts",
     "ensure_tiny_model",

@@ -1,4 +1,5 @@
-"""Supervising every process of a deployment: start in order, each healthy before the next; stop in reverse."""
+"""Supervising every process of a deployment: start in order, each healthy before the next; restart
+what dies (by each part's `RestartPolicy`); stop in reverse."""
 
 from __future__ import annotations
 
@@ -6,22 +7,50 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
+import msgspec
+
+from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan, ManagedProcess
+from pdkv.launch import LaunchPlan
 
 log = logging.getLogger("pdkv.deploy")
 
+EventKind = Literal["exited", "restarting", "restarted", "gave-up"]
+RUNNING = ("starting", "ready", "restarting")
+
+
+class PartEvent(msgspec.Struct, frozen=True):
+    """One thing the watch loop saw or did about one part; `message` says it in one line."""
+
+    name: str
+    kind: EventKind
+    message: str
+    code: int | None = None
+    delay_s: float | None = None
+    pid: int | None = None
+
+
+def _last_line(proc: ManagedProcess) -> str:
+    lines = [line for line in proc.log_tail(20).splitlines() if line.strip()]
+    return lines[-1].strip()[:300] if lines else ""
+
 
 class Supervisor:
-    """Start several plans in order, stage by stage; stop them all in reverse.
+    """Start several plans in order, stage by stage; restart the ones that die; stop them all in reverse.
 
     `stages` gives each plan a stage number (default: one stage per plan, so
     each is healthy before the next starts). Plans of one stage start together
-    and the next stage starts once all of them are healthy. `on_line(name, line)`
-    receives every output line; `on_change()` runs after any state change (for
-    a live view). `states` maps each name to one of waiting, starting, ready,
-    failed, exited, stopped.
+    and the next stage starts once all of them are healthy. `restart` gives
+    each plan its RestartPolicy (default: "no" for every plan).
+    `restart_with` names, for a part, the parts that must start again once it
+    is back (a standalone bootstrap forgets who registered: its prefill must
+    register again). `on_line(name, line)` receives every output line;
+    `on_change()` runs after any state change (for a live view); `on_event`
+    receives each PartEvent of `watch`. `states` maps each name to one of
+    waiting, starting, ready, restarting, failed, exited, stopped.
     """
 
     def __init__(
@@ -31,19 +60,30 @@ class Supervisor:
         *,
         on_line: Callable[[str, str], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        on_event: Callable[[PartEvent], None] | None = None,
         stages: list[int] | None = None,
+        restart: list[RestartPolicy] | None = None,
+        restart_with: dict[str, list[str]] | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
         self.stages = stages if stages is not None else list(range(len(plans)))
-        if len(self.stages) != len(plans):
-            raise ValueError("one stage per plan")
+        self.policies = restart if restart is not None else [RestartPolicy("no") for _ in plans]
+        if len(self.stages) != len(plans) or len(self.policies) != len(plans):
+            raise ValueError("one stage and one restart policy per plan")
+        self.restart_with = restart_with or {}
         self.on_change = on_change or (lambda: None)
+        self.on_event = on_event or (lambda _e: None)
         self.procs = [
             ManagedProcess(plan, self.log_dir / f"{plan.name}.log", on_line=(lambda line, n=plan.name: on_line(n, line)) if on_line else None)
             for plan in plans
         ]
+        # Owned by the thread that calls start_all/watch/stop_all (one at a time).
         self.states: dict[str, str] = {plan.name: "waiting" for plan in plans}
         self.ready_s: dict[str, float] = {}
+        self._due: dict[str, float] = {}  # restarting part -> when it starts again (time.monotonic())
+        self._deadline: dict[str, float] = {}  # restarted part, not healthy yet -> when it has failed
+        self._start_timeout = 900.0
+        self.grace = 10.0  # seconds a part has to stop on SIGTERM before SIGKILL
 
     def _set(self, name: str, state: str) -> None:
         self.states[name] = state
@@ -52,12 +92,21 @@ class Supervisor:
         except Exception:  # a display error must never stop supervision (or a shutdown) half-way
             log.exception("status view update failed")
 
+    def _emit(self, event: PartEvent) -> None:
+        log.info("%s: %s", event.name, event.message)
+        try:
+            self.on_event(event)
+        except Exception:  # as for on_change: reporting must not stop supervision
+            log.exception("event report failed")
+
     def start_all(self, timeout: float, *, interval: float = 0.5) -> float:
         """Start every part, stage by stage, and wait for each to be healthy; return seconds until all were.
 
         Raises StartError when one dies or is not healthy within `timeout`;
-        the parts already started keep running until `stop_all`.
+        the parts already started keep running until `stop_all`. `timeout`
+        also bounds each restart of `watch`.
         """
+        self._start_timeout = timeout
         t0 = time.monotonic()
         for stage in sorted(set(self.stages)):
             group = [p for p, s in zip(self.procs, self.stages, strict=True) if s == stage]
@@ -81,14 +130,92 @@ class Supervisor:
                     time.sleep(interval)
         return time.monotonic() - t0
 
-    def wait_for_exit(self, interval: float = 0.5) -> ManagedProcess:
-        """Block until some part exits; return it (Ctrl-C interrupts the wait)."""
-        while True:
+    def watch(self, *, interval: float = 0.5, until: Callable[[], bool] | None = None) -> ManagedProcess | None:
+        """Keep the started parts running; return when one's exit ends the deployment (Ctrl-C interrupts it).
+
+        Each exit is reported (`on_event`, with the exit code or signal and the
+        log's last line) and handed to that part's policy. A restart keeps the
+        part's plan: its ports, cores and environment. A part past its restart
+        bound stays "failed" while the others keep serving. Returns the part
+        whose exit its policy does not restart ("no", or a clean exit), the
+        last part to fail when none is left running, or None once `until()`
+        is true (checked every `interval` s).
+        """
+        last_failed: ManagedProcess | None = None
+        while until is None or not until():
             for proc in self.procs:
-                if proc.proc is not None and proc.poll() is not None:
-                    self._set(proc.name, "exited")
+                state = self.states[proc.name]
+                if state == "ready" and proc.poll() is not None:
+                    done = self._failed(proc, proc.poll(), describe_exit(proc.poll()))
+                elif state == "restarting" and time.monotonic() >= self._due[proc.name]:
+                    done = self._restart(proc)
+                elif state == "starting" and proc.name in self._deadline:
+                    done = self._check_restarted(proc)
+                else:
+                    continue
+                if done == "stop":
                     return proc
+                if done == "failed":
+                    last_failed = proc
+            if not any(s in RUNNING for s in self.states.values()):
+                return last_failed
             time.sleep(interval)
+        return None
+
+    def _failed(self, proc: ManagedProcess, code: int | None, how: str) -> str:
+        """Report one failure of `proc`, ask its policy, and set its state; 'stop', 'failed' or 'restarting'."""
+        policy = self.policies[self.procs.index(proc)]
+        decision = policy.exited(time.monotonic(), code) if code is not None else policy.failed(time.monotonic(), how)
+        last = _last_line(proc)
+        self._emit(PartEvent(proc.name, "exited", f"{proc.name} {how}" + (f"; its log's last line: {last}" if last else ""), code=code, pid=proc.pid))
+        self._deadline.pop(proc.name, None)
+        if decision.verdict is Verdict.RESTART:
+            self._due[proc.name] = time.monotonic() + decision.delay_s
+            self._set(proc.name, "restarting")
+            self._emit(PartEvent(proc.name, "restarting", f"{proc.name} {decision.why}", code=code, delay_s=decision.delay_s))
+            return "restarting"
+        if decision.verdict is Verdict.GIVE_UP:
+            self._set(proc.name, "failed")
+            self._emit(PartEvent(proc.name, "gave-up", f"{proc.name} {decision.why}; read {proc.log_path}", code=code))
+            return "failed"
+        self._set(proc.name, "exited")
+        return "stop"
+
+    def _restart(self, proc: ManagedProcess) -> str:
+        proc.stop(self.grace)  # what is left of its group (an orphaned engine core) would hold its cores and ports
+        self._due.pop(proc.name, None)
+        self._set(proc.name, "starting")
+        try:
+            proc.start()
+        except StartError as exc:
+            return self._failed(proc, None, exc.message.removeprefix(f"{proc.name}: "))
+        self._deadline[proc.name] = time.monotonic() + self._start_timeout
+        return "starting"
+
+    def _check_restarted(self, proc: ManagedProcess) -> str:
+        code = proc.poll()
+        if code is not None:
+            return self._failed(proc, code, describe_exit(code))
+        deadline = self._deadline[proc.name]
+        if proc.check_health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+            del self._deadline[proc.name]
+            self._set(proc.name, "ready")
+            self._emit(PartEvent(proc.name, "restarted", f"{proc.name} is healthy again (pid {proc.pid})", pid=proc.pid))
+            for name in self.restart_with.get(proc.name, []):
+                self._restart_dependent(name, because=proc.name)
+            return "ready"
+        if time.monotonic() >= deadline:
+            proc.stop(self.grace)
+            return self._failed(proc, None, f"was not healthy within {self._start_timeout:g} s of its restart")
+        return "starting"
+
+    def _restart_dependent(self, name: str, *, because: str) -> None:
+        proc = next(p for p in self.procs if p.name == name)
+        if self.states[name] != "ready":
+            return  # not running, or already on its way back
+        self._due[name] = time.monotonic()
+        self._set(name, "restarting")
+        self._emit(PartEvent(name, "restarting", f"{name} starts again: {because} restarted and {name} must register with it again", pid=proc.pid))
 
     def stop_all(self, grace: float = 10.0) -> None:
         """Stop every started part, last started first (the proxy before the engines it routes to).

@@ -18,6 +18,9 @@ DP rank, so two prefills sharing one would refuse each other.
     port = 8200
     [proxy]
     port = 8000
+
+`restart = "on-failure" | "no"` at the top sets every part's restart policy;
+a [[prefill]], [[decode]], [bootstrap] or [proxy] table may set its own.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
 from pdkv.launch import (
     Connector,
@@ -67,17 +70,20 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     bootstrap_url: str | None = None
     extra_args: list[str] = []
     env: dict[str, str] = {}
+    restart: RestartMode | None = None
 
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: BootstrapMode = "standalone"
-    port: int = DEFAULT_BOOTSTRAP_PORT
+    port: int = 8998
     url: str | None = None
+    restart: RestartMode | None = None
 
 
 class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     port: int = 8000
     extra_args: list[str] = []
+    restart: RestartMode | None = None
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +101,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     block_size: int | None = None
     max_model_len: int | None = None
     startup_timeout: float = 900.0
+    restart: RestartMode = "on-failure"
     bootstrap: BootstrapEntry = BootstrapEntry()
     prefill: list[EngineEntry] = []
     decode: list[EngineEntry] = []
@@ -104,13 +111,19 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class Part(msgspec.Struct, frozen=True):
-    """One process of the deployment: what it is, its launch plan, the ports it will hold."""
+    """One process of the deployment: what it is, its launch plan, the ports it will hold, its restart policy.
+
+    `registers_with` names the standalone bootstrap part a prefill registers
+    with: when that one restarts (and forgets), the prefill must start again.
+    """
 
     kind: PartKind
     plan: LaunchPlan
     ports: list[tuple[str, int]]
     bootstrap_url: str | None = None
     spec: EngineSpec | None = None
+    restart: RestartMode = "on-failure"
+    registers_with: str | None = None
 
 
 def load_deployment(path: str | Path) -> Deployment:
@@ -268,6 +281,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
     for i, entry in enumerate(dep.prefill):
         port = boot.port + i
         bootstrap_port: int | None = None
+        registers_with: str | None = None
         if entry.bootstrap_url or boot.mode == "external":
             url = entry.bootstrap_url or boot.url
         elif boot.mode == "standalone":
@@ -278,18 +292,21 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 env={},
                 url=http_url(connect, port),
             )
-            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)]))
+            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)], restart=boot.restart or dep.restart))
+            registers_with = plan.name
         else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
             url, bootstrap_port = http_url(advertised, port), port
         # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
         spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port)
         ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else [])
-        prefills.append(Part(kind="prefill", plan=engine_plan(spec, name=f"prefill-{i}"), ports=ports, bootstrap_url=url, spec=spec))
+        prefills.append(Part(kind="prefill", plan=engine_plan(spec, name=f"prefill-{i}"), ports=ports, bootstrap_url=url, spec=spec,
+                             restart=entry.restart or dep.restart, registers_with=registers_with))
     parts += prefills
     decodes = []
     for i, entry in enumerate(dep.decode):
         spec = engine_spec(dep, entry, "decode", None, None)
-        decodes.append(Part(kind="decode", plan=engine_plan(spec, name=f"decode-{i}"), ports=[(dep.host, entry.port)], spec=spec))
+        decodes.append(Part(kind="decode", plan=engine_plan(spec, name=f"decode-{i}"), ports=[(dep.host, entry.port)], spec=spec,
+                            restart=entry.restart or dep.restart))
     parts += decodes
     if dep.proxy is not None:
         argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port)]
@@ -298,7 +315,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         for d in decodes:
             argv += ["--decode", d.plan.url]
         plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(connect, dep.proxy.port))
-        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)]))
+        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart))
     return parts
 
 

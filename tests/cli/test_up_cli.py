@@ -191,3 +191,18 @@ def test_local_cpu_dry_run_moves_kv_with_cma(capsys):
     for part in parts:
         config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
         assert config["kv_connector_extra_config"]["mooncake_protocol"] == "cma"
+
+
+def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: Path) -> None:
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text(
+        'model = "/m"\nhost_ip = "10.0.0.5"\nrestart = "no"\n[bootstrap]\nrestart = "on-failure"\n'
+        '[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\nrestart = "on-failure"\n[proxy]\nport = 8000\n'
+    )
+    parts = dry_run(capsys, "-f", str(deploy))
+    assert {p["name"]: p["restart"] for p in parts} == {"bootstrap-0": "on-failure", "prefill-0": "no", "decode-0": "on-failure", "proxy": "no"}
+    parts = dry_run(capsys, "-f", str(deploy), "--restart", "on-failure")
+    assert {p["restart"] for p in parts} == {"on-failure"}
+    assert {p["restart"] for p in dry_run(capsys, "--platform", "cpu")} == {"on-failure"}  # the default
+    assert run(["up", "--restart", "always", "--dry-run"]) == 2
+    assert "--restart 'always' is not one of on-failure, no" in capsys.readouterr().err

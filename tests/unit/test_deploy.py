@@ -71,11 +71,28 @@ def test_external_bootstrap_is_passed_to_prefill() -> None:
         (_dep(colour="blue"), "colour"),
         (_dep(connector="nixl"), "connector"),
         (_dep(bootstrap={"mode": "external"}), "needs url"),
+        (_dep(restart="always"), "restart"),
+        (_dep(decode=[{"port": 8200, "restart": "sometimes"}]), "restart"),
     ],
 )
 def test_bad_deployments_are_config_errors(data: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         deployment_from_dict(data)
+
+
+def test_restart_is_deployment_wide_and_per_part() -> None:
+    parts = deployment_parts(deployment_from_dict(_dep(
+        restart="no", bootstrap={"restart": "on-failure"}, decode=[{"port": 8200, "restart": "on-failure"}], proxy={"port": 8000})))
+    assert {p.plan.name: p.restart for p in parts} == {
+        "bootstrap-0": "on-failure", "bootstrap-1": "on-failure", "prefill-0": "no", "prefill-1": "no", "decode-0": "on-failure", "proxy": "no"}
+    assert {p.restart for p in deployment_parts(deployment_from_dict(_dep()))} == {"on-failure"}  # the default
+
+
+def test_each_prefill_names_the_standalone_bootstrap_it_registers_with() -> None:
+    parts = deployment_parts(deployment_from_dict(_dep()))
+    assert [p.registers_with for p in parts if p.kind == "prefill"] == ["bootstrap-0", "bootstrap-1"]
+    in_worker = deployment_parts(deployment_from_dict(_dep(bootstrap={"mode": "in-worker"})))
+    assert [p.registers_with for p in in_worker if p.kind == "prefill"] == [None, None]  # P serves its own
 
 
 def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
