@@ -17,26 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
-from pdkv.connector.state import PullOutcome, PullTracker
+from pdkv.connector.state import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError
 from pdkv.protocol import ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, RegionSpec, Release, TraceReport
 from pdkv.transport.base import Region
 
 log = logging.getLogger("pdkv.connector")
-
-
-@dataclass(frozen=True)
-class PullSpec:
-    """One pull the scheduler asked for. `error` set: fail it at once (invalid params)."""
-
-    d_req_id: str
-    transfer_id: str
-    bootstrap_addr: str
-    engine_id: str
-    block_ids: list[int]
-    first_block: int = 0
-    error: str | None = None
 
 
 @dataclass

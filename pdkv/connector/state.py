@@ -20,8 +20,9 @@ a `held` entry waits for `ready`.
 A CLOSED entry stays as a tombstone for `tombstone_s`, so a pull that
 arrives after a cancel or an expiry is answered at once, not after a wait.
 
-D side (`PullTracker`, keyed by D's request id): a pull is live while P
-keeps answering; silence longer than `liveness_s` fails it.
+D side (`PullSpec`, what D's scheduler asks its workers to pull; `PullTracker`,
+keyed by D's request id): a pull is live while P keeps answering; silence
+longer than `liveness_s` fails it.
 """
 
 from __future__ import annotations
@@ -301,6 +302,19 @@ def _pull_id(pull: Any, index: int) -> str:
 
 
 # --- D side -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PullSpec:
+    """One pull the scheduler asked for. `error` set: fail it at once (invalid params)."""
+
+    d_req_id: str
+    transfer_id: str
+    bootstrap_addr: str
+    engine_id: str
+    block_ids: list[int]
+    first_block: int = 0
+    error: str | None = None
 
 
 @dataclass
