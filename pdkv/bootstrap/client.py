@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -82,11 +83,49 @@ def _parse_query(url: str, response: httpx.Response) -> dict[int, EngineEntry]:
         raise RemoteError(f"bootstrap at {url} answered GET /query with something that is not a registry: {exc}") from None
 
 
+def _body(body: Any) -> tuple[bytes | None, dict[str, str] | None]:
+    """(content, headers) of a request carrying `body` as JSON, or none."""
+    if body is None:
+        return None, None
+    return msgspec.json.encode(body), {"Content-Type": "application/json"}
+
+
 def _parse_removed(response: httpx.Response) -> int:
     try:
         return msgspec.json.decode(response.content, type=DeregisterResponse).removed
     except msgspec.DecodeError:
         return 0
+
+
+class _Attempts:
+    """The retry rule of both clients, without I/O: the caller sleeps `delays()`, makes one attempt after
+    each and hands its response (or transport error) to `settle`, until it returns the response or
+    `delays()` runs out; then it raises `exhausted()`.
+    """
+
+    def __init__(self, url: str, method: str, path: str, attempts: int) -> None:
+        self.url, self.method, self.path, self.attempts = url, method, path, attempts
+        self.last: BaseException | str = "no attempt made"
+
+    def delays(self) -> Iterator[float]:
+        """Seconds to wait before each attempt: none before the first."""
+        yield 0.0
+        for attempt in range(self.attempts - 1):
+            yield backoff_delay(attempt)
+
+    def settle(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response | None:
+        """The response to return; None: try again. A 4xx raises (RegistryConflict, RemoteError)."""
+        if isinstance(outcome, httpx.TransportError):
+            self.last = outcome
+            return None
+        if outcome.status_code in _RETRY_STATUS:
+            self.last = f"HTTP {outcome.status_code}"
+            return None
+        _raise_for(self.url, self.method, self.path, outcome)
+        return outcome
+
+    def exhausted(self) -> UnreachableError:
+        return _unreachable(self.url, self.method, self.path, self.attempts, self.last)
 
 
 class _Base:
@@ -109,24 +148,18 @@ class BootstrapClient(_Base):
         self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=self._headers, trust_env=False)
 
     def _request(self, method: str, path: str, body: Any = None) -> httpx.Response:
-        attempts = self.attempts
-        content = msgspec.json.encode(body) if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
-        last: BaseException | str = "no attempt made"
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(backoff_delay(attempt - 1))
+        content, headers = _body(body)
+        plan = _Attempts(self.url, method, path, self.attempts)
+        for delay in plan.delays():
+            if delay:
+                time.sleep(delay)
             try:
-                response = self._http.request(method, path, content=content, headers=headers)
+                outcome: httpx.Response | httpx.TransportError = self._http.request(method, path, content=content, headers=headers)
             except httpx.TransportError as exc:
-                last = exc
-                continue
-            if response.status_code in _RETRY_STATUS:
-                last = f"HTTP {response.status_code}"
-                continue
-            _raise_for(self.url, method, path, response)
-            return response
-        raise _unreachable(self.url, method, path, attempts, last)
+                outcome = exc
+            if (response := plan.settle(outcome)) is not None:
+                return response
+        raise plan.exhausted()
 
     def query(self) -> dict[int, EngineEntry]:
         """Every registered prefill engine, by DP rank."""
@@ -165,23 +198,18 @@ class AsyncBootstrapClient(_Base):
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, headers=self._headers, trust_env=False)
 
     async def _request(self, method: str, path: str, body: Any = None) -> httpx.Response:
-        content = msgspec.json.encode(body) if body is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
-        last: BaseException | str = "no attempt made"
-        for attempt in range(self.attempts):
-            if attempt:
-                await asyncio.sleep(backoff_delay(attempt - 1))
+        content, headers = _body(body)
+        plan = _Attempts(self.url, method, path, self.attempts)
+        for delay in plan.delays():
+            if delay:
+                await asyncio.sleep(delay)
             try:
-                response = await self._http.request(method, path, content=content, headers=headers)
+                outcome: httpx.Response | httpx.TransportError = await self._http.request(method, path, content=content, headers=headers)
             except httpx.TransportError as exc:
-                last = exc
-                continue
-            if response.status_code in _RETRY_STATUS:
-                last = f"HTTP {response.status_code}"
-                continue
-            _raise_for(self.url, method, path, response)
-            return response
-        raise _unreachable(self.url, method, path, self.attempts, last)
+                outcome = exc
+            if (response := plan.settle(outcome)) is not None:
+                return response
+        raise plan.exhausted()
 
     async def query(self) -> dict[int, EngineEntry]:
         """Every registered prefill engine, by DP rank."""
