@@ -23,6 +23,7 @@ Role = Literal["prefill", "decode", "none"]
 Connector = Literal["pdkv", "mooncake"]
 Protocol = Literal["rdma", "tcp", "ipc", "cma"]
 Platform = Literal["gpu", "cpu"]
+LoadFailure = Literal["recompute", "fail"]
 Launcher = Literal["auto", "serve", "module"]
 
 KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -65,6 +66,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = {}
     connector_extra: dict[str, Any] = {}
+    # What D does when its KV does not come (vLLM's kv_load_failure_policy); None: recompute with pdkv's
+    # connector (D computes the missing blocks itself), vLLM's default (fail) with vLLM's.
+    load_failure: LoadFailure | None = None
 
 
 class LaunchPlan(msgspec.Struct, frozen=True):
@@ -153,7 +157,11 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     if spec.bootstrap_url and spec.role == "prefill":
         extra["bootstrap_server_address"] = bootstrap_address(spec.bootstrap_url)
     extra.update(spec.connector_extra)
-    return {**CONNECTOR_CONFIG[spec.connector], "kv_role": KV_ROLES[spec.role], "kv_connector_extra_config": extra}
+    config: dict[str, Any] = {**CONNECTOR_CONFIG[spec.connector], "kv_role": KV_ROLES[spec.role], "kv_connector_extra_config": extra}
+    policy = spec.load_failure or ("recompute" if spec.connector == "pdkv" else None)
+    if policy is not None:
+        config["kv_load_failure_policy"] = policy
+    return config
 
 
 def engine_env(spec: EngineSpec) -> dict[str, str]:

@@ -375,3 +375,5 @@ class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
     status: HttpStatus | None = None
     error: str | None = None
     detail: str | None = None
+    # Why D computed the prompt itself ("no_prefill", or "prefill_failed: <cause>"); None: P/D as usual.
+    local_prefill: str | None = None

@@ -30,6 +30,10 @@ Examples:
 
   pdkv proxy -p http://p1:8100 -d http://d1:8200 --policy least-outstanding --port 9000
 
+  pdkv proxy -p http://p1:8100 -d http://d1:8200 --no-local-fallback   # a dead P is the client's error
+
+  pdkv proxy -p http://p1:8100 -d http://d1:8200 --connector mooncake   # engines run vLLM's MooncakeConnector
+
   pdkv proxy --config proxy.toml --port 9000 --json
 """
 
@@ -72,6 +76,14 @@ def proxy(
         ConnectorChoice | None,
         typer.Option("--connector", help="The KV connector the engines run (vLLM's mooncake: n > 1 is refused). [default: pdkv]"),
     ] = None,
+    local_fallback: Annotated[
+        bool | None,
+        typer.Option(
+            "--local-fallback/--no-local-fallback",
+            help="With no prefill engine up, or P failing before D's KV could come, D computes the prompt itself "
+            "instead of the client getting an error. [default: on]",
+        ),
+    ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Address to listen on. [default: 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on. [default: 8000]")] = None,
     connect_timeout: Annotated[float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")] = None,
@@ -91,6 +103,7 @@ def proxy(
         file_values=_read_config(config),
         policy=policy.value if policy else None,
         connector=connector.value if connector else None,
+        local_fallback=local_fallback,
         host=host,
         port=port,
         connect_timeout=connect_timeout,

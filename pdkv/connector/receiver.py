@@ -30,6 +30,7 @@ log = logging.getLogger("pdkv.connector")
 class Results:
     finished: set[str] = field(default_factory=set)  # every concluded pull, failed ones included
     failed: dict[str, str] = field(default_factory=dict)  # d_req_id -> why
+    failed_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # d_req_id -> its blocks to recompute
     transfer_ids: dict[str, str] = field(default_factory=dict)  # d_req_id -> transfer_id
 
 
@@ -103,7 +104,7 @@ class KVReceiver:
             loop.create_task(self._release(spec))
         for spec in pulls:
             self.trace.event(spec.transfer_id, "pull_scheduled", now, d_req_id=spec.d_req_id)
-            self.tracker.started(spec.d_req_id, spec.transfer_id, now)
+            self.tracker.started(spec.d_req_id, spec.transfer_id, now, tuple(spec.block_ids))
             if spec.error is not None:
                 self._conclude(self.tracker.finished(spec.d_req_id, spec.error))
                 continue
@@ -181,6 +182,9 @@ class KVReceiver:
             return  # concluded while resolving
         self._peer_of[spec.d_req_id] = addr
         peer = self._peer(addr)
+        if peer.lost:  # P died or closed its side channel, and has not come back
+            self._conclude(self.tracker.finished(spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost)"))
+            return
         if entry.aborted:
             await peer.send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended"))
             return
@@ -239,6 +243,7 @@ class KVReceiver:
             self._results.transfer_ids[outcome.d_req_id] = outcome.transfer_id
             if outcome.error is not None:
                 self._results.failed[outcome.d_req_id] = outcome.error
+                self._results.failed_blocks[outcome.d_req_id] = outcome.failed_blocks
             self._news.set()
 
     async def _tick_forever(self) -> None:

@@ -186,7 +186,8 @@ class SideChannelPeer:
     process died (its kernel closes the socket at once), P closed its side
     channel, or ZMQ heartbeats went unanswered for HEARTBEAT_TIMEOUT_MS (a
     cut link). P keeps no state across a reconnect, so every pull in flight
-    to it is lost then; ZMQ reconnects by itself for later pulls.
+    to it is lost then; ZMQ reconnects by itself for later pulls. `lost` is
+    True from then until a connection to P is made again.
     """
 
     def __init__(self, ctx: Any, address: str, on_reply: Callable[[Any], None], on_lost: Callable[[str], None] | None = None) -> None:
@@ -200,11 +201,12 @@ class SideChannelPeer:
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._on_reply = on_reply
         self._on_lost = on_lost
+        self.lost = False
         loop = asyncio.get_running_loop()
         self._monitor: Any = None
         self._monitor_task: asyncio.Task | None = None
         if on_lost is not None:
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._monitor_task = loop.create_task(self._watch(self._monitor))
         self._sock.connect(address)
         self._task = loop.create_task(self._read())
@@ -213,10 +215,15 @@ class SideChannelPeer:
         await self._sock.send(encode(msg), copy=False)
 
     async def _watch(self, monitor: Any) -> None:
+        import zmq
         from zmq.utils.monitor import parse_monitor_message
 
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.lost = False
+                continue
+            self.lost = True
             log.warning("side channel: connection to %s lost", self.address)
             assert self._on_lost is not None
             try:

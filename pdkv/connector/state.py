@@ -323,6 +323,7 @@ class PullEntry:
     transfer_id: str
     deadline: float
     aborted: bool = False
+    blocks: tuple[int, ...] = ()  # D's blocks P writes into
 
 
 @dataclass
@@ -330,6 +331,9 @@ class PullOutcome:
     d_req_id: str
     transfer_id: str
     error: str | None  # None: the KV arrived
+    # D's blocks whose KV cannot be trusted: every block of a failed pull, since P may have written any part of
+    # any of them before it failed (one write moves them all); none when the KV arrived or D no longer wants it.
+    failed_blocks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -339,8 +343,8 @@ class PullTracker:
     liveness_s: float = 10.0
     entries: dict[str, PullEntry] = field(default_factory=dict)
 
-    def started(self, d_req_id: str, transfer_id: str, now: float) -> None:
-        self.entries[d_req_id] = PullEntry(d_req_id, transfer_id, now + self.liveness_s)
+    def started(self, d_req_id: str, transfer_id: str, now: float, blocks: tuple[int, ...] = ()) -> None:
+        self.entries[d_req_id] = PullEntry(d_req_id, transfer_id, now + self.liveness_s, blocks=tuple(blocks))
 
     def heard(self, d_req_id: str, now: float) -> None:
         """P said it is still working on this pull: it is alive, keep waiting."""
@@ -352,9 +356,9 @@ class PullTracker:
         e = self.entries.pop(d_req_id, None)
         if e is None:
             return None
-        if e.aborted and error is None:
-            error = "aborted by the decode side"
-        return PullOutcome(d_req_id, e.transfer_id, error)
+        if e.aborted:
+            return PullOutcome(d_req_id, e.transfer_id, error or "aborted by the decode side")
+        return PullOutcome(d_req_id, e.transfer_id, error, e.blocks if error is not None else ())
 
     def abort(self, d_req_id: str) -> PullEntry | None:
         e = self.entries.get(d_req_id)
@@ -367,5 +371,6 @@ class PullTracker:
         for rid, e in list(self.entries.items()):
             if e.deadline <= now:
                 del self.entries[rid]
-                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s"))
+                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s",
+                                       () if e.aborted else e.blocks))
         return out

@@ -70,6 +70,7 @@ class PdkvConnector(KVConnectorBase_V1):
         self._refuse_unsupported(vllm_config, kv_cache_config)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._load_errors: set[int] = set()  # D: blocks of failed pulls, until vLLM asks for them
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(
                 is_producer=self.is_producer, is_consumer=not self.is_producer, block_size=vllm_config.cache_config.block_size
@@ -170,7 +171,17 @@ class PdkvConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._connector_metadata
         sent, recv = self._worker.results(idle=isinstance(meta, PdkvConnectorMetadata) and meta.step.idle)
-        return KVConnectorTransferResults(finished_sending=sent, finished_recving=set(recv.finished), failed_recving=set(recv.failed))
+        # A failed pull names the blocks whose KV did not (provably) arrive: vLLM recomputes from the first of
+        # them (kv_load_failure_policy "recompute", keeping D's own cached prefix) or fails the request ("fail").
+        exact = {rid: blocks for rid, blocks in recv.failed_blocks.items() if blocks}
+        self._load_errors.update(b for blocks in exact.values() for b in blocks)
+        return KVConnectorTransferResults(
+            finished_sending=sent, finished_recving=set(recv.finished), failed_recving=set(recv.failed) - exact.keys()
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
 
     def shutdown(self) -> None:
         if self._worker is not None:

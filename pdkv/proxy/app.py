@@ -32,9 +32,10 @@ import msgspec
 from pdkv.protocol import CompletionFields, ProxyTiming, transfer_id_for
 from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
-from pdkv.proxy.http import Exchange, Request, ServerConnection, UpstreamError, fetch
+from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
+from pdkv.proxy.http import Request, ServerConnection, UpstreamError, fetch
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import ProxyConfig, decode_request, prefill_headers, prefill_request, unsupported_field
+from pdkv.proxy.routing import ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -44,78 +45,6 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
-
-
-class _Flight:
-    """What the handler of one request waits on: either exchange, or the client, pokes it."""
-
-    __slots__ = ("loop", "waiter", "client_gone", "timing")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, timing: ProxyTiming) -> None:
-        self.loop = loop
-        self.waiter: asyncio.Future | None = None
-        self.client_gone = False
-        self.timing = timing
-
-    def poke(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    def wait(self) -> asyncio.Future:
-        self.waiter = self.loop.create_future()
-        return self.waiter
-
-
-class _Prefill(Exchange):
-    __slots__ = ("flight", "chunks")
-
-    def __init__(self, flight: _Flight) -> None:
-        super().__init__()
-        self.flight = flight
-        self.chunks: list[bytes] = []
-
-    def on_body(self, data: bytes) -> None:
-        self.chunks.append(data)
-
-    def on_complete(self) -> None:
-        t = self.flight.timing
-        t.prefill_responded = time.time()
-        t.prefill_status = self.status
-        self.flight.poke()
-
-    def on_error(self, error: UpstreamError) -> None:
-        self.flight.poke()
-
-
-class _Decode(Exchange):
-    """D's answer: buffered until the handler commits the client response, then written straight through."""
-
-    __slots__ = ("flight", "chunks", "sink", "first")
-
-    def __init__(self, flight: _Flight) -> None:
-        super().__init__()
-        self.flight = flight
-        self.chunks: list[bytes] = []
-        self.sink: Any = None
-        self.first = False
-
-    def on_body(self, data: bytes) -> None:
-        if self.sink is not None:
-            self.sink(data)
-            return
-        self.chunks.append(data)
-        if not self.first:
-            self.first = True
-            self.flight.timing.decode_first_byte = time.time()
-            self.clear_deadline()
-            self.flight.poke()
-
-    def on_complete(self) -> None:
-        self.flight.poke()
-
-    def on_error(self, error: UpstreamError) -> None:
-        self.flight.poke()
 
 
 class ProxyApp:
@@ -212,25 +141,32 @@ class ProxyApp:
             self.metrics.observe(t)
             return
         t.stream = stream = bool(fields.stream)
+        auth = req.headers.get("authorization")
+        d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
         chosen = self.backends.pair()
         if chosen is None:
             reason = self.backends.readiness()[1]
-            self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
-            self.metrics.observe(t)
+            d_state = self.backends.live_decode() if self.config.local_fallback else None
+            if d_state is None:
+                self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
+                self.metrics.observe(t)
+                return
+            try:
+                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
+            finally:
+                self.metrics.observe(t)
             return
         pairing, p_state, d_state = chosen
         target = pairing.prefill
         t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
         headers = prefill_headers(request_id, target)
-        auth = req.headers.get("authorization")
         if auth:
             headers.append(("Authorization", auth))
-        d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
         p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(prefill_request(body, transfer_id)), headers)
         d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target)), d_headers)
 
-        flight = _Flight(asyncio.get_running_loop(), t)
-        p_ex, d_ex = _Prefill(flight), _Decode(flight)
+        flight = Flight(asyncio.get_running_loop(), t)
+        p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
         p_ex.set_deadline(self.config.prefill_timeout)
         d_ex.set_deadline(self.config.decode_first_byte_timeout)
 
@@ -246,26 +182,58 @@ class ProxyApp:
             p_state.pool.send(p_ex, p_bytes)
             t.decode_dispatched = time.time()
             d_state.pool.send(d_ex, d_bytes)
-            await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+            fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+            if fallback is not None:
+                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
             self.backends.end(pairing, p_state, d_state)
             self.metrics.observe(t)
 
+    async def _local(self, conn: ServerConnection, t: ProxyTiming, body: dict[str, Any], endpoint: str, d_state: BackendState,
+                     d_headers: list[tuple[str, str]], stream: bool, reason: str) -> None:
+        """Serve the request from D alone (D computes the prompt), counted and noted in its record as `reason`."""
+        t.local_prefill = reason
+        t.decode_url, t.decode_first_byte = d_state.url, None
+        log.info("request %s: decode computes the prompt itself (%s)", t.request_id, reason)
+        flight = Flight(asyncio.get_running_loop(), t)
+        d_ex = DecodeExchange(flight)
+        d_ex.set_deadline(self.config.decode_first_byte_timeout)
+
+        def client_gone() -> None:
+            flight.client_gone = True
+            d_ex.abort()
+
+        conn.on_disconnect = client_gone
+        d_state.outstanding += 1
+        try:
+            t.decode_dispatched = time.time()
+            d_state.pool.send(d_ex, d_state.pool.request_bytes("POST", endpoint, _json_encode(local_request(body)), d_headers))
+            await self._drive(conn, t, flight, LocalPrefill(flight), d_ex, None, d_state, stream)
+        finally:
+            d_state.outstanding -= 1
+
     async def _drive(
-        self, conn: ServerConnection, t: ProxyTiming, flight: _Flight, p_ex: _Prefill, d_ex: _Decode,
-        p_state: BackendState, d_state: BackendState, stream: bool,
-    ) -> None:
+        self, conn: ServerConnection, t: ProxyTiming, flight: Flight, p_ex: PrefillExchange, d_ex: DecodeExchange,
+        p_state: BackendState | None, d_state: BackendState, stream: bool,
+    ) -> str | None:
+        """Answer the client from the two exchanges; returns why D should now compute the prompt itself
+        (P failed before D's KV could come, and local fallback is on), else None once the client has its answer."""
         committed = False
         while True:
             if flight.client_gone:
                 t.error, t.status, t.last_byte = "client_disconnect", 499, time.time()
-                return
-            # Prefill failed: D cannot get its KV, so it is cancelled now rather than left to time out.
-            if p_ex.error is not None or (p_ex.finished and not 200 <= p_ex.status < 300):
+                return None
+            # Prefill failed before D's first byte (once D has it, the KV has arrived and P no longer matters):
+            # D cannot get its KV, so it is cancelled now rather than left to time out.
+            if p_state is not None and not d_ex.first and (p_ex.error is not None or (p_ex.finished and not 200 <= p_ex.status < 300)):
                 d_ex.abort()
                 status, cause, message, detail = self._prefill_failure(p_ex, p_state)
+                if self.config.local_fallback and status >= 500:
+                    log.warning("request %s: %s; decode computes the prompt itself", t.request_id, detail)
+                    t.detail = detail
+                    return f"prefill_failed: {cause}"
                 self._fail(conn, t, committed, status, cause, message, detail)
-                return
+                return None
             if d_ex.error is not None:
                 p_ex.abort()
                 err = d_ex.error
@@ -273,7 +241,7 @@ class ProxyApp:
                     self.backends.connect_failed(d_state, str(err))
                 self._fail(conn, t, committed, 504 if err.cause == "timeout" else 502, f"decode_{err.cause}",
                            no_answer_message("decode", err), f"decode {d_state.url}: {err}")
-                return
+                return None
             if d_ex.status and not 200 <= d_ex.status < 300:
                 if d_ex.finished:  # D's own error goes to the client as D wrote it, with the transfer's fate
                     p_ex.abort()
@@ -291,7 +259,7 @@ class ProxyApp:
                         d_ex.content_type = "application/json"
                     conn.respond(d_ex.status, body, d_ex.content_type, [("x-request-id", t.request_id)])
                     t.last_byte = time.time()
-                    return
+                    return None
             elif stream:
                 if not committed and d_ex.first and is_error_event(d_ex.chunks):
                     # D failed before its first token: say why the KV did not come, if P knows.
@@ -306,7 +274,7 @@ class ProxyApp:
                         conn.end_stream(b"data: " + error_body(500, message, "decode_kv_transfer", t.request_id) + b"\n\ndata: [DONE]\n\n")
                         d_ex.abort()
                         t.last_byte = time.time()
-                        return
+                        return None
                 if not committed and (d_ex.first or d_ex.finished):
                     committed = True
                     head = b"".join(d_ex.chunks)
@@ -318,16 +286,18 @@ class ProxyApp:
                 if committed and d_ex.finished:
                     conn.end_stream()
                     t.status, t.last_byte = d_ex.status, time.time()
-                    return
+                    return None
             elif d_ex.finished and p_ex.finished:
                 conn.respond(d_ex.status, b"".join(d_ex.chunks), d_ex.content_type, [("x-request-id", t.request_id)])
                 t.status, t.last_byte = d_ex.status, time.time()
-                return
+                return None
             await flight.wait()
 
-    async def _transfer_fate(self, p_state: BackendState, t: ProxyTiming) -> str | None:
+    async def _transfer_fate(self, p_state: BackendState | None, t: ProxyTiming) -> str | None:
         """Why this request's KV transfer failed, as P's connector recorded it; None if P does not say
-        (vLLM's connector, P unreachable, or the transfer did not fail). Bounded by FATE_TIMEOUT_S."""
+        (vLLM's connector, P unreachable, no P, or the transfer did not fail). Bounded by FATE_TIMEOUT_S."""
+        if p_state is None:
+            return None
         from pdkv.connector.side_channel import request_once
         from pdkv.protocol import StatsQuery, StatsReply
 
@@ -344,7 +314,7 @@ class ProxyApp:
                     return f"KV transfer {rec.transfer_id} {rec.status}" + (f": {rec.error}" if rec.error else "")
         return None
 
-    def _prefill_failure(self, p_ex: _Prefill, p_state: BackendState) -> tuple[int, str, str, str]:
+    def _prefill_failure(self, p_ex: PrefillExchange, p_state: BackendState) -> tuple[int, str, str, str]:
         """(status, cause, client message, detail) of a failed prefill."""
         err = p_ex.error
         if err is not None:

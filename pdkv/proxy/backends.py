@@ -112,6 +112,13 @@ class Backends:
     def rows(self) -> list[tuple[str, str, bool, int]]:
         return [(b.role, b.url, b.up, b.outstanding) for b in (*self.prefills, *self.decodes)]
 
+    def live_decode(self) -> BackendState | None:
+        """A decode server for a request D computes alone (by the decode policy), or None if none is up."""
+        decodes = self._live_decodes
+        if not decodes:
+            return None
+        return decodes[self._d_chooser.choose([d.outstanding for d in decodes])]
+
     def any_decode(self) -> BackendState:
         return self._live_decodes[0] if self._live_decodes else self.decodes[0]
 

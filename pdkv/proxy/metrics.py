@@ -8,7 +8,8 @@ Histograms (seconds), the TTFT split of one request:
     pdkv_proxy_decode_wait_seconds    P's answer -> D's first byte (transfer + D's first step)
     pdkv_proxy_ttfb_seconds           proxy received -> first byte to the client
     pdkv_proxy_request_seconds        proxy received -> last byte to the client
-Counters: pdkv_proxy_requests_total{status}, pdkv_proxy_errors_total{cause}.
+Counters: pdkv_proxy_requests_total{status}, pdkv_proxy_errors_total{cause},
+pdkv_proxy_local_prefill_total{reason} (requests D computed alone: no_prefill, prefill_failed).
 Gauges: pdkv_proxy_backend_up{role,url}, pdkv_proxy_outstanding{role,url}.
 """
 
@@ -35,6 +36,9 @@ ERROR_CAUSES = (
     "decode_disconnect",
     "client_disconnect",
 )
+
+
+LOCAL_REASONS = ("no_prefill", "prefill_failed")
 
 
 class Histogram:
@@ -79,11 +83,14 @@ class ProxyMetrics:
         self.total = Histogram("pdkv_proxy_request_seconds", "Proxy received to last byte sent to the client.")
         self.requests: collections.Counter[int] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter({c: 0 for c in ERROR_CAUSES})
+        self.local: collections.Counter[str] = collections.Counter({r: 0 for r in LOCAL_REASONS})
 
     def observe(self, t: ProxyTiming) -> None:
         self.requests[t.status or 0] += 1
         if t.error:
             self.errors[t.error] += 1
+        if t.local_prefill:
+            self.local[t.local_prefill.partition(":")[0]] += 1
         if t.prefill_responded is not None and t.prefill_dispatched is not None:
             self.prefill.observe(t.prefill_responded - t.prefill_dispatched)
             if t.decode_first_byte is not None:
@@ -100,6 +107,9 @@ class ProxyMetrics:
         out += [f"pdkv_proxy_requests_total{_labels(status=str(s))} {n}" for s, n in sorted(self.requests.items())]
         out += ["# HELP pdkv_proxy_errors_total Failed requests, by cause.", "# TYPE pdkv_proxy_errors_total counter"]
         out += [f"pdkv_proxy_errors_total{_labels(cause=c)} {n}" for c, n in sorted(self.errors.items())]
+        out += ["# HELP pdkv_proxy_local_prefill_total Requests decode computed alone, by reason.",
+                "# TYPE pdkv_proxy_local_prefill_total counter"]
+        out += [f"pdkv_proxy_local_prefill_total{_labels(reason=r)} {n}" for r, n in sorted(self.local.items())]
         for h in (self.prefill, self.decode_wait, self.ttfb, self.total):
             out += h.render()
         rows = list(backends)

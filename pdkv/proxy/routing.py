@@ -60,6 +60,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     policy: Policy = Policy.ROUND_ROBIN
     connector: KvConnector = KvConnector.PDKV
+    # No prefill engine up, or P failing before D's KV could come: D computes the prompt itself.
+    local_fallback: bool = True
     connect_timeout: float = 5.0
     prefill_timeout: float = 120.0
     decode_first_byte_timeout: float = 180.0
@@ -233,6 +235,11 @@ def unsupported_field(body: dict[str, Any], connector: KvConnector = KvConnector
     if connector is KvConnector.MOONCAKE and (body.get("n") or 1) > 1:
         return "n > 1 is not supported with vLLM's MooncakeConnector (it sends each prompt's KV to one decode request); use pdkv's connector"
     return None
+
+
+def local_request(body: dict[str, Any]) -> dict[str, Any]:
+    """D's copy when D computes the prompt itself: the client's request as a plain vLLM request."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
 def decode_request(body: dict[str, Any], transfer_id: str, target: PrefillTarget) -> dict[str, Any]:

@@ -68,9 +68,10 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         name: str | None = None,
         model: Path | None = None,
         protocol: str = "tcp",
+        load_failure: str | None = None,
     ) -> ManagedProcess:
         key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args,
-               cpu_accelerator_shim, name, model, protocol)
+               cpu_accelerator_shim, name, model, protocol, load_failure)
         engine = cache.get(key)
         if engine is not None and engine.poll() is None:
             return engine
@@ -93,6 +94,7 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             omp_bind=omp_bind,
             extra_args=extra_args,
             extra_env=extra_env,
+            load_failure=load_failure,  # type: ignore[arg-type]
         )
         label = name or f"{role}-{connector}-{len(started)}"
         engine = ManagedProcess(engine_plan(spec, name=label), logs / f"{label}.log")

@@ -30,7 +30,8 @@ EVENT = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
 class Stub:
     """A P or D server whose behaviour a test changes between requests.
 
-    behaviour keys: status (int), delay (s before answering), hang (never answer),
+    behaviour keys: status (int), delay (s before answering), hang (never answer), hang_pd (never answer a
+    P/D copy, one with kv_transfer_params),
     chunks (SSE events when streaming), gap (s between them), first_then_hang
     (stream one event, then wait), healthy (bool for /health), body (error body).
     `seen` holds (headers, json body) per request; `cancelled` counts requests whose
@@ -74,7 +75,7 @@ class Stub:
         b = dict(self.behaviour)
         body = await request.json()
         self.seen.append(({k.lower(): v for k, v in request.headers.items()}, body))
-        if b.get("hang"):
+        if b.get("hang") or (b.get("hang_pd") and "kv_transfer_params" in body):
             await self._wait(request, None)
             return web.Response(status=499)
         if b.get("error_event") and body.get("stream"):  # vLLM's way to fail a stream before its first token
@@ -239,7 +240,7 @@ def test_non_stream_and_chat_and_models(deployment: Deployment):
 
 
 def test_not_ready_until_an_engine_registers_then_ready():
-    with Deployment(engines={}) as dep, dep.client() as c:
+    with Deployment(engines={}, local_fallback=False) as dep, dep.client() as c:
         r = c.get("/health")
         assert r.status_code == 503 and "no engine registered" in r.json()["reason"]
         refused = c.post("/v1/completions", json=REQUEST)
@@ -276,23 +277,24 @@ def test_dp_ranks_each_get_their_engine_id():
     assert sorted(pairs) == [("0", "engine-r0"), ("0", "engine-r0"), ("1", "engine-r1"), ("1", "engine-r1")]
 
 
-@pytest.mark.parametrize(("p_status", "client_status"), [(500, 502), (400, 400)])
-def test_prefill_error_cancels_decode_at_once(deployment: Deployment, p_status: int, client_status: int):
-    deployment.prefills[0].behaviour.update(status=p_status)
-    deployment.decodes[0].behaviour.update(hang=True)  # D waits for KV that will never come
-    with deployment.client() as c:
+@pytest.mark.parametrize(("p_status", "client_status", "fallback"), [(500, 502, False), (400, 400, True), (400, 400, False)])
+def test_prefill_error_cancels_decode_at_once(p_status: int, client_status: int, fallback: bool):
+    # Without local fallback any P error reaches the client; a 4xx (the request itself is bad) always does.
+    with Deployment(local_fallback=fallback) as deployment, deployment.client() as c:
+        deployment.prefills[0].behaviour.update(status=p_status)
+        deployment.decodes[0].behaviour.update(hang=True)  # D waits for KV that will never come
         t0 = time.monotonic()
         r = c.post("/v1/completions", json=REQUEST)
         elapsed = time.monotonic() - t0
-    assert r.status_code == client_status
-    err = r.json()["error"]
-    assert err["cause"] == "prefill_status" and "p0 says no" in err["message"]
-    assert elapsed < 2.0
-    _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
+        assert r.status_code == client_status
+        err = r.json()["error"]
+        assert err["cause"] == "prefill_status" and "p0 says no" in err["message"]
+        assert elapsed < 2.0
+        _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
 
 
 def test_prefill_timeout_cancels_both():
-    with Deployment(prefill_timeout=0.5) as dep, dep.client() as c:
+    with Deployment(prefill_timeout=0.5, local_fallback=False) as dep, dep.client() as c:
         dep.prefills[0].behaviour.update(hang=True)
         dep.decodes[0].behaviour.update(hang=True)
         t0 = time.monotonic()
@@ -304,16 +306,17 @@ def test_prefill_timeout_cancels_both():
         assert 'pdkv_proxy_errors_total{cause="prefill_timeout"} 1' in c.get("/metrics").text
 
 
-def test_prefill_failing_mid_stream_ends_the_stream_with_an_error_event(deployment: Deployment):
-    deployment.prefills[0].behaviour.update(status=500, delay=0.3)
-    deployment.decodes[0].behaviour.update(first_then_hang=True)
-    with deployment.client() as c:
+@pytest.mark.parametrize("fallback", [True, False])
+def test_prefill_failing_after_decodes_first_byte_does_not_touch_the_stream(fallback: bool):
+    # D's first byte means its KV arrived: P's own answer no longer matters.
+    with Deployment(local_fallback=fallback) as deployment, deployment.client() as c:
+        deployment.prefills[0].behaviour.update(status=500, delay=0.2)
+        deployment.decodes[0].behaviour.update(chunks=4, gap=0.15)
         r = c.post("/v1/completions", json=REQUEST)
-    assert r.status_code == 200
-    events = _events(r.text)
-    assert events[0].startswith('{"choices"')
-    assert json.loads(events[1])["error"]["cause"] == "prefill_status" and events[-1] == "[DONE]"
-    _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
+        assert r.status_code == 200
+        events = _events(r.text)
+        assert events == ['{"choices":[{"index":0,"text":"tok"}]}'] * 4 + ["[DONE]"]
+        assert deployment.decodes[0].cancelled == 0 and len(deployment.decodes[0].seen) == 1
 
 
 def test_decode_error_reaches_the_client_and_cancels_prefill(deployment: Deployment):
@@ -516,7 +519,8 @@ def _dead_url() -> str:
 def _proxy_with(dep: Deployment, prefill_url: str, decode_url: str) -> Iterator[BackgroundProxy]:
     """A proxy in front of these URLs with every backend forced up and P's engine known (no health round interferes)."""
     dep.proxy.stop()
-    cfg = build_config([f"{prefill_url},{dep.bootstraps[0].url}"], [decode_url], port=0, health_interval=30.0, unhealthy_after=5)
+    cfg = build_config([f"{prefill_url},{dep.bootstraps[0].url}"], [decode_url], port=0, health_interval=30.0, unhealthy_after=5,
+                       local_fallback=False)
     with BackgroundProxy(cfg) as proxy:
         _wait_for(lambda: proxy.app.backends.rounds >= 1, what="first health round")
 
@@ -580,3 +584,49 @@ def test_bad_fields_the_proxy_reads_are_400_before_any_backend_is_asked(deployme
         # null is "not given", as vLLM reads it
         assert c.post("/v1/completions", json={**REQUEST, "stream": None, "n": None}).status_code == 200
     assert len(deployment.prefills[0].seen) == len(deployment.decodes[0].seen) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("failure", ["status-500", "connect"])
+def test_prefill_failing_before_decodes_first_byte_is_served_by_decode_alone(stream: bool, failure: str):
+    with Deployment() as dep:
+        p_url = dep.prefills[0].url
+        if failure == "connect":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                p_url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        else:
+            dep.prefills[0].behaviour.update(status=500, delay=0.1)
+        dep.decodes[0].behaviour.update(hang_pd=True)  # the P/D copy waits for KV that will never come
+        dep.proxy.stop()
+        cfg = build_config([f"{p_url},{dep.bootstraps[0].url}"], [dep.decodes[0].url], port=0, health_interval=30.0)
+        with BackgroundProxy(cfg) as proxy, httpx.Client(base_url=proxy.url, timeout=10, trust_env=False) as c:
+            proxy.app.backends.prefills[0].up = True
+            proxy.app.backends.prefills[0].engines = {0: "engine-a"}
+            proxy.app.backends.decodes[0].up = True
+            proxy.app.backends._rebuild()
+            r = c.post("/v1/completions", json={**REQUEST, "stream": stream}, headers={"X-Request-Id": f"fb-{failure}-{stream}"})
+            record = c.get(f"/pdkv/requests/fb-{failure}-{stream}").json()
+            metrics = c.get("/metrics").text
+        assert r.status_code == 200, r.text
+        assert "error" not in r.text
+        local = dep.decodes[0].seen[-1][1]
+        assert "kv_transfer_params" not in local and local["max_tokens"] == REQUEST["max_tokens"]
+        cause = "prefill_connect" if failure == "connect" else "prefill_status"
+        assert record["local_prefill"] == f"prefill_failed: {cause}" and record["status"] == 200 and "error" not in record
+        assert 'pdkv_proxy_local_prefill_total{reason="prefill_failed"} 1' in metrics
+        _wait_for(lambda: dep.decodes[0].cancelled >= 1, what="the P/D copy on D cancelled")
+
+
+def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
+    with Deployment(engines={}) as dep, dep.client() as c:
+        assert c.get("/health").status_code == 503
+        r = c.post("/v1/completions", json={**REQUEST, "stream": False}, headers={"X-Request-Id": "alone-1"})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d0 answer"
+        assert "kv_transfer_params" not in dep.decodes[0].seen[-1][1] and not dep.prefills[0].seen
+        assert c.get("/pdkv/requests/alone-1").json()["local_prefill"] == "no_prefill"
+        assert 'pdkv_proxy_local_prefill_total{reason="no_prefill"} 1' in c.get("/metrics").text
+        dep.register(0, "engine-late")
+        _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
+        assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        assert dep.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-late"

@@ -297,3 +297,19 @@ def test_a_pull_being_written_still_gets_heartbeats():
     assert t.parked_pulls() == [("x", p, None)]
     t.send_finished("x", None, 0.3, "0_d")
     assert t.parked_pulls() == []
+
+
+def test_a_failed_pull_names_every_block_it_wrote_into_and_others_name_none():
+    tr = PullTracker(liveness_s=1.0)
+    tr.started("ok", "x1", 0.0, (1, 2))
+    tr.started("failed", "x2", 0.0, (3, 4, 5))
+    tr.started("aborted", "x3", 0.0, (6,))
+    tr.started("silent", "x4", 0.0, (7, 8))
+    assert tr.finished("ok", None).failed_blocks == ()
+    # P may have written any part of any block before it failed: none of them is trusted.
+    assert tr.finished("failed", "peer gone").failed_blocks == (3, 4, 5)
+    tr.abort("aborted")
+    out = tr.finished("aborted", "peer gone")  # D's request is over: its blocks are vLLM's to free, not to recompute
+    assert out.error and out.failed_blocks == ()
+    [silent] = tr.tick(1.0)
+    assert silent.failed_blocks == (7, 8)

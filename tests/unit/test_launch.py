@@ -42,7 +42,15 @@ def test_pdkv_connector_is_loaded_from_its_module() -> None:
         "kv_connector_module_path": "pdkv.connector",
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        "kv_load_failure_policy": "recompute",
     }
+
+
+@pytest.mark.parametrize(("connector", "asked", "policy"), [("pdkv", None, "recompute"), ("pdkv", "fail", "fail"),
+                                                            ("mooncake", None, None), ("mooncake", "recompute", "recompute")])
+def test_a_failed_kv_load_is_recomputed_by_default_with_pdkvs_connector(connector: str, asked: str | None, policy: str | None) -> None:
+    config = kv_transfer_config(EngineSpec(model="m", role="decode", connector=connector, protocol="tcp", load_failure=asked))
+    assert config is not None and config.get("kv_load_failure_policy") == policy
 
 
 def test_mooncake_connector_uses_vllm_key_names() -> None:

@@ -1,0 +1,167 @@
+"""A dead or broken prefill costs latency, never a request (tiny model, CPU, pdkv's connector).
+
+- D recomputes what did not arrive: a P whose transfers all fail (P on
+  Mooncake tcp, D on cma: every pull is refused) still answers every
+  request through D (kv_load_failure_policy "recompute", pdkv up's default),
+  each answer equal to P alone's, D's KV usage back to 0; with "fail" each
+  request fails at once with a clear error instead.
+- P killed (kill -9) while 8 clients stream, over cma and over tcp: no
+  client sees a failure (requests whose P died go to D alone), every answer
+  equals P alone's; while P is down D answers alone (the request record
+  says so, with its TTFT); once P is back the proxy disaggregates again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from loadclient import Answer, Case, prompts, run_load, same_greedy_answer
+from pdkv.launch import ManagedProcess
+from pdkv.proxy.routing import build_config
+from pdkv.proxy.server import BackgroundProxy
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = prompts(11, [3, 17, 60, 150, 260])
+ENDPOINT = "/v1/completions"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_usage(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    return max(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc"))
+
+
+def wait_usage_zero(url: str, within_s: float = 10.0) -> None:
+    end = time.monotonic() + within_s
+    while kv_usage(url) > 0:
+        assert time.monotonic() < end, f"{url}: KV cache still in use {within_s:g} s after the load"
+        time.sleep(0.25)
+
+
+class Engines:
+    """Prefill engines per transport (core 0) and decode engines (core 1), with P alone's answers."""
+
+    def __init__(self, start_vllm, model: str) -> None:
+        self.start_vllm = start_vllm
+        self.model = model
+        self.bootstrap: dict[str, int] = {}
+        self.alone: dict[str, Answer] = {}
+
+    def prefill(self, protocol: str) -> ManagedProcess:
+        port = self.bootstrap.setdefault(protocol, free_port())
+        return self.start_vllm(role="prefill", protocol=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
+
+    def decode(self, protocol: str, load_failure: str | None = None) -> ManagedProcess:
+        extra = {"load_failure": load_failure} if load_failure else {}
+        return self.start_vllm(role="decode", protocol=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
+
+    @contextmanager
+    def proxy(self, p_protocol: str, decode: ManagedProcess, **config) -> Iterator[str]:
+        p = self.prefill(p_protocol)
+        cfg = build_config([f"{p.url},http://127.0.0.1:{self.bootstrap[p_protocol]}"], [decode.url], port=0, health_interval=0.5,
+                           prefill_timeout=60, decode_first_byte_timeout=90, **config)
+        with BackgroundProxy(cfg) as proxy:
+            end = time.monotonic() + 30
+            while httpx.get(f"{proxy.url}/health", trust_env=False).status_code != 200:
+                assert time.monotonic() < end, "proxy not ready"
+                time.sleep(0.2)
+            yield proxy.url
+
+    def reference(self, p: ManagedProcess) -> None:
+        if self.alone:
+            return
+        refs = [Case(ENDPOINT, text, stream=False) for text in PROMPTS]
+        for case, a in zip(refs, asyncio.run(run_load(p.url, refs, self.model, 4, top=2)), strict=True):
+            assert a.status == 200 and len(a.tokens) == 8, a
+            self.alone[case.prompt] = a
+
+    def check(self, cases: list[Case], answers: list[Answer]) -> None:
+        failed = [(a.status, a.error) for a in answers if a.status != 200 or a.error]
+        assert not failed, f"{len(failed)} of {len(answers)} requests failed: {failed[:3]}"
+        wrong = [why for c, a in zip(cases, answers, strict=True) if (why := same_greedy_answer(a, self.alone[c.prompt]))]
+        assert not wrong, f"{len(wrong)} answers differ from P alone's: {wrong[:3]}"
+
+
+@pytest.fixture(scope="module")
+def engines(start_vllm, tiny_model) -> Engines:
+    e = Engines(start_vllm, str(tiny_model))
+    e.reference(e.prefill("tcp"))
+    return e
+
+
+def streams(n: int) -> list[Case]:
+    return [Case(ENDPOINT, PROMPTS[i % len(PROMPTS)], stream=True) for i in range(n)]
+
+
+def test_every_failed_transfer_is_recomputed_on_decode(engines: Engines):
+    # P moves KV over Mooncake tcp, D takes it over cma only: P refuses each pull, D computes the prompt itself.
+    d = engines.decode("cma")
+    with engines.proxy("tcp", d, local_fallback=False) as url:
+        cases = streams(16)
+        answers = asyncio.run(run_load(url, cases, engines.model, 8))
+        engines.check(cases, answers)
+        records = httpx.get(f"{url}/pdkv/requests", params={"limit": 16}, trust_env=False).json()
+        assert all(r.get("local_prefill") is None for r in records)  # D recomputed: the proxy did nothing special
+    log = d.log_path.read_text()
+    assert "use the same mooncake_protocol on P and D" in log and "Recovered from KV load failure" in log
+    wait_usage_zero(d.url)
+
+
+def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engines: Engines):
+    d = engines.decode("cma", load_failure="fail")
+    with engines.proxy("tcp", d, local_fallback=False) as url:
+        answers = asyncio.run(run_load(url, streams(8), engines.model, 8))
+    for a in answers:
+        assert a.error and a.seconds < 5.0, a
+        assert "mooncake_protocol" in a.error or "KV" in a.error, a.error
+    wait_usage_zero(d.url)
+
+
+@pytest.mark.parametrize("protocol", ["cma", "tcp"])
+def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, protocol: str):
+    d = engines.decode(protocol)
+    with engines.proxy(protocol, d) as url:
+        p = engines.prefill(protocol)
+        cases = streams(40)
+
+        async def load_and_kill() -> list[Answer]:
+            run = asyncio.ensure_future(run_load(url, cases, engines.model, 8))
+            await asyncio.sleep(1.0)  # 8 streams in flight
+            os.killpg(p.pid, signal.SIGKILL)
+            return await run
+
+        answers = asyncio.run(load_and_kill())
+        p.proc.wait(10)
+        engines.check(cases, answers)
+        # P is down: D answers alone, and the request's record says so.
+        time.sleep(1.5)  # a health round or two
+        alone = [Case(ENDPOINT, PROMPTS[1], stream=True)]
+        engines.check(alone, asyncio.run(run_load(url, alone, engines.model, 1)))
+        rec = httpx.get(f"{url}/pdkv/requests", params={"limit": 1}, trust_env=False).json()[0]
+        assert rec["local_prefill"] in ("no_prefill", "prefill_failed: prefill_connect") and rec["decode_first_byte"] > rec["received"]
+        # P restarted: the proxy sends P/D requests again, without a restart of its own.
+        p.start()
+        p.wait_healthy(300)
+        end = time.monotonic() + 30
+        while httpx.get(f"{url}/health", trust_env=False).status_code != 200:
+            assert time.monotonic() < end, "P not back in the proxy"
+            time.sleep(0.25)
+        engines.check(alone, asyncio.run(run_load(url, alone, engines.model, 1)))
+        rec = httpx.get(f"{url}/pdkv/requests", params={"limit": 1}, trust_env=False).json()[0]
+        assert rec.get("local_prefill") is None and rec["prefill_dispatched"] and "error" not in rec
+    wait_usage_zero(d.url)
