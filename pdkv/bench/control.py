@@ -121,10 +121,8 @@ class BenchTarget:
             self._ctx.term()
             raise StartError(f"cannot listen on {bind_host}:{port}: {exc}", hint="pick another --port") from None
         self.address = f"{self.advertise}:{bound}"
-        if protocol == "ipc":
-            self.transport = open_transport(protocol, gpu=int(self.dst[5:]))
-        else:
-            self.transport = open_transport(protocol, self.advertise, device_name, settings=settings)
+        gpu = int(self.dst[5:]) if self.dst.startswith("cuda:") else None
+        self.transport = open_transport(protocol, self.advertise, device_name, gpu=gpu, settings=settings)
         self.memory: Any = None
         self.requests = 0
 
@@ -138,7 +136,7 @@ class BenchTarget:
                 self.memory = KVMemory(self.dst, req.layers, req.block_len, req.num_blocks)
                 self.memory.fill(req.seed)
                 self.transport.register(self.memory.spans)
-                export = self.transport.export() if self.protocol == "ipc" else None
+                export = self.transport.hello()
                 return Ready(self.transport.session_address, self.memory.regions, self.dst, self.protocol, export)
             if self.memory is None:
                 return Failed("no Setup received yet")

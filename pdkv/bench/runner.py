@@ -242,10 +242,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     stack.callback(lambda: _say_bye(client, Bye()))
     peer = ready.session
     local_regions = memory.regions
-    if spec.protocol == "ipc":
-        if ready.ipc is None:
-            raise TransferError(f"bench target {address} sent no CUDA IPC handles", hint="it must run with --protocol ipc")
-        transport.connect(peer, ready.ipc)
+    transport.connect(peer, ready.ipc)
     cases: list[CaseResult] = []
     for index, (n, layout) in enumerate((n, lay) for n in spec.blocks for lay in layouts):
         label = f"{layout}, {n} blocks"
@@ -292,7 +289,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         link_source=link_source,
         target=address,
         peer=peer,
-        mc_settings=getattr(transport, "mc_settings", {}),
+        mc_settings=transport.settings,
         cases=cases,
     )
 
@@ -303,10 +300,8 @@ def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesc
 
 
 def _writer(transport, peer: str, descriptors, local_ids, remote_ids, local_regions, remote_regions) -> Callable[[], object]:
-    """How the connector writes: whole blocks where the transport copies blocks itself (ipc), else the planned descriptors."""
-    if hasattr(transport, "write_blocks"):
-        return lambda: transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions)
-    return lambda: transport.write(peer, descriptors)
+    """How the connector writes: the transport's write_blocks, from block ids and both sides' regions."""
+    return lambda: transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions)
 
 
 def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):

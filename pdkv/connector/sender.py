@@ -31,7 +31,7 @@ from pdkv.protocol import (
     TraceReport,
 )
 from pdkv.transport.base import Region, Transport
-from pdkv.transport.planner import check_blocks, plan_descriptors
+from pdkv.transport.planner import check_blocks
 
 log = logging.getLogger("pdkv.connector")
 
@@ -103,8 +103,6 @@ class KVSender:
         # D session -> the threads that write to it, so a stalled D holds up only its own transfers; least
         # recently used last; guarded by _table_lock
         self._pools: OrderedDict[str, concurrent.futures.ThreadPoolExecutor] = OrderedDict()
-        self._ipc_lock = threading.Lock()
-        self._ipc_peers: dict[str, Any] = {}  # D session -> the IpcExport its handles were opened from; guarded by _ipc_lock
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
         self._loop = EventLoopThread("pdkv-sender")
@@ -284,9 +282,9 @@ class KVSender:
         task.add_done_callback(lambda _t: told.set_result(None))
 
     def _transfer(self, a: StartSend, fence: Any) -> tuple[str | None, int, int]:
-        """Plan and write one transfer (on a transfer thread, or inline): (error, bytes, descriptors)."""
+        """Write one transfer (on a transfer thread): (error, bytes, descriptors). `fence`, if set, is the
+        GPU event the forward that computed these blocks recorded."""
         req: PullRequest = a.pull.request
-        nbytes = ndesc = 0
         try:
             want = len(req.block_ids)
             if req.first_block + want > len(a.blocks):
@@ -295,16 +293,16 @@ class KVSender:
                 )
             local = a.blocks[req.first_block : req.first_block + want]
             remote_regions = [Region(r.base, r.block_len, r.num_blocks) for r in req.regions]
-            descs = plan_descriptors(local, req.block_ids, self.regions, remote_regions)
-            nbytes, ndesc = sum(d.length for d in descs), len(descs)
             self.trace.event(a.transfer_id, "transfer_start")
-            if descs:
-                self._write(req, local, remote_regions, descs, fence)
+            if fence is not None:
+                fence.synchronize()
+            self.transport.connect(req.session, req.ipc)
+            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, remote_regions)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
-            return str(exc), nbytes, ndesc
+            return str(exc), 0, 0
         except Exception as exc:  # noqa: BLE001 - any failure must reach D and free the blocks
-            return f"{type(exc).__name__}: {exc}", nbytes, ndesc
+            return f"{type(exc).__name__}: {exc}", 0, 0
         return None, nbytes, ndesc
 
     async def _conclude(self, a: StartSend, error: str | None, nbytes: int, ndesc: int) -> None:
@@ -321,32 +319,6 @@ class KVSender:
         with self._table_lock:
             actions = self.table.send_finished(a.transfer_id, error, time.time(), req.d_req_id)
         self._run(actions)
-
-    def _write(self, req: PullRequest, local: list[int], remote_regions: list[Region], descs: list, fence: Any = None) -> None:
-        """On the transfer thread: with CUDA IPC, open D's handles the first time, then copy whole blocks; else write descriptors."""
-        if fence is not None:
-            fence.synchronize()
-        if req.ipc is None:
-            self.transport.write(req.session, descs)
-            return
-        connect = getattr(self.transport, "connect", None)
-        if connect is None:
-            raise TransferError("decode sent CUDA IPC handles, but this prefill engine's transport is not ipc", hint="use the same mooncake_protocol on P and D")
-        with self._ipc_lock:
-            if self._ipc_peers.get(req.session) != req.ipc:
-                self._forget_dead_ipc_peers()
-                connect(req.session, req.ipc)
-                self._ipc_peers[req.session] = req.ipc
-        self.transport.write_blocks(req.session, local, req.block_ids, self.regions, remote_regions)  # type: ignore[attr-defined]
-
-    def _forget_dead_ipc_peers(self) -> None:
-        """Close the handles of decode processes that are gone (a restarted D exports anew)."""
-        import psutil
-
-        for session, export in list(self._ipc_peers.items()):
-            if not psutil.pid_exists(export.pid):
-                self.transport.disconnect(session)  # type: ignore[attr-defined]
-                del self._ipc_peers[session]
 
     async def _tick_forever(self) -> None:
         while True:

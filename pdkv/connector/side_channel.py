@@ -10,17 +10,16 @@ is logged and answered, so the listener never dies.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
-import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from pdkv.errors import StartError
 from pdkv.protocol import ErrorReply, SideChannelReply, SideChannelRequest
+from pdkv.service import EventLoopThread  # the sender's and receiver's loop: one home, in pdkv.service
 
 log = logging.getLogger("pdkv.connector")
 
@@ -45,49 +44,6 @@ def decode_request(frame: bytes) -> Any:
 
 def decode_reply(frame: bytes) -> Any:
     return _reply_decoder.decode(frame)
-
-
-class EventLoopThread:
-    """An asyncio loop on a daemon thread. `submit` runs a coroutine there from any thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run `fn(*args)` on the loop; dropped once the loop is closed (its owner is shutting down)."""
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            if not self.loop.is_closed():
-                raise
-
-    def stop(self, timeout: float = 5.0) -> None:
-        if self.loop.is_closed():
-            return
-
-        async def _cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            self.submit(_cancel_all()).result(timeout)
-        except Exception:  # noqa: BLE001 - shutting down; nothing left to report to
-            pass
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 Handler = Callable[[bytes, Any], Awaitable[None]]

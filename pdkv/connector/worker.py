@@ -68,20 +68,11 @@ class ConnectorWorker:
             len(regions), self.num_blocks, regions[0].block_len, "producer" if self.is_producer else "consumer",
             tensors[0].shape, tensors[0].stride,
         )
-        protocol = self.config.mooncake_protocol
-        if protocol == "ipc":
-            device = getattr(kv_caches[layer_order[0]], "device", None)
-            if getattr(device, "type", "cpu") != "cuda":
-                raise StartError("mooncake_protocol ipc needs the KV cache in GPU memory", hint="use tcp or rdma on CPU hosts")
-            self.transport = open_transport("ipc", gpu=device.index or 0)
-        elif protocol == "cma":
-            if self._on_gpu:
-                raise StartError("mooncake_protocol cma moves KV in host memory", hint="use ipc between GPUs of one host")
-            self.transport = open_transport("cma", writable=not self.is_producer)
-        else:
-            self.transport = open_transport(
-                protocol, self.host, self.config.device_name, write_timeout_s=self.config.write_timeout_s
-            )
+        device = getattr(kv_caches[layer_order[0]], "device", None)
+        self.transport = open_transport(
+            self.config.mooncake_protocol, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
+            writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
+        )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"
         trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
@@ -89,7 +80,7 @@ class ConnectorWorker:
             self.receiver = KVReceiver(
                 self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size,
                 liveness_s=self.config.liveness_s, trace=trace,
-                ipc=self.transport.export() if protocol == "ipc" else None,
+                ipc=self.transport.hello(),
             )
             return
         if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:

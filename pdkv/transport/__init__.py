@@ -1,7 +1,8 @@
 """KV transport: how bytes move from P's registered memory into D's.
 
-`base` holds the Transport protocol and region types; `planner` turns block
-ids into descriptors (pure); `mooncake` implements the protocol over
+`base` holds the Transport protocol (the one seam every caller uses) and
+region types; `planner` turns block ids into descriptors (pure), and
+`planned` is the seam's shared part for descriptor transports; `mooncake` implements the protocol over
 Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between
 GPUs of one host through CUDA IPC (ipc); `cma` moves KV in host memory
 between processes of one host with process_vm_writev (cma).
@@ -9,31 +10,38 @@ between processes of one host with process_vm_writev (cma).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from pdkv.transport.cuda_ipc import CudaIpcTransport
-    from pdkv.transport.cma import CmaTransport
-    from pdkv.transport.mooncake import MooncakeTransport
+from pdkv.errors import StartError
+from pdkv.transport.base import Transport
 
 
 def open_transport(
-    protocol: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, **options: Any
-) -> MooncakeTransport | CudaIpcTransport | CmaTransport:
-    """Start the transport for `protocol` on `hostname`: "tcp" or "rdma" over Mooncake, "ipc" (CUDA IPC on GPU
-    `gpu`), or "cma" (host memory of processes on this host).
+    protocol: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,
+    **options: Any,
+) -> Transport:
+    """The one place a transport is chosen: "tcp" or "rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (host memory
+    of processes on this host), for KV on CUDA device `gpu` (None: in host memory).
 
-    `options` go to MooncakeTransport (settings, write_timeout_s). Mooncake,
-    torch and Triton are imported here, not when pdkv.transport is imported.
+    Raises StartError for a protocol that cannot move KV where it lives (ipc needs GPU memory, cma host
+    memory). `writable`: peers will write into this process (cma's D; P passes False). `options` go to
+    MooncakeTransport (settings, write_timeout_s). Mooncake, torch and Triton are imported here, not when
+    pdkv.transport is imported.
     """
     if protocol == "ipc":
+        if gpu is None:
+            raise StartError("the ipc transport moves KV between GPUs, and this KV cache is in host memory",
+                             hint="use cma (one host) or tcp/rdma on CPU hosts")
         from pdkv.transport.cuda_ipc import CudaIpcTransport
 
-        return CudaIpcTransport(0 if gpu is None else gpu)
+        return CudaIpcTransport(gpu)
     if protocol == "cma":
+        if gpu is not None:
+            raise StartError("the cma transport moves KV in host memory, and this KV cache is on a GPU",
+                             hint="use ipc between GPUs of one host")
         from pdkv.transport.cma import CmaTransport
 
-        return CmaTransport(writable=bool(options.get("writable", True)))
+        return CmaTransport(writable=writable)
     from pdkv.transport.mooncake import MooncakeTransport
 
     return MooncakeTransport(hostname, protocol, device, **options)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
 from pdkv.protocol import Address, BlockCount, Length, check_span
+
+if TYPE_CHECKING:
+    from pdkv.protocol import IpcExport
 
 
 class Region(msgspec.Struct, frozen=True):
@@ -37,16 +40,31 @@ class Descriptor(msgspec.Struct, frozen=True, array_like=True):
     length: int
 
 
+class Written(NamedTuple):
+    """What one `write_blocks` moved: bytes, and the writes it took (coalesced descriptors, or (ipc) block copies)."""
+
+    bytes: int
+    descriptors: int
+
+
 @runtime_checkable
 class Transport(Protocol):
-    """Moves bytes from this process's registered memory into a peer's.
+    """Moves bytes from this process's registered memory into a peer's: the one seam every caller uses.
 
     Implementations are context managers; `close()` releases everything.
+    Every method may be called from several threads at once.
     """
+
+    protocol: str
 
     @property
     def session_address(self) -> str:
         """What a peer passes to `write` to reach this process (e.g. "127.0.0.1:15432")."""
+        ...
+
+    @property
+    def settings(self) -> dict[str, str]:
+        """The transport's own settings in effect (Mooncake's MC_*), for reports."""
         ...
 
     def register(self, regions: list[tuple[int, int]]) -> None:
@@ -56,33 +74,25 @@ class Transport(Protocol):
     def unregister(self, regions: list[tuple[int, int]]) -> None:
         ...
 
+    def hello(self) -> IpcExport | None:
+        """What D sends P with every pull so that P can reach its memory (CUDA IPC handles), or None."""
+        ...
+
+    def connect(self, peer: str, hello: IpcExport | None) -> None:
+        """Make `peer` writable from this process, given its `hello()`; cheap once done. TransferError if P and D
+        use different transports."""
+        ...
+
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
         """Write every descriptor to `peer` and return once all bytes have landed; raise TransferError otherwise."""
         ...
 
-    def close(self) -> None:
+    def write_blocks(
+        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region]
+    ) -> Written:
+        """Copy `local_blocks` of every local region into `remote_blocks` of its remote twin, every block id
+        bounds-checked first; return once all bytes have landed, else raise TransferError."""
         ...
 
-
-def write_blocks(
-    transport: Transport,
-    peer: str,
-    local_blocks: list[int],
-    remote_blocks: list[int],
-    local_regions: list[Region],
-    remote_regions: list[Region],
-) -> int:
-    """Copy `local_blocks` of every local region into `remote_blocks` of its remote twin; return the bytes moved.
-
-    Transports that move whole blocks better than descriptor lists (the CUDA
-    IPC kernel) provide their own `write_blocks`; the rest get the planner's
-    coalesced descriptors. Every block id is bounds-checked either way.
-    """
-    own = getattr(transport, "write_blocks", None)
-    if own is not None:
-        return own(peer, local_blocks, remote_blocks, local_regions, remote_regions)
-    from pdkv.transport.planner import plan_descriptors
-
-    descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions)
-    transport.write(peer, descriptors)
-    return sum(d.length for d in descriptors)
+    def close(self) -> None:
+        ...

@@ -35,6 +35,8 @@ from pathlib import Path
 
 from pdkv.errors import StartError, TransferError
 from pdkv.transport.base import Descriptor
+from pdkv.transport.host import read_boot_id
+from pdkv.transport.planned import PlannedWrites
 
 __all__ = ["CmaTransport", "CmaPeer", "parse_session", "ptrace_scope", "process_start_time"]
 
@@ -47,10 +49,10 @@ PR_SET_PTRACER_ANY = -1
 
 
 def boot_id(proc_root: str | Path = "/proc") -> str:
-    try:
-        return Path(proc_root, "sys/kernel/random/boot_id").read_text().strip()
-    except OSError as exc:
-        raise StartError(f"cannot read the boot id: {exc}", hint="cma needs Linux with /proc mounted; use tcp") from None
+    boot = read_boot_id(proc_root)
+    if boot is None:
+        raise StartError(f"cannot read the boot id under {proc_root}", hint="cma needs Linux with /proc mounted; use tcp")
+    return boot
 
 
 def ptrace_scope(proc_root: str | Path = "/proc") -> int | None:
@@ -147,7 +149,7 @@ class CmaPeer:
             os.close(fd)
 
 
-class CmaTransport:
+class CmaTransport(PlannedWrites):
     """The Transport protocol over process_vm_writev, for KV in host memory of processes on one host.
 
     `write` copies on the calling thread and returns when every byte has
@@ -189,6 +191,10 @@ class CmaTransport:
     @property
     def session_address(self) -> str:
         return self._session
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return {}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         with self._lock:

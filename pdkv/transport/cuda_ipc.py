@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,105 +25,13 @@ import msgspec
 from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
-from pdkv.transport.base import Descriptor, Region
+from pdkv.transport.base import Descriptor, Region, Written
+from pdkv.transport.host import host_id
+from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "ipc_reachable", "plan_chunks"]
 
 log = logging.getLogger(__name__)
-
-# Each kernel program copies one chunk; long descriptors are split so the
-# grid keeps every SM busy whether the layout has 36 or 2,268 descriptors.
-CHUNK_BYTES = 64 * 1024
-
-
-def host_id(proc_root: str = "/") -> str:
-    boot = Path(proc_root, "proc/sys/kernel/random/boot_id")
-    try:
-        boot_id = boot.read_text().strip()
-    except OSError:
-        boot_id = "unknown"
-    return f"{socket.gethostname()}/{boot_id}"
-
-
-class SpanMap:
-    """Sorted, non-overlapping address spans, each mapped to where it lives in this process.
-
-    `translate` maps whole ranges (vectorized) and refuses any range that does
-    not lie inside a single span.
-    """
-
-    def __init__(self, spans: Sequence[tuple[int, int, int]]) -> None:
-        import numpy as np
-
-        ordered = sorted((s, e, m) for s, e, m in spans if e > s)
-        for (_, a_end, _), (b_start, _, _) in zip(ordered, ordered[1:], strict=False):
-            if b_start < a_end:
-                raise TransferError(f"regions overlap at 0x{b_start:x}")
-        table = np.array(ordered, dtype=np.int64).reshape(-1, 3)
-        self._starts, self._ends, self._mapped = table[:, 0], table[:, 1], table[:, 2]
-
-    def translate_many(self, addr, length, side: str):
-        """Map int64 arrays of (addr, length) ranges; raise TransferError naming the first bad one."""
-        import numpy as np
-
-        i = np.searchsorted(self._starts, addr, side="right") - 1
-        safe = np.clip(i, 0, max(len(self._starts) - 1, 0))
-        if len(self._starts) == 0:
-            ok = np.zeros(len(addr), dtype=bool)
-        else:
-            ok = (i >= 0) & (length > 0) & (addr + length <= self._ends[safe])
-        if not ok.all():
-            bad = int(np.argmin(ok))
-            raise TransferError(f"{side} range 0x{int(addr[bad]):x}+{int(length[bad])} is outside the registered KV regions")
-        return addr - self._starts[safe] + self._mapped[safe]
-
-    def translate(self, addr: int, length: int, side: str) -> int:
-        import numpy as np
-
-        return int(self.translate_many(np.array([addr], dtype=np.int64), np.array([length], dtype=np.int64), side)[0])
-
-
-def plan_chunks(descriptors: Sequence[Descriptor], local: SpanMap, remote: SpanMap, chunk: int = CHUNK_BYTES):
-    """Check, translate and split descriptors into an int64 array of (src, dst, nbytes) rows, each at most `chunk` bytes.
-
-    Raises TransferError before returning anything if one descriptor leaves
-    the local or the remote regions, or is not 16-byte aligned.
-    """
-    import numpy as np
-
-    if not descriptors:
-        return np.zeros((0, 3), dtype=np.int64)
-    d = np.array(msgspec.to_builtins(descriptors), dtype=np.int64).reshape(-1, 3)
-    src, dst, length = d[:, 0], d[:, 1], d[:, 2]
-    misaligned = (src | dst | length) % 16 != 0
-    if misaligned.any():
-        raise TransferError(f"descriptor {descriptors[int(np.argmax(misaligned))]} is not 16-byte aligned")
-    s = local.translate_many(src, length, "local")
-    t = remote.translate_many(dst, length, "remote")
-    counts = -(-length // chunk)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    offset = (np.arange(int(counts.sum()), dtype=np.int64) - first) * chunk
-    length_rep = np.repeat(length, counts)
-    out = np.empty((len(offset), 3), dtype=np.int64)
-    out[:, 0] = np.repeat(s, counts) + offset
-    out[:, 1] = np.repeat(t, counts) + offset
-    out[:, 2] = np.minimum(chunk, length_rep - offset)
-    return out
-
-
-def _block_array(blocks, num_blocks: int, side: str):
-    """Block ids as int64, refusing any outside [0, num_blocks) before anything is copied."""
-    import numpy as np
-
-    arr = np.asarray(blocks)
-    if arr.dtype.kind not in "iu" or arr.ndim != 1:
-        raise TransferError(f"{side} block ids must be a list of integers")
-    arr = arr.astype(np.int64, copy=False)
-    bad = (arr < 0) | (arr >= num_blocks)
-    if bad.any():
-        raise TransferError(f"{side} block id {int(arr[np.argmax(bad)])} is outside the {num_blocks} registered blocks")
-    return arr
-
 
 GRAPH_BLOCK_STEP = 16
 MAX_GRAPHS = 64
@@ -159,7 +65,7 @@ class _Peer(msgspec.Struct):
 
 
 class CudaIpcTransport:
-    """Transport for P and D on one host: `export()` on D, `connect()` then `write()` on P.
+    """Transport for P and D on one host: `hello()` (its `export()`) on D, `connect()` then `write_blocks()` on P.
 
     `device` is this process's GPU. With `pull` (the default) the copy kernel
     runs on the peer's GPU and reads this GPU over NVLink, which measured
@@ -184,7 +90,8 @@ class CudaIpcTransport:
         self.driver = CudaDriver()
         self._local: list[tuple[int, int]] = []
         self._local_map = SpanMap([])
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Peer] = {}  # guarded by _lock, as is every field below
+        self._exports: dict[str, IpcExport] = {}  # peer -> the export its open handles came from
         self._streams: dict[int, Any] = {}
         self._staging: dict[int, tuple[Any, Any]] = {}  # device -> (pinned host, device) int64 tables
         self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
@@ -224,10 +131,32 @@ class CudaIpcTransport:
         props = self.torch.cuda.get_device_properties(self.device)
         return IpcExport(host_id(), os.getpid(), self.device, str(getattr(props, "uuid", "")), allocations, regions)
 
-    def connect(self, peer: str, export: IpcExport) -> None:
-        """Open `export`'s handles once; `peer` is the name later writes use."""
+    @property
+    def settings(self) -> dict[str, str]:
+        return {}
+
+    def hello(self) -> IpcExport:
+        return self.export()
+
+    def connect(self, peer: str, hello: IpcExport | None) -> None:
+        """Open `hello`'s handles, once per export; `peer` is the name later writes use. Handles of peers
+        whose process is gone are closed first (a restarted D exports anew)."""
+        if hello is None:
+            raise TransferError("decode sent no CUDA IPC handles, but this engine moves KV with ipc",
+                                hint="use the same mooncake_protocol on P and D")
         with self._lock:
-            self._connect(peer, export)
+            if self._exports.get(peer) == hello:
+                return
+            self._forget_dead_peers()
+            self._connect(peer, hello)
+            self._exports[peer] = hello
+
+    def _forget_dead_peers(self) -> None:
+        import psutil
+
+        for peer, export in list(self._exports.items()):
+            if not psutil.pid_exists(export.pid):
+                self._disconnect(peer)
 
     def _connect(self, peer: str, export: IpcExport) -> None:
         self._bind_thread()
@@ -344,8 +273,8 @@ class CudaIpcTransport:
         if len(chunks):
             self._launch_chunks(self._launch_device(peer), chunks)
 
-    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> int:
-        """Copy whole blocks with one kernel that computes addresses on the GPU; return the bytes moved.
+    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
+        """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
 
         Checks, before any copy: block ids inside both sides' regions, each
         local region inside registered memory, each remote region inside the
@@ -354,7 +283,7 @@ class CudaIpcTransport:
         with self._lock:
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 
-    def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> int:
+    def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
         import numpy as np
 
         self._bind_thread()
@@ -362,10 +291,10 @@ class CudaIpcTransport:
         if len(local_blocks) != len(remote_blocks):
             raise TransferError(f"{len(local_blocks)} local blocks cannot pair with {len(remote_blocks)} remote blocks")
         if not len(local_blocks) or not local_regions:
-            return 0
+            return Written(0, 0)
         layout = self._region_layout(peer, local_regions, remote_regions)
-        lblk = _block_array(local_blocks, layout.local_blocks, "local")
-        rblk = _block_array(remote_blocks, layout.remote_blocks, "remote")
+        lblk = block_array(local_blocks, layout.local_blocks, "local")
+        rblk = block_array(remote_blocks, layout.remote_blocks, "remote")
         device = self._launch_device(peer)
         nr, nb, block_len = layout.regions, len(lblk), layout.block_len
         # Pad the block list to a multiple of GRAPH_BLOCK_STEP by repeating its last pair (the same
@@ -376,7 +305,7 @@ class CudaIpcTransport:
         graph = self._block_graph(device, nr, padded, block_len)
         graph.host.numpy()[:] = np.concatenate([layout.bases, lblk, rblk])
         self._run(device, graph.graph.replay)
-        return nr * nb * block_len
+        return Written(nr * nb * block_len, nr * nb)
 
     def _region_layout(self, peer: str, local_regions: Sequence[Region], remote_regions: Sequence[Region]) -> _RegionLayout:
         """Check a region pairing once (bounds, block lengths) and keep the translated bases for later requests.
@@ -440,6 +369,7 @@ class CudaIpcTransport:
 
     def _disconnect(self, peer: str) -> None:
         self._bind_thread()
+        self._exports.pop(peer, None)
         entry = self._peers.pop(peer, None)
         if entry is not None:
             for stream in self._streams.values():

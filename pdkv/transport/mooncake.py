@@ -49,6 +49,7 @@ from typing import Any
 
 from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport.base import Descriptor
+from pdkv.transport.planned import PlannedWrites
 
 PROTOCOLS = ("tcp", "rdma")
 DEFAULT_WRITE_TIMEOUT_S = 30.0
@@ -173,7 +174,7 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-class MooncakeTransport:
+class MooncakeTransport(PlannedWrites):
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
     Raises StartError when the engine cannot start (wheel missing, no RDMA
@@ -234,6 +235,10 @@ class MooncakeTransport:
     @property
     def session_address(self) -> str:
         return self._session
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return self.mc_settings
 
     @property
     def engine(self) -> Any:

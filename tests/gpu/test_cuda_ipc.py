@@ -75,7 +75,7 @@ def test_ipc_write_lands_exactly_and_refuses_out_of_range():
                 assert got == want
             # The block kernel path: scattered blocks, then the same bytes are checked.
             lblocks, rblocks = [5, 6, 40, 2], [60, 61, 8, 30]
-            assert t.write_blocks("d", lblocks, rblocks, local, remote) == LAYERS * 4 * BLOCK_LEN
+            assert t.write_blocks("d", lblocks, rblocks, local, remote).bytes == LAYERS * 4 * BLOCK_LEN
             parent.send(rblocks)
             assert parent.recv() == [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
             with pytest.raises(TransferError, match="outside"):

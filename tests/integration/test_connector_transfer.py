@@ -25,6 +25,7 @@ from pdkv.connector.state import SendLimits
 from pdkv.protocol import RegisterRequest
 from pdkv.transport import open_transport
 from pdkv.transport.base import Region
+from pdkv.transport.planned import PlannedWrites
 
 LAYERS = 3
 BLOCKS = 16
@@ -73,6 +74,7 @@ def wait_results(receiver: KVReceiver, want: set[str], timeout: float = 10.0) ->
         r = receiver.take_results()
         got.finished |= r.finished
         got.failed.update(r.failed)
+        got.failed_blocks.update(r.failed_blocks)
         if want <= got.finished:
             return got
         time.sleep(0.01)
@@ -373,3 +375,50 @@ def test_unequal_tp_fails_the_pull_at_once_with_the_reason(make_pair):
         assert time.monotonic() - start < 3.0
         assert "unequal TP" in res.failed["d1"]
     d.transport.close()
+
+
+class _HalfThenStall(PlannedWrites):
+    """P's transport for one test: writes the first half of a transfer's descriptors, then stalls until released."""
+
+    protocol = "tcp"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.half_written = threading.Event()
+        self.release = threading.Event()
+
+    def write(self, peer: str, descriptors: list) -> None:
+        self.inner.write(peer, descriptors[: len(descriptors) // 2])
+        self.half_written.set()
+        self.release.wait(10)
+
+
+def test_a_transfer_cut_half_way_reports_every_block_of_the_pull_failed(make_pair):
+    # Half of the KV landed when P's side channel went away: none of the pull's blocks may be trusted.
+    pair = make_pair(liveness_s=30.0)
+    stall = _HalfThenStall(pair.p.transport)
+    pair.sender.transport = stall
+    blocks = [4, 5, 6, 9]
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [0, 1, 2, 3])})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", blocks), pair.spec("d2", "x2", [11])])
+    assert stall.half_written.wait(5)
+    assert any(pair.d.block(0, b).any() for b in blocks)  # some bytes did land
+    pair.sender.close()
+    stall.release.set()
+    res = wait_results(pair.receiver, {"d1", "d2"}, timeout=5)
+    assert "lost the connection" in res.failed["d1"]
+    assert res.failed_blocks["d1"] == tuple(blocks) and res.failed_blocks["d2"] == (11,)
+
+
+def test_a_pull_to_a_prefill_whose_side_channel_is_gone_fails_at_once(make_pair):
+    pair = make_pair(liveness_s=30.0)
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [0])})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
+    assert wait_results(pair.receiver, {"d1"}).failed == {}
+    pair.sender.close()
+    time.sleep(0.3)  # the connection's end reaches D
+    t0 = time.monotonic()
+    pair.receiver.apply_step(pulls=[pair.spec("d2", "x2", [1])])
+    res = wait_results(pair.receiver, {"d2"}, timeout=5)
+    assert time.monotonic() - t0 < 1.0 and "gone" in res.failed["d2"]
+    assert res.failed_blocks["d2"] == (1,)

@@ -1,0 +1,35 @@
+"""The part of the Transport seam shared by transports that move descriptor lists (Mooncake, cma)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdkv.errors import TransferError
+from pdkv.transport.base import Descriptor, Region, Written
+from pdkv.transport.planner import plan_descriptors
+
+
+class PlannedWrites:
+    """`write_blocks` as the planner's coalesced descriptors handed to the transport's own `write`; no hello."""
+
+    protocol: str
+
+    def write(self, peer: str, descriptors: list[Descriptor]) -> None:  # provided by the transport
+        raise NotImplementedError
+
+    def hello(self) -> None:
+        return None
+
+    def connect(self, peer: str, hello: Any) -> None:
+        if hello is not None:
+            raise TransferError(
+                f"decode sent CUDA IPC handles, but this engine moves KV with {self.protocol}",
+                hint="use the same mooncake_protocol on P and D",
+            )
+
+    def write_blocks(
+        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region]
+    ) -> Written:
+        descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions)
+        self.write(peer, descriptors)
+        return Written(sum(d.length for d in descriptors), len(descriptors))
