@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
 
@@ -277,7 +278,7 @@ def up(
             tp=tp,
             block_size=block_size if block_size is not None else (32 if plat == "cpu" else None),
             # P's in-worker bootstrap port is set explicitly, so two prefills on one host never share 8998 by accident.
-            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else 8998,
+            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else DEFAULT_BOOTSTRAP_PORT,
             bootstrap_url=bootstrap,
             host_ip=host_ip,
             omp_bind=omp_bind,

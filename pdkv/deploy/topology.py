@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
 from pdkv.launch import (
@@ -75,7 +76,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: BootstrapMode = "standalone"
-    port: int = 8998
+    port: int = DEFAULT_BOOTSTRAP_PORT
     url: str | None = None
     restart: RestartMode | None = None
 
