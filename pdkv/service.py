@@ -1,30 +1,40 @@
-"""Running pdkv's HTTP services (bootstrap, proxy) with uvicorn's lifecycle:
-start-up, serve until a signal, graceful shutdown with a bound, signals restored.
+"""Running pdkv's services with uvicorn's lifecycle: start-up, serve until a
+signal, graceful shutdown with a bound, signals restored.
 
-Services are aiohttp applications. `serve_forever` is for the CLI;
-`BackgroundService` runs one on its own thread and event loop, for tests and
-for a bootstrap server started inside a vLLM worker.
+`listen` binds every listening socket (bootstrap and proxy). `EventLoopThread`
+is the one asyncio-loop-on-a-thread: the connector's side channels run on it,
+and `BackgroundLoop` (a service on its own thread: the proxy's
+BackgroundProxy, BackgroundService below) starts and stops on it.
+`serve_forever` and `BackgroundService` serve an aiohttp application (the
+bootstrap server; tests' fake engines); the proxy has its own asyncio server
+(pdkv.proxy.server) on the same pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 from pdkv.errors import StartError
 
+log = logging.getLogger("pdkv")
+
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, *, backlog: int = 1024) -> socket.socket:
+    """A non-blocking socket listening on host:port (IPv6 when `host` has a colon; port 0 picks one).
+    Raises StartError naming the address when it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        sock = socket.create_server((host, port), family=family, reuse_port=False, backlog=1024)
+        sock = socket.create_server((host, port), family=family, reuse_port=False, backlog=backlog)
     except OSError as exc:
         raise StartError(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}",
@@ -70,7 +80,7 @@ def serve_forever(
     on_ready: Callable[[str, int], None] | None = None,
 ) -> None:
     """Serve `app` until SIGINT or SIGTERM, then shut down within `shutdown_timeout`."""
-    sock = _bind(host, port)
+    sock = listen(host, port)
     bound_port = sock.getsockname()[1]
 
     async def main() -> None:
@@ -86,8 +96,65 @@ def serve_forever(
     asyncio.run(main())
 
 
+class EventLoopThread:
+    """An asyncio loop on a daemon thread, running from construction until `stop()`.
+
+    `submit` runs a coroutine there from any thread; `call_soon` a callback,
+    dropped once the loop is closed (its owner is shutting down); `call` a
+    function whose result it returns. `stop` cancels the tasks left, then
+    stops and closes the loop.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run `fn(*args)` on the loop; dropped once the loop is closed (its owner is shutting down)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            if not self.loop.is_closed():
+                raise
+
+    def call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
+        """Run `fn` on the loop's thread and return its result (to read loop-owned state safely)."""
+
+        async def on_loop() -> Any:
+            return fn()
+
+        return self.submit(on_loop()).result(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.submit(_cancel_all()).result(timeout)
+        except Exception:  # noqa: BLE001 - shutting down; nothing left to report to
+            pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
 class BackgroundLoop:
-    """A server on a daemon thread with its own event loop; `with X(...) as svc:` starts and stops it.
+    """A server on its own EventLoopThread; `with X(...) as svc:` starts and stops it.
 
     Subclasses say how to start (`_startup`, on the loop), stop (`_shutdown`,
     on the loop) and release what outlives the loop (`_release`). Start-up
@@ -98,11 +165,7 @@ class BackgroundLoop:
 
     def __init__(self, *, shutdown_timeout: float = 2.0) -> None:
         self.shutdown_timeout = shutdown_timeout
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._stop: asyncio.Event | None = None
+        self._thread: EventLoopThread | None = None
 
     async def _startup(self) -> None:
         raise NotImplementedError
@@ -114,52 +177,30 @@ class BackgroundLoop:
         """Release what the loop does not own (listening sockets), after the thread ends."""
 
     def start(self, timeout: float = 10.0) -> BackgroundLoop:
-        self._thread = threading.Thread(target=self._run, name=f"pdkv-{self.label}", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise StartError(f"{self.label} did not start within {timeout:.0f} s")
-        if self._error is not None:
-            raise StartError(f"{self.label} failed to start: {self._error}") from self._error
-        return self
-
-    def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-
-        async def main() -> None:
-            self._stop = asyncio.Event()
-            try:
-                await self._startup()
-            except BaseException as exc:  # surfaced to start()
-                self._error = exc
-                self._ready.set()
-                return
-            self._ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await asyncio.wait_for(self._shutdown(), timeout=self.shutdown_timeout + 1)
-
+        thread = self._thread = EventLoopThread(f"pdkv-{self.label}")
         try:
-            loop.run_until_complete(main())
-        finally:
-            loop.close()
+            thread.submit(self._startup()).result(timeout)
+        except concurrent.futures.TimeoutError:
+            thread.stop(self.shutdown_timeout)
+            raise StartError(f"{self.label} did not start within {timeout:.0f} s") from None
+        except Exception as exc:
+            thread.stop(self.shutdown_timeout)
+            raise StartError(f"{self.label} failed to start: {exc}") from exc
+        return self
 
     def call(self, fn: Callable[[], Any], timeout: float = 5.0) -> Any:
         """Run `fn` on the loop's thread and return its result (to read loop-owned state safely)."""
-        assert self._loop is not None
-
-        async def on_loop() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(on_loop(), self._loop).result(timeout)
+        assert self._thread is not None
+        return self._thread.call(fn, timeout)
 
     def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(timeout=self.shutdown_timeout + 2)
+        thread = self._thread
+        if thread is not None and not thread.loop.is_closed():
+            try:
+                thread.submit(asyncio.wait_for(self._shutdown(), self.shutdown_timeout + 1)).result(self.shutdown_timeout + 2)
+            except Exception:  # noqa: BLE001 - what is left is cancelled below; stopping goes on
+                log.warning("%s: shutdown did not finish cleanly", self.label, exc_info=True)
+            thread.stop(self.shutdown_timeout)
         self._release()
 
     def __enter__(self) -> BackgroundLoop:
@@ -179,7 +220,7 @@ class BackgroundService(BackgroundLoop):
         super().__init__(shutdown_timeout=shutdown_timeout)
         self.app = app
         self.host = host
-        self._sock = _bind(host, port)
+        self._sock = listen(host, port)
         self.port: int = self._sock.getsockname()[1]
         self.label = f"service on {host}:{self.port}"
         self._runner: Any = None

@@ -13,26 +13,12 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from pdkv.errors import StartError
 from pdkv.proxy.app import ProxyApp
 from pdkv.proxy.http import ServerConnection
 from pdkv.proxy.routing import ProxyConfig
-from pdkv.service import BackgroundLoop, stop_on_signals
+from pdkv.service import BackgroundLoop, listen, stop_on_signals
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        sock = socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise StartError(
-            f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-            hint="pick another --port or stop what holds this one",
-        ) from None
-    sock.setblocking(False)
-    return sock
 
 
 class ProxyServer:
@@ -41,7 +27,7 @@ class ProxyServer:
     def __init__(self, config: ProxyConfig, sock: socket.socket | None = None) -> None:
         self.config = config
         self.app = ProxyApp(config)
-        self.sock = sock if sock is not None else bind(config.host, config.port)
+        self.sock = sock if sock is not None else listen(config.host, config.port, backlog=2048)
         self.port: int = self.sock.getsockname()[1]
         self._server: asyncio.AbstractServer | None = None
         self._health: asyncio.Task | None = None
