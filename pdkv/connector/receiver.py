@@ -65,6 +65,7 @@ class KVReceiver:
         self._peer_of: dict[str, str] = {}  # d_req_id -> P address
         self._done_tid: dict[str, str] = {}  # d_req_id -> transfer_id, KV arrived, first token pending
         self._ctx: Any = None
+        self._closed = False
         self._ticker = self._loop.submit(self._tick_forever())
 
     # --- model runner's thread -----------------------------------------------
@@ -262,7 +263,7 @@ class KVReceiver:
             if self._ctx is not None:
                 self._ctx.term()
 
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
         self._ticker.cancel()

@@ -97,6 +97,7 @@ class KVSender:
         self._table_lock = threading.RLock()
         self.wait_write_s = wait_write_s
         self.heartbeat_s = heartbeat_s
+        self._last_beat = 0.0  # the ticker's: when it last sent parked pulls a heartbeat
         self.trace = trace or TraceLog("prefill", engine_id=engine_id, tp_rank=tp_rank)
         self._finished: set[str] = set()
         self._lock = threading.Lock()
@@ -329,7 +330,7 @@ class KVSender:
                     actions = self.table.tick(now)
                     parked_pulls = self.table.parked_pulls()
                 self._run(actions)
-                if now - getattr(self, "_last_beat", 0.0) >= self.heartbeat_s:
+                if now - self._last_beat >= self.heartbeat_s:
                     self._last_beat = now
                     for tid, parked, deadline in parked_pulls:
                         bound = max(0.0, deadline - now) if deadline is not None else 0.0
