@@ -132,11 +132,17 @@ def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
         render_trace(trace)
 
 
+def _served_model(parts: list[Any], served: str | None) -> str:
+    engine = next(p for p in parts if p.spec is not None)
+    return served or engine.spec.model
+
+
 def _supervise(
     parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool,
     once: bool = False, restart: str | None = None,
 ) -> None:
     from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
+    from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
     from pdkv.errors import PdkvError
 
     kinds = {p.plan.name: p.kind for p in parts}
@@ -183,9 +189,12 @@ def _supervise(
             if live is not None:
                 live.stop()
                 live = None
-        emit("ready", ready_s=round(total, 1), parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
+        warmup_ms = warm_up_deployment(parts, _served_model(parts, served), timeout=min(timeout, WARMUP_TIMEOUT_S))
+        emit("ready", ready_s=round(total, 1), warmup_ms=[round(ms, 1) for ms in warmup_ms],
+             parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
         if not json_out:
-            console.print(f"all {len(parts)} parts ready in {total:.1f} s; logs in {log_dir}/")
+            warmed = f" (warm-up request{'s' * (len(warmup_ms) > 1)} {', '.join(f'{ms:.0f}' for ms in warmup_ms)} ms)" if warmup_ms else ""
+            console.print(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/")
             for line in _ready_message(parts, served):
                 console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
         if trace:
