@@ -6,7 +6,8 @@ turns them into one PreflightError, one problem per line.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import msgspec
 
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
 from pdkv.errors import ConfigError
+
+SHIM_FOLDER = "cpu_accelerator"  # tests/shims/cpu_accelerator: a test-only fake accelerator index for vLLM's connector
 
 
 class Problem(msgspec.Struct, frozen=True):
@@ -79,6 +82,25 @@ def _engine_facts(part: Part) -> tuple[dict[str, Any] | None, Problem | None]:
         return load_config(path), None
     except ConfigError as exc:
         return None, Problem(part.plan.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json")
+
+
+def cpu_accelerator_shim(part: Part, environ: Mapping[str, str] | None = None) -> bool:
+    """True when the engine's PYTHONPATH (its own env, else the caller's) has a folder named
+    `cpu_accelerator` holding a `sitecustomize.py`: the test-only shim (tests/shims/cpu_accelerator)
+    under which vLLM's MooncakeConnector does run on CPU, as the e2e tests and the handover benchmark run it."""
+    env = os.environ if environ is None else environ
+    path = part.plan.env.get("PYTHONPATH", env.get("PYTHONPATH", ""))
+    return any(Path(entry).name == SHIM_FOLDER and (Path(entry) / "sitecustomize.py").is_file() for entry in path.split(os.pathsep) if entry)
+
+
+def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None) -> list[Problem]:
+    """vLLM's MooncakeConnector on a CPU engine, without the shim: one problem naming every such engine."""
+    names = [p.plan.name for p in parts if p.spec is not None and p.spec.connector == "mooncake" and p.spec.platform == "cpu"
+             and p.spec.role != "none" and not cpu_accelerator_shim(p, environ)]
+    if not names:
+        return []
+    return [Problem(", ".join(names), "vLLM's MooncakeConnector needs GPU KV caches; on a CPU host the engine dies with "
+                    "\"Cannot access accelerator device when none is available\"", "use --connector pdkv (connector = \"pdkv\" in deploy.toml)")]
 
 
 def check_engines(parts: list[Part]) -> list[Problem]:
@@ -158,7 +180,7 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
 
 def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Problem]:
     """Every pre-flight problem of `parts`, in start order; empty when all is well."""
-    return check_ports(parts) + check_engines(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls))
+    return check_ports(parts) + check_connector(parts) + check_engines(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls))
 
 
 def raise_problems(problems: list[Problem]) -> None:

@@ -193,6 +193,17 @@ def test_local_cpu_dry_run_moves_kv_with_cma(capsys):
         assert config["kv_connector_extra_config"]["mooncake_protocol"] == "cma"
 
 
+def test_preflight_refuses_vllms_connector_on_a_cpu_host(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
+    err = preflight_fails(capsys, "--role", "prefill", "--connector", "mooncake", "--model", str(qwen3_8b), "--platform", "cpu",
+                          "--host", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap-port", str(free_port()),
+                          "--log-dir", str(tmp_path / "logs"))
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("pdkv: error: pre-flight: prefill: vLLM's MooncakeConnector needs GPU KV caches")
+    assert "Cannot access accelerator device when none is available" in lines[0]
+    assert lines[1].strip() == 'hint: use --connector pdkv (connector = "pdkv" in deploy.toml)'
+    assert not (tmp_path / "logs").exists()
+
+
 def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: Path) -> None:
     deploy = tmp_path / "deploy.toml"
     deploy.write_text(

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
-from pdkv.deploy.preflight import check_cma, check_engines, raise_problems
+from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems
 from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.topology import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
@@ -218,6 +218,21 @@ def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_p
     (yama / "ptrace_scope").write_text("3\n")
     [problem] = check_cma(cma, proc_root=str(tmp_path / "proc"))
     assert "ptrace_scope is 3" in problem.what and "--protocol tcp" in problem.fix
+
+
+def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonpath(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")
+    parts = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake")
+    [problem] = check_connector(parts, environ={})
+    assert problem.part == "prefill-0, decode-0"
+    assert "Cannot access accelerator device" in problem.what and "--connector pdkv" in problem.fix
+    shim = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
+    assert check_connector(parts, environ={"PYTHONPATH": f"/elsewhere:{shim}"}) == []  # the caller's PYTHONPATH
+    with_env = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)})
+    assert check_connector(with_env, environ={}) == []  # the deployment's env
+    assert len(check_connector(parts, environ={"PYTHONPATH": str(tmp_path)})) == 1  # another folder is not the shim
+    assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), environ={}) == []
+    assert check_connector(_parts({}, {}, model=model, platform="gpu", connector="mooncake"), environ={}) == []
 
 
 def test_problems_become_one_preflight_error_one_line_each(tmp_path: Path) -> None:
