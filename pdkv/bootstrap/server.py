@@ -23,14 +23,16 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdkv.bootstrap.registry import BootstrapRegistry, Conflict, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
+from pdkv.metrics import CONTENT_TYPE, render
 from pdkv.protocol import (
     DeregisterRequest,
     DeregisterResponse,
@@ -57,47 +59,30 @@ class ProbePolicy:
     failures: int = 3
 
 
-@dataclass
-class Counters:
-    registrations: dict[str, int] = field(default_factory=lambda: {o.value: 0 for o in Outcome})
-    rejects: dict[str, int] = field(default_factory=lambda: {"conflict": 0, "invalid": 0, "unauthorized": 0})
-    deregistrations: int = 0
-    queries: int = 0
-    evictions: int = 0  # dropped by the liveness sweep
+class BootstrapMetrics:
+    """What GET /metrics shows, on its own prometheus_client registry: counters the handlers bump and
+    the registry's size, read when rendered."""
+
+    def __init__(self, engines: BootstrapRegistry) -> None:
+        self.registry = r = CollectorRegistry()
+        registrations = Counter("pdkv_bootstrap_registrations_total", "Accepted POST /register calls, by result.", ["result"], registry=r)
+        self.registrations = {o.value: registrations.labels(o.value) for o in Outcome}
+        rejects = Counter(
+            "pdkv_bootstrap_rejects_total", "Refused POST /register and /deregister calls, by reason.", ["reason"], registry=r
+        )
+        self.rejects = {k: rejects.labels(k) for k in ("conflict", "invalid", "unauthorized")}
+        self.queries = Counter("pdkv_bootstrap_queries_total", "GET /query calls answered.", registry=r)
+        self.deregistrations = Counter("pdkv_bootstrap_deregistrations_total", "POST /deregister calls accepted.", registry=r)
+        self.evictions = Counter("pdkv_bootstrap_evictions_total", "Engines dropped by the liveness sweep.", registry=r)
+        Gauge("pdkv_bootstrap_engines", "DP ranks with a registered engine.", registry=r).set_function(lambda: engines.engine_count)
+        Gauge("pdkv_bootstrap_workers", "Registered worker addresses.", registry=r).set_function(lambda: engines.worker_count)
+
+    def render(self) -> str:
+        return render(self.registry)
 
 
 REGISTRY = web.AppKey("pdkv_bootstrap_registry", BootstrapRegistry)
-COUNTERS = web.AppKey("pdkv_bootstrap_counters", Counters)
-_PROM_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def render_metrics(c: Counters, registry: BootstrapRegistry) -> str:
-    """Prometheus text exposition of the counters and the registry's size."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, int]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-    metric(
-        "pdkv_bootstrap_registrations_total",
-        "counter",
-        "Accepted POST /register calls, by result.",
-        [(f'{{result="{k}"}}', v) for k, v in c.registrations.items()],
-    )
-    metric(
-        "pdkv_bootstrap_rejects_total",
-        "counter",
-        "Refused POST /register and /deregister calls, by reason.",
-        [(f'{{reason="{k}"}}', v) for k, v in c.rejects.items()],
-    )
-    metric("pdkv_bootstrap_queries_total", "counter", "GET /query calls answered.", [("", c.queries)])
-    metric("pdkv_bootstrap_deregistrations_total", "counter", "POST /deregister calls accepted.", [("", c.deregistrations)])
-    metric("pdkv_bootstrap_evictions_total", "counter", "Engines dropped by the liveness sweep.", [("", c.evictions)])
-    metric("pdkv_bootstrap_engines", "gauge", "DP ranks with a registered engine.", [("", registry.engine_count)])
-    metric("pdkv_bootstrap_workers", "gauge", "Registered worker addresses.", [("", registry.worker_count)])
-    return "\n".join(lines) + "\n"
+METRICS = web.AppKey("pdkv_bootstrap_metrics", BootstrapMetrics)
 
 
 async def accepts_connection(addr: str, timeout: float) -> bool:
@@ -147,7 +132,7 @@ class _Handlers:
         self.registry = registry
         self.token = token
         self.probe = probe
-        self.counters = Counters()
+        self.metrics = BootstrapMetrics(registry)
         self._query_cache: tuple[int, bytes] = (-1, b"")
 
     def _unauthorized(self, request: web.Request) -> web.Response | None:
@@ -157,7 +142,7 @@ class _Handlers:
         scheme, _, value = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token.encode()):
             return None
-        self.counters.rejects["unauthorized"] += 1
+        self.metrics.rejects["unauthorized"].inc()
         what = "a wrong token" if given else "no token"
         log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, what)
         return _error(401, f"{request.path} needs the bootstrap token (Authorization: Bearer ...); got {what}")
@@ -167,15 +152,15 @@ class _Handlers:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            self.counters.rejects["invalid"] += 1
+            self.metrics.rejects["invalid"].inc()
             return _error(413, f"body larger than {MAX_BODY} bytes")
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as exc:
-            self.counters.rejects["invalid"] += 1
+            self.metrics.rejects["invalid"].inc()
             return _error(422, f"invalid {request.path[1:]} request: {exc}")
         except msgspec.DecodeError as exc:
-            self.counters.rejects["invalid"] += 1
+            self.metrics.rejects["invalid"].inc()
             return _error(400, f"body is not valid JSON: {exc}")
 
     async def register(self, request: web.Request) -> web.Response:
@@ -196,15 +181,15 @@ class _Handlers:
             except RegistryConflict as exc:
                 latest = self.registry.check(req)
                 if latest == conflict:
-                    self.counters.rejects["conflict"] += 1
+                    self.metrics.rejects["conflict"].inc()
                     message = f"{exc.message}: engine {conflict.holder!r} still answers at {', '.join(conflict.holder_addrs)}; stop it or deregister it first"
                     log.warning("conflict: %s", message)
                     return _error(409, message)
                 conflict = latest
         else:
-            self.counters.rejects["conflict"] += 1
+            self.metrics.rejects["conflict"].inc()
             return _error(409, f"registration of {req.engine_id!r} at {req.addr} kept conflicting with concurrent registrations")
-        self.counters.registrations[outcome.value] += 1
+        self.metrics.registrations[outcome.value].inc()
         if outcome is not Outcome.UNCHANGED:
             extra = f" (evicted dead engine {conflict.holder!r})" if outcome is Outcome.REPLACED and conflict else ""
             log.info("registered engine %r dp=%d tp=%d pp=%d at %s%s", req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr, extra)
@@ -217,13 +202,13 @@ class _Handlers:
         if not isinstance(req, DeregisterRequest):
             return req
         removed = self.registry.deregister(req.engine_id)
-        self.counters.deregistrations += 1
+        self.metrics.deregistrations.inc()
         if removed:
             log.info("deregistered engine %r (%d workers)", req.engine_id, removed)
         return _ok(DeregisterResponse(status="ok", removed=removed))
 
     async def query(self, request: web.Request) -> web.Response:
-        self.counters.queries += 1
+        self.metrics.queries.inc()
         version, body = self._query_cache
         if version != self.registry.version:
             body = msgspec.json.encode(self.registry.query())
@@ -233,16 +218,15 @@ class _Handlers:
     async def health(self, request: web.Request) -> web.Response:
         return _ok(HealthResponse(status="ok", engines=self.registry.engine_count, workers=self.registry.worker_count))
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        text = render_metrics(self.counters, self.registry)
-        return web.Response(body=text.encode(), headers={"Content-Type": _PROM_TYPE})
+    async def serve_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def sweep_once(self) -> None:
         holders = self.registry.holders()
         results = await asyncio.gather(*(_none_answers(addrs, self.probe.timeout) for _, _, addrs in holders))
         for (dp, engine_id, addrs), dead in zip(holders, results, strict=True):
             if self.registry.record_probe(dp, engine_id, alive=not dead, max_failures=self.probe.failures):
-                self.counters.evictions += 1
+                self.metrics.evictions.inc()
                 log.warning("dropped engine %r at dp=%d: %s did not answer %d probes in a row", engine_id, dp, ", ".join(addrs), self.probe.failures)
 
     async def sweep_forever(self, app: web.Application) -> AsyncIterator[None]:  # aiohttp cleanup_ctx
@@ -266,17 +250,17 @@ def make_app(registry: BootstrapRegistry | None = None, *, token: str | None = N
     """The bootstrap aiohttp Application over `registry` (a new one if None).
 
     `token`: if set, POST /register and /deregister must carry `Authorization: Bearer <token>`.
-    The registry and counters are reachable as `app[REGISTRY]` / `app[COUNTERS]`.
+    The registry and the metrics are reachable as `app[REGISTRY]` / `app[METRICS]`.
     """
     handlers = _Handlers(registry if registry is not None else BootstrapRegistry(), token or None, probe or ProbePolicy())
     app = web.Application(client_max_size=MAX_BODY)
     app[REGISTRY] = handlers.registry
-    app[COUNTERS] = handlers.counters
+    app[METRICS] = handlers.metrics
     app.router.add_post("/register", handlers.register)
     app.router.add_post("/deregister", handlers.deregister)
     app.router.add_get("/query", handlers.query)
     app.router.add_get("/health", handlers.health)
-    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/metrics", handlers.serve_metrics)
     app.cleanup_ctx.append(handlers.sweep_forever)
     return app
 
@@ -288,7 +272,7 @@ class BootstrapService(BackgroundService):
     def __init__(self, app: web.Application, host: str, port: int) -> None:
         super().__init__(app, host, port)
         self.registry: BootstrapRegistry = app[REGISTRY]
-        self.counters: Counters = app[COUNTERS]
+        self.metrics: BootstrapMetrics = app[METRICS]
         self._started = False
 
     def start(self, timeout: float = 10.0) -> BootstrapService:

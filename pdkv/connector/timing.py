@@ -1,4 +1,4 @@
-"""Per-transfer timing (the steps of docs/timeline.md, unix seconds) and Prometheus-style metrics.
+"""Per-transfer timing (the steps of docs/timeline.md, unix seconds) and the connector's Prometheus metrics.
 
 Event names, in seed order:
 
@@ -11,7 +11,8 @@ Event names, in seed order:
 P holds the whole trace: D reports its events to P over the side channel
 once its first token is scheduled. `TraceLog.query` serves `pdkv trace`
 (StatsQuery on P's side channel, whose address the bootstrap registry
-lists); `trace_dir` also gets one JSON line per transfer.
+lists); `trace_dir` also gets one JSON line per transfer. The metrics text
+(`render_metrics`, through prometheus_client) travels in the same StatsReply.
 """
 
 from __future__ import annotations
@@ -22,35 +23,12 @@ from collections import OrderedDict
 from pathlib import Path
 
 import msgspec
+from prometheus_client import CollectorRegistry, Counter
 
+from pdkv.metrics import histogram, render
 from pdkv.protocol import TransferTrace
 
-# Transfer durations and handovers span sub-millisecond loopback writes to multi-second waits.
-BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 MAX_TRACES = 10_000
-
-
-class Histogram:
-    def __init__(self, buckets: tuple[float, ...] = BUCKETS_S) -> None:
-        self.buckets = buckets
-        self.counts = [0] * len(buckets)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, v: float) -> None:
-        self.n += 1
-        self.total += v
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-
-    def render(self, name: str, labels: str) -> list[str]:
-        sep = "," if labels else ""
-        lines = [f'{name}_bucket{{{labels}{sep}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts, strict=True)]
-        lines.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
-        lines.append(f"{name}_sum{{{labels}}} {self.total:.6f}")
-        lines.append(f"{name}_count{{{labels}}} {self.n}")
-        return lines
 
 
 class TraceLog:
@@ -64,12 +42,30 @@ class TraceLog:
         if trace_dir:
             Path(trace_dir).mkdir(parents=True, exist_ok=True)
             self._file = open(Path(trace_dir) / f"pdkv-{role}-{engine_id or 'engine'}-tp{tp_rank}.jsonl", "ab")  # noqa: SIM115 - closed in close()
-        self.outcomes: dict[str, int] = {}
-        self.bytes_total = 0
-        self.descriptors_total = 0
-        self.transfer_s = Histogram()
-        self.handover_s = Histogram()
-        self.malformed_total = 0
+        self.registry = r = CollectorRegistry()
+        self._outcomes = Counter("pdkv_connector_transfers_total", "Transfers by outcome.", ["role", "outcome"], registry=r)
+        self._bytes = Counter("pdkv_connector_bytes_total", "KV bytes written to decode engines.", ["role"], registry=r).labels(role)
+        self._descriptors = Counter("pdkv_connector_descriptors_total", "Write descriptors issued.", ["role"], registry=r).labels(role)
+        self._malformed = Counter(
+            "pdkv_connector_malformed_total", "Side-channel messages refused as malformed.", ["role"], registry=r
+        ).labels(role)
+        self.transfer_s = histogram("pdkv_connector_transfer_seconds", "Duration of one KV write.", r, ["role"]).labels(role)
+        self.handover_s = histogram(
+            "pdkv_connector_handover_seconds", "P prefill done to D first token scheduled.", r, ["role"]
+        ).labels(role)
+
+    def malformed(self) -> None:
+        """Count one side-channel message refused as malformed."""
+        self._malformed.inc()
+
+    @property
+    def malformed_total(self) -> int:
+        return int(self.registry.get_sample_value("pdkv_connector_malformed_total", {"role": self.role}) or 0)
+
+    @malformed_total.setter
+    def malformed_total(self, value: int) -> None:
+        # The sender still counts with `trace.malformed_total += 1`; malformed() is the way to count.
+        self._malformed.inc(value - self.malformed_total)
 
     def _get(self, tid: str) -> TransferTrace:
         t = self._traces.get(tid)
@@ -105,11 +101,11 @@ class TraceLog:
             t.status, t.error = status, error
             if nbytes:
                 t.bytes, t.descriptors = nbytes, descriptors
-                self.bytes_total += nbytes
-                self.descriptors_total += descriptors
+                self._bytes.inc(nbytes)
+                self._descriptors.inc(descriptors)
                 if "transfer_start" in t.events and "transfer_end" in t.events:
                     self.transfer_s.observe(t.events["transfer_end"] - t.events["transfer_start"])
-            self.outcomes[status] = self.outcomes.get(status, 0) + 1
+            self._outcomes.labels(self.role, status).inc()
             if self.role == "decode" or status != "sent":
                 self._write(t)
 
@@ -133,29 +129,9 @@ class TraceLog:
         return out[-limit:]
 
     def render_metrics(self) -> str:
-        role = f'role="{self.role}"'
-        with self._lock:
-            lines = [
-                "# HELP pdkv_connector_transfers_total Transfers by outcome.",
-                "# TYPE pdkv_connector_transfers_total counter",
-                *(f'pdkv_connector_transfers_total{{{role},outcome="{k}"}} {v}' for k, v in sorted(self.outcomes.items())),
-                "# HELP pdkv_connector_bytes_total KV bytes written to decode engines.",
-                "# TYPE pdkv_connector_bytes_total counter",
-                f"pdkv_connector_bytes_total{{{role}}} {self.bytes_total}",
-                "# HELP pdkv_connector_descriptors_total Write descriptors issued.",
-                "# TYPE pdkv_connector_descriptors_total counter",
-                f"pdkv_connector_descriptors_total{{{role}}} {self.descriptors_total}",
-                "# HELP pdkv_connector_malformed_total Side-channel messages refused as malformed.",
-                "# TYPE pdkv_connector_malformed_total counter",
-                f"pdkv_connector_malformed_total{{{role}}} {self.malformed_total}",
-                "# HELP pdkv_connector_transfer_seconds Duration of one KV write.",
-                "# TYPE pdkv_connector_transfer_seconds histogram",
-                *self.transfer_s.render("pdkv_connector_transfer_seconds", role),
-                "# HELP pdkv_connector_handover_seconds P prefill done to D first token scheduled.",
-                "# TYPE pdkv_connector_handover_seconds histogram",
-                *self.handover_s.render("pdkv_connector_handover_seconds", role),
-            ]
-        return "\n".join(lines) + "\n"
+        """This worker's counters and histograms in the Prometheus text format."""
+        with self._lock:  # every figure from one moment
+            return render(self.registry)
 
     def close(self) -> None:
         with self._lock:

@@ -54,7 +54,7 @@ def standalone_bootstrap():
 def metric(url: str, name: str) -> int:
     for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
         if line.startswith(name + " "):
-            return int(line.rsplit(" ", 1)[1])
+            return int(float(line.rsplit(" ", 1)[1]))  # prometheus_client writes counts as floats
     raise AssertionError(f"{name} not in {url}/metrics")
 
 

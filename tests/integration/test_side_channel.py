@@ -137,4 +137,4 @@ def test_stats_query_returns_traces_and_metrics(world):
     assert isinstance(reply, StatsReply) and reply.engine_id == "e"
     [t] = [t for t in reply.traces if t.transfer_id == "ok"]
     assert t.status == "sent" and t.bytes == 2 * BLOCK_LEN and t.descriptors == 2
-    assert 'pdkv_connector_transfers_total{role="prefill",outcome="sent"} 1' in reply.metrics
+    assert 'pdkv_connector_transfers_total{outcome="sent",role="prefill"} 1.0\n' in reply.metrics

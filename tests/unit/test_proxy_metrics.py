@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdkv.protocol import ProxyTiming
-from pdkv.proxy.metrics import Histogram, ProxyMetrics, TimingLog
+from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 
 
 def _timing(rid: str, **kw) -> ProxyTiming:
@@ -13,15 +13,15 @@ def _timing(rid: str, **kw) -> ProxyTiming:
 
 
 def test_histogram_buckets_are_cumulative():
-    h = Histogram("x_seconds", "x")
+    m = ProxyMetrics()
     for s in (0.0002, 0.003, 0.003, 7.0):
-        h.observe(s)
-    lines = list(h.render())
-    assert 'x_seconds_bucket{le="0.0005"} 1' in lines
-    assert 'x_seconds_bucket{le="0.005"} 3' in lines
-    assert 'x_seconds_bucket{le="10"} 4' in lines
-    assert 'x_seconds_bucket{le="+Inf"} 4' in lines
-    assert "x_seconds_count 4" in lines
+        m.prefill.observe(s)
+    lines = m.render([]).splitlines()
+    assert 'pdkv_proxy_prefill_seconds_bucket{le="0.0005"} 1.0' in lines
+    assert 'pdkv_proxy_prefill_seconds_bucket{le="0.005"} 3.0' in lines
+    assert 'pdkv_proxy_prefill_seconds_bucket{le="10.0"} 4.0' in lines
+    assert 'pdkv_proxy_prefill_seconds_bucket{le="+Inf"} 4.0' in lines
+    assert "pdkv_proxy_prefill_seconds_count 4.0" in lines
 
 
 def test_metrics_split_ttft_and_count_errors_by_cause():
@@ -38,7 +38,15 @@ def test_metrics_split_ttft_and_count_errors_by_cause():
     assert "pdkv_proxy_ttfb_seconds_count 1" in text
     assert 'pdkv_proxy_backend_up{role="decode",url="http://d:1"} 0' in text
     assert 'pdkv_proxy_outstanding{role="decode",url="http://d:1"} 2' in text
-    assert m.ttfb.sum == pytest.approx(0.06, abs=1e-6)
+    assert m.registry.get_sample_value("pdkv_proxy_ttfb_seconds_sum") == pytest.approx(0.06, abs=1e-6)
+
+
+def test_backends_gone_from_the_rows_are_gone_from_the_gauges():
+    m = ProxyMetrics()
+    m.render([("prefill", "http://p:1", True, 0), ("decode", "http://d:1", True, 1)])
+    text = m.render([("decode", "http://d:1", False, 0)])
+    assert 'url="http://p:1"' not in text
+    assert 'pdkv_proxy_backend_up{role="decode",url="http://d:1"} 0.0' in text
 
 
 def test_timing_log_is_bounded_and_finds_by_request_or_transfer_id():
