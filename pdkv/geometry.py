@@ -259,5 +259,27 @@ def geometry_from_config(config: dict[str, Any], *, tp: int = 1, dtype: str | No
     )
 
 
+def geometry_from_options(
+    model: str | Path | None,
+    layers: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    dtype: str | None,
+    tp: int = 1,
+) -> KVGeometry:
+    """The KV geometry from --model, or from explicit --layers --kv-heads --head-dim (and --dtype); one or the other."""
+    explicit = (layers, kv_heads, head_dim)
+    if model is not None:
+        if any(v is not None for v in explicit):
+            raise UsageError("give either --model or --layers/--kv-heads/--head-dim, not both")
+        return geometry_from_model(model, tp=tp, dtype=dtype)
+    if layers is None or kv_heads is None or head_dim is None:
+        raise UsageError(
+            "no model geometry given",
+            hint="pass --model DIR, or all of --layers --kv-heads --head-dim (and --dtype)",
+        )
+    return dense_geometry(layers, kv_heads, head_dim, dtype or "bfloat16", tp=tp)
+
+
 def geometry_from_model(model: str | Path, *, tp: int = 1, dtype: str | None = None) -> KVGeometry:
     return geometry_from_config(load_config(model), tp=tp, dtype=dtype)

@@ -3,5 +3,6 @@
 `layout` (pure: block ids per layout, sweeps, statistics), `memory` (per-layer
 KV buffers on cpu or cuda:N), `control` (the decode side and its ZMQ control
 channel), `baseline` (bare TransferEngine calls, transfer_engine_bench),
-`runner` (run_bench: one report for every case).
+`runner` (run_bench: one report for every case), `options` (the BenchSpec of
+`pdkv bench`'s options, for the CLI and `python -m pdkv.bench` alike).
 """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import socket
 from pathlib import Path
 
 import typer
@@ -11,7 +10,7 @@ from rich import box
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pdkv.cli.options import BlockSizeOpt, DtypeOpt, HeadDimOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt, resolve_geometry
+from pdkv.cli.options import BlockSizeOpt, DtypeOpt, HeadDimOpt, JsonOpt, KvHeadsOpt, LayersOpt, ModelOpt
 from pdkv.cli.output import console, err_console, print_json
 from pdkv.errors import UsageError
 
@@ -52,34 +51,9 @@ Examples:
   pdkv bench serve --host 10.0.0.2 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0 --json
 """
 
+PROTOCOL_HELP = "tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."
+
 bench_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
-
-
-def _parse_settings(items: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"cannot read --mc {item!r}", hint="write it as MC_NAME=VALUE, e.g. --mc MC_TCP_SLICE_SIZE=1048576")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _address_towards(target: str) -> str:
-    """This host's address on the route to `target` (UDP connect sends nothing)."""
-    host = target.rsplit(":", 1)[0].strip("[]")
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _check_target(target: str) -> None:
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise UsageError(f"--target {target!r} is not HOST:PORT", hint="use the address `pdkv bench serve` printed")
 
 
 def bench(
@@ -91,7 +65,7 @@ def bench(
     head_dim: HeadDimOpt = None,
     dtype: DtypeOpt = None,
     block_size: BlockSizeOpt = 16,
-    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."),
+    protocol: str = typer.Option("tcp", "--protocol", help=PROTOCOL_HELP),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0; also where the link rate is read."),
     src: str = typer.Option("cpu", "--src", help="Where P's KV lives: cpu or cuda:N."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N (local target only)."),
@@ -110,31 +84,14 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    from pdkv.bench.layout import expand_layouts, parse_sweep
-    from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
+    from pdkv.bench.options import spec_from_options
+    from pdkv.bench.runner import run_bench
 
-    geometry = resolve_geometry(model, layers, kv_heads, head_dim, dtype)
-    swept = parse_sweep(sweep)
-    if target is not None:
-        _check_target(target)
-    spec = BenchSpec(
-        geometry=geometry,
-        block_size=block_size,
-        blocks=swept.get("blocks", [blocks]),
-        layouts=swept.get("layout", expand_layouts(layout)),
-        protocol=protocol,
-        device=device,
-        hostname=hostname or (_address_towards(target) if target else "127.0.0.1"),
-        src=src,
-        dst=dst,
-        iters=iters,
-        warmup=warmup,
-        seed=seed,
-        link_gbps=link_gbps,
-        baseline=baseline,
-        target=target,
-        settings=settings_from_env(_parse_settings(mc)),
-    )
+    spec = spec_from_options(
+        model=model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, blocks=blocks,
+        layout=layout, sweep=sweep, protocol=protocol, device=device, src=src, dst=dst, iters=iters, warmup=warmup, seed=seed,
+        link_gbps=link_gbps, baseline=baseline, target=target, hostname=hostname, mc=mc,
+    )  # fmt: skip
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -241,8 +198,10 @@ def _write_csv(path: Path, report) -> None:
 def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for the control channel (0.0.0.0 for all)."),
     port: int = typer.Option(18600, "--port", help="Control port; 0 picks a free one."),
-    advertise: str | None = typer.Option(None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."),
-    protocol: str = typer.Option("tcp", "--protocol", help="tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."),
+    advertise: str | None = typer.Option(
+        None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."
+    ),
+    protocol: str = typer.Option("tcp", "--protocol", help=PROTOCOL_HELP),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
@@ -250,10 +209,11 @@ def serve(
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.bench.control import BenchTarget
+    from pdkv.bench.options import parse_settings
     from pdkv.bench.runner import settings_from_env
 
     with BenchTarget(
-        host, port, advertise=advertise, protocol=protocol, device_name=device, dst=dst, settings=settings_from_env(_parse_settings(mc))
+        host, port, advertise=advertise, protocol=protocol, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
     ) as target:
         if json_out:
             print_json({"address": target.address, "session": target.transport.session_address, "protocol": protocol, "dst": target.dst})

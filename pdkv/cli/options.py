@@ -26,17 +26,6 @@ def resolve_geometry(
     tp: int = 1,
 ):
     """The KV geometry from --model or from explicit --layers --kv-heads --head-dim --dtype."""
-    from pdkv.errors import UsageError
-    from pdkv.geometry import dense_geometry, geometry_from_model
+    from pdkv.geometry import geometry_from_options
 
-    explicit = (layers, kv_heads, head_dim)
-    if model is not None:
-        if any(v is not None for v in explicit):
-            raise UsageError("give either --model or --layers/--kv-heads/--head-dim, not both")
-        return geometry_from_model(model, tp=tp, dtype=dtype)
-    if any(v is None for v in explicit):
-        raise UsageError(
-            "no model geometry given",
-            hint="pass --model DIR, or all of --layers --kv-heads --head-dim (and --dtype)",
-        )
-    return dense_geometry(layers, kv_heads, head_dim, dtype or "bfloat16", tp=tp)  # type: ignore[arg-type]
+    return geometry_from_options(model, layers, kv_heads, head_dim, dtype, tp)

@@ -1,0 +1,92 @@
+"""A `pdkv bench` run from its command-line options: `pdkv bench` (typer) and `python -m pdkv.bench`
+(argparse, for hosts without the CLI's dependencies) both call `spec_from_options`, so every check
+and default of an option lives here once.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+from pdkv.bench.layout import expand_layouts, parse_sweep
+from pdkv.bench.runner import BenchSpec, settings_from_env
+from pdkv.errors import UsageError
+from pdkv.geometry import geometry_from_options
+
+
+def parse_settings(items: Sequence[str]) -> dict[str, str]:
+    """`--mc MC_NAME=VALUE` items as a dict."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"cannot read --mc {item!r}", hint="write it as MC_NAME=VALUE, e.g. --mc MC_TCP_SLICE_SIZE=1048576")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def address_towards(target: str) -> str:
+    """This host's address on the route to `target` (UDP connect sends nothing)."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def check_target(target: str) -> None:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise UsageError(f"--target {target!r} is not HOST:PORT", hint="use the address `pdkv bench serve` printed")
+
+
+def spec_from_options(
+    *,
+    model: str | None = None,
+    layers: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype: str | None = None,
+    block_size: int = 16,
+    blocks: int = 63,
+    layout: Sequence[str] = ("contiguous",),
+    sweep: Sequence[str] = (),
+    protocol: str = "tcp",
+    device: str = "",
+    src: str = "cpu",
+    dst: str = "cpu",
+    iters: int = 20,
+    warmup: int = 2,
+    seed: int = 0,
+    link_gbps: float | None = None,
+    baseline: bool = False,
+    target: str | None = None,
+    hostname: str | None = None,
+    mc: Sequence[str] = (),
+) -> BenchSpec:
+    """The BenchSpec of `pdkv bench` given these options (named as its flags are, `--kv-heads` as
+    `kv_heads`); raises UsageError for options that cannot be used."""
+    geometry = geometry_from_options(model, layers, kv_heads, head_dim, dtype)
+    swept = parse_sweep(sweep)
+    if target is not None:
+        check_target(target)
+    return BenchSpec(
+        geometry=geometry,
+        block_size=block_size,
+        blocks=swept.get("blocks", [blocks]),
+        layouts=swept.get("layout", expand_layouts(layout)),
+        protocol=protocol,
+        device=device,
+        hostname=hostname or (address_towards(target) if target else "127.0.0.1"),
+        src=src,
+        dst=dst,
+        iters=iters,
+        warmup=warmup,
+        seed=seed,
+        link_gbps=link_gbps,
+        baseline=baseline,
+        target=target,
+        settings=settings_from_env(parse_settings(mc)),
+    )
