@@ -1,9 +1,10 @@
 """Everything that crosses a process boundary in pdkv, as msgspec Structs.
 
-Three families:
-- bootstrap payloads (wire-compatible with vLLM's MooncakeBootstrapServer);
-- kv_transfer_params, the only protocol between the proxy and a connector;
-- the connector's side-channel messages between D's and P's workers.
+In the order of this file: the bounds every decoded number carries; bootstrap
+payloads (wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC
+exports (what D announces to P on one GPU host); kv_transfer_params, the only
+protocol between the proxy and a connector; the connector's side-channel
+messages between D's and P's workers; the proxy's per-request record.
 """
 
 from __future__ import annotations

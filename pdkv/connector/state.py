@@ -5,11 +5,11 @@ keeps a request from hanging is a unit test.
 
 P side (`SendTable`, keyed by transfer_id, the only id D knows):
 
-    (pull first)  UNSEEN --registered--> RUNNING --computed/ready--> READY --pull--> SENDING --> CLOSED
-                     |                      |                  |
-                     |                      +--cancelled--> CLOSED (a parked pull gets ERROR now)
-                     +--unknown_wait passes--> CLOSED (ERROR: P never saw it)
-                                               READY --expiry passes--> CLOSED (blocks freed)
+    (pull first) UNSEEN --registered--> RUNNING --computed/ready--> READY --pull--> SENDING --the last write ends--> CLOSED
+    SENDING --a write ends, more D requests to come (n > 1)--> READY
+    READY --expiry passes, or every D request released it--> CLOSED (blocks freed)
+    UNSEEN --unknown_wait passes--> CLOSED (ERROR: P never saw it)
+    any phase but SENDING --cancelled--> CLOSED (a parked pull gets ERROR now)
 
 `computed` comes from the worker right after the forward that completed
 the prompt, while P's scheduler still holds the request (it samples P's
@@ -65,7 +65,7 @@ class Free:
 
     transfer_id: str
     p_req_id: str
-    outcome: str  # "sent", "failed", "expired", "released"
+    outcome: str  # "sent", "failed", "expired", "released", "duplicate" (a transfer_id used up before)
 
 
 Action = StartSend | Reply | Free
