@@ -140,12 +140,17 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
-async def load(url: str, clients: int, requests: int, expected: bytes, new_connection: bool, interval: float) -> tuple[list[float], int, float]:
+async def load(
+    url: str, clients: int, requests: int, expected: bytes, new_connection: bool, interval: float
+) -> tuple[list[float], int, float]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     start = asyncio.Event()
     latencies: list[float] = []
-    tasks = [asyncio.create_task(one_client(host, port, requests, expected, new_connection, interval, start, latencies)) for _ in range(clients)]
+    tasks = [
+        asyncio.create_task(one_client(host, port, requests, expected, new_connection, interval, start, latencies))
+        for _ in range(clients)
+    ]
     await asyncio.sleep(0.05)  # every client waits on the start line
     t0 = time.perf_counter()
     start.set()

@@ -61,7 +61,8 @@ def ttft(client: httpx.Client, url: str, body: dict, headers: dict | None = None
     t0 = time.perf_counter()
     sent = time.time()
     text = []
-    with client.stream("POST", f"{url}/v1/completions", content=content, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    with client.stream("POST", f"{url}/v1/completions", content=content, headers=headers) as r:
         if r.status_code >= 400:
             raise RuntimeError(f"{url} answered {r.status_code}: {r.read().decode(errors='replace')[:300]}")
         first = None
@@ -136,15 +137,18 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
         connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )
-    p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{connector}-{protocol}"), logs / f"p-{connector}-{protocol}.log")
-    d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{connector}-{protocol}"), logs / f"d-{connector}-{protocol}.log")
+    p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
+    d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
+    p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}-{protocol}"), logs / f"p-{connector}-{protocol}.log")
+    d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}-{protocol}"), logs / f"d-{connector}-{protocol}.log")
     p.start()  # the launcher binds every process of P to core 0, of D to core 1
     d.start()
     try:
         p.wait_healthy(300)
         d.wait_healthy(300)
         burl = f"http://127.0.0.1:{bport}"
-        with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy, httpx.Client(timeout=120) as http:
+        config = ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)
+        with BackgroundProxy(config) as proxy, httpx.Client(timeout=120) as http:
             body = {"model": model, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
             rng = np.random.default_rng(7)
             for _ in range(warmup):

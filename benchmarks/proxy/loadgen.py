@@ -4,7 +4,8 @@
 /v1/completions requests back to back for `duration` seconds (after `warmup`).
 Time to first byte (TTFB) is measured from writing the request to the first
 byte of the response body. Prints one JSON line:
-{"concurrency", "requests", "all_requests" (warm-up included), "errors", "duration_s", "rps", "ttfb_p50_ms", "ttfb_p99_ms", "latency_p50_ms"}.
+{"concurrency", "requests", "all_requests" (warm-up included), "errors", "duration_s", "rps", "ttfb_p50_ms", "ttfb_p99_ms",
+"latency_p50_ms"}.
 
 Run: python benchmarks/proxy/loadgen.py --url http://127.0.0.1:8000 --concurrency 32 --duration 3
 """

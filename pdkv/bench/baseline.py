@@ -1,4 +1,5 @@
-"""Baselines for `pdkv bench --baseline`: bare TransferEngine calls and Mooncake's own transfer_engine_bench (tcp, rdma), plain copy_ calls (ipc).
+"""Baselines for `pdkv bench --baseline`: bare TransferEngine calls and Mooncake's own transfer_engine_bench (tcp, rdma),
+plain copy_ calls (ipc).
 
 The bare loop calls `batch_transfer_sync_write` on the same engine with the
 same descriptors as pdkv (cut into the same calls of at most max_batch), with

@@ -182,7 +182,8 @@ class _Handlers:
                 latest = self.registry.check(req)
                 if latest == conflict:
                     self.metrics.rejects["conflict"].inc()
-                    message = f"{exc.message}: engine {conflict.holder!r} still answers at {', '.join(conflict.holder_addrs)}; stop it or deregister it first"
+                    holder = f"engine {conflict.holder!r} still answers at {', '.join(conflict.holder_addrs)}"
+                    message = f"{exc.message}: {holder}; stop it or deregister it first"
                     log.warning("conflict: %s", message)
                     return _error(409, message)
                 conflict = latest
@@ -192,7 +193,9 @@ class _Handlers:
         self.metrics.registrations[outcome.value].inc()
         if outcome is not Outcome.UNCHANGED:
             extra = f" (evicted dead engine {conflict.holder!r})" if outcome is Outcome.REPLACED and conflict else ""
-            log.info("registered engine %r dp=%d tp=%d pp=%d at %s%s", req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr, extra)
+            log.info(
+                "registered engine %r dp=%d tp=%d pp=%d at %s%s", req.engine_id, req.dp_rank, req.tp_rank, req.pp_rank, req.addr, extra
+            )
         return _ok(RegisterResponse(result=outcome.value))
 
     async def deregister(self, request: web.Request) -> web.Response:
@@ -227,7 +230,9 @@ class _Handlers:
         for (dp, engine_id, addrs), dead in zip(holders, results, strict=True):
             if self.registry.record_probe(dp, engine_id, alive=not dead, max_failures=self.probe.failures):
                 self.metrics.evictions.inc()
-                log.warning("dropped engine %r at dp=%d: %s did not answer %d probes in a row", engine_id, dp, ", ".join(addrs), self.probe.failures)
+                log.warning(
+                    "dropped engine %r at dp=%d: %s did not answer %d probes in a row", engine_id, dp, ", ".join(addrs), self.probe.failures
+                )
 
     async def sweep_forever(self, app: web.Application) -> AsyncIterator[None]:  # aiohttp cleanup_ctx
         async def loop() -> None:

@@ -107,7 +107,8 @@ def serve(
             sys.stdout.flush()
             return
         sweep = f"every {probe_interval:g} s" if probe_interval > 0 else "off"
-        console.print(f"pdkv bootstrap listening on [bold]{url}[/] (token {'required' if token else 'not required'}; liveness sweep {sweep})")
+        needed = "required" if token else "not required"
+        console.print(f"pdkv bootstrap listening on [bold]{url}[/] (token {needed}; liveness sweep {sweep})")
         console.print(f"  vLLM: kv_connector_extra_config.bootstrap_server_address = \"{_connectable(bound_host)}:{bound_port}\"")
         console.print("  stop with Ctrl-C")
 

@@ -42,7 +42,13 @@ DeviceOpt = Annotated[
     str | None,
     typer.Option("--device", "-d", help="RDMA device the deployment uses (Mooncake's device_name), e.g. mlx5_0; commas for several."),
 ]
-ProtocolOpt = Annotated[ProtocolName, typer.Option("--protocol", "-p", help="KV transport: rdma or tcp (Mooncake), or cma (P and D on one CPU host); tcp and cma skip the RDMA-only checks.")]
+ProtocolOpt = Annotated[
+    ProtocolName,
+    typer.Option(
+        "--protocol", "-p",
+        help="KV transport: rdma or tcp (Mooncake), or cma (P and D on one CPU host); tcp and cma skip the RDMA-only checks.",
+    ),
+]
 PortOpt = Annotated[
     list[int] | None,
     typer.Option("--port", help="A port the deployment listens on; repeat it. Default: 8000 8998 8010 8020."),

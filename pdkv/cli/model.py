@@ -38,7 +38,8 @@ def tiny(
         print_json({"path": str(out.resolve()), "files": files, "geometry": geometry})
         return
     console.print(f"wrote tiny model to [bold]{out}[/] ({', '.join(files)})")
-    console.print(f"KV per token: {geometry.bytes_per_token} B ({geometry.layers} layers, {geometry.kv_heads} KV heads x {geometry.head_dim})")
+    shape = f"{geometry.layers} layers, {geometry.kv_heads} KV heads x {geometry.head_dim}"
+    console.print(f"KV per token: {geometry.bytes_per_token} B ({shape})")
 
 
 def register(app: typer.Typer) -> None:

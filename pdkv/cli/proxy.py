@@ -67,10 +67,16 @@ def _read_config(path: Path | None) -> dict:
 def proxy(
     prefill: Annotated[
         list[str] | None,
-        typer.Option("--prefill", "-p", metavar="URL[,BOOTSTRAP]", help="Prefill server URL[,BOOTSTRAP_URL or port]; repeatable. Bootstrap defaults to the same host on $VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998."),
+        typer.Option(
+            "--prefill", "-p", metavar="URL[,BOOTSTRAP]",
+            help="Prefill server URL[,BOOTSTRAP_URL or port]; repeatable. "
+            "Bootstrap defaults to the same host on $VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998.",
+        ),
     ] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", "-d", metavar="URL", help="Decode server URL; repeatable.")] = None,
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")] = None,
+    config: Annotated[
+        Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")
+    ] = None,
     policy: Annotated[PolicyChoice | None, typer.Option("--policy", help="How to pick among backends. [default: round-robin]")] = None,
     connector: Annotated[
         ConnectorChoice | None,
@@ -86,7 +92,9 @@ def proxy(
     ] = None,
     host: Annotated[str | None, typer.Option("--host", help="Address to listen on. [default: 127.0.0.1]")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Port to listen on. [default: 8000]")] = None,
-    connect_timeout: Annotated[float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")] = None,
+    connect_timeout: Annotated[
+        float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")
+    ] = None,
     prefill_timeout: Annotated[float | None, typer.Option("--prefill-timeout", help="Seconds for P's whole answer. [default: 120]")] = None,
     decode_timeout: Annotated[
         float | None, typer.Option("--decode-first-byte-timeout", help="Seconds until D's first byte. [default: 180]")

@@ -52,7 +52,8 @@ def _render(report: Any) -> Group:
         errors = ", ".join(f"{cause} {n}" for cause, n in sorted(px.errors.items())) or "none"
         blocks.append(Text(f"proxy {px.url}: {px.requests} requests answered; in flight: {flight}; errors: {errors}"))
         for e in px.recent_errors:
-            blocks.append(Text(f"  recent error: {e.get('request_id', '?')} {e.get('error', '?')} (status {e.get('status', '?')})", style="red"))
+            what = f"{e.get('request_id', '?')} {e.get('error', '?')} (status {e.get('status', '?')})"
+            blocks.append(Text(f"  recent error: {what}", style="red"))
     return Group(*blocks)
 
 

@@ -95,7 +95,9 @@ def trace(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens D generates.")] = 128,
     repeat: Annotated[int, typer.Option("--repeat", "-n", help="Send this many requests, one after another; prints p50/p90.")] = 1,
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML timeline chart here.")] = None,
-    bootstrap: Annotated[str | None, typer.Option("--bootstrap", help="Bootstrap URL, when the proxy's is not reachable from here.")] = None,
+    bootstrap: Annotated[
+        str | None, typer.Option("--bootstrap", help="Bootstrap URL, when the proxy's is not reachable from here.")
+    ] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 300.0,
     link_gbps: LinkGbpsOpt = 400.0,
     json_out: JsonOpt = False,

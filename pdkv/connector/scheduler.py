@@ -109,7 +109,9 @@ class ConnectorScheduler:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         if not self.is_consumer:
-            log.error("pdkv: request %s asks for remote prefill on an engine that is not kv_consumer; computing it here", request.request_id)
+            log.error(
+                "pdkv: request %s asks for remote prefill on an engine that is not kv_consumer; computing it here", request.request_id
+            )
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         if count <= 0:

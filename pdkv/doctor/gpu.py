@@ -99,7 +99,9 @@ def cuda_dmabuf_probe() -> DmabufProbe:
     values = []
     for i in range(count.value):
         dev, value = ctypes.c_int(), ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(dev), i) or lib.cuDeviceGetAttribute(ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev):
+        if lib.cuDeviceGet(ctypes.byref(dev), i) or lib.cuDeviceGetAttribute(
+            ctypes.byref(value), _CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev
+        ):
             return DmabufProbe(None, f"CUDA could not report DMA_BUF_SUPPORTED for GPU {i} (driver older than CUDA 11.7?)")
         values.append(bool(value.value))
     return DmabufProbe(values, f"CUDA DMA_BUF_SUPPORTED={[int(v) for v in values]}")
@@ -128,7 +130,9 @@ def check_gpudirect_rdma(host: Host, options: DoctorOptions) -> CheckResult:
     kernel = kernel_version(release)
     driver = root.read("sys/module/nvidia/version") or "unknown"
     banner = root.read("proc/driver/nvidia/version") or ""
-    flavour = "open kernel module" if "Open Kernel Module" in banner else "proprietary kernel module" if banner else "kernel module flavour unknown"
+    flavour = "kernel module flavour unknown"
+    if banner:
+        flavour = "open kernel module" if "Open Kernel Module" in banner else "proprietary kernel module"
     probe = host.dmabuf()
     kernel_ok = kernel is not None and kernel >= _DMABUF_MIN_KERNEL
     seen = f"nvidia_peermem not loaded; kernel {release or 'unknown'}, NVIDIA driver {driver} ({flavour}), {probe.detail}"

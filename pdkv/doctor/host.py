@@ -57,7 +57,9 @@ def check_memlock(host: Host, options: DoctorOptions) -> CheckResult:
         return CheckResult(name, Status.PASS, f"max locked memory {seen}")
     if has_cap_ipc_lock(host.root.read("proc/self/status")):
         return CheckResult(name, Status.PASS, f"max locked memory {seen}, but CAP_IPC_LOCK is held: the limit is not enforced")
-    raise_it = "ulimit -l unlimited" if hard is None else "raise the hard limit (docker --ulimit memlock=-1:-1; systemd LimitMEMLOCK=infinity)"
+    raise_it = (
+        "ulimit -l unlimited" if hard is None else "raise the hard limit (docker --ulimit memlock=-1:-1; systemd LimitMEMLOCK=infinity)"
+    )
     fix = f"{raise_it}, in the shell or unit that starts vLLM"
     if soft < _MEMLOCK_FAIL_BELOW:
         return CheckResult(name, Status.FAIL, f"max locked memory {seen}: RDMA setup fails with 'Cannot allocate memory'", fix)
@@ -105,7 +107,8 @@ def check_mc_env(host: Host, options: DoctorOptions) -> CheckResult:
     if "MC_MTU" in mc and mc["MC_MTU"].strip() not in _MC_MTUS:
         bad.append("MC_MTU")
     if bad:
-        return CheckResult(name, Status.FAIL, f"{seen}: invalid {', '.join(bad)}", f"fix {bad[0]} (an integer; MC_MTU one of {'/'.join(_MC_MTUS)})")
+        hint = f"fix {bad[0]} (an integer; MC_MTU one of {'/'.join(_MC_MTUS)})"
+        return CheckResult(name, Status.FAIL, f"{seen}: invalid {', '.join(bad)}", hint)
     if options.protocol == "rdma" and mc.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
         return CheckResult(name, Status.WARN, f"{seen}: MC_FORCE_TCP makes Mooncake use TCP despite rdma", "unset MC_FORCE_TCP")
     return CheckResult(name, Status.PASS, f"{seen} (they act only if set before the engine starts)")
@@ -157,7 +160,8 @@ def check_ports(host: Host, options: DoctorOptions) -> CheckResult:
         error = port_free(port)
         if error is None:
             continue
-        (busy if error.errno == errno.EADDRINUSE else denied).append(f"{port}" + (_holder(port) if error.errno == errno.EADDRINUSE else f" ({error.strerror})"))
+        in_use = error.errno == errno.EADDRINUSE
+        (busy if in_use else denied).append(f"{port}" + (_holder(port) if in_use else f" ({error.strerror})"))
     if busy:
         return CheckResult(
             name,

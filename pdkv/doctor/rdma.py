@@ -150,7 +150,8 @@ def check_rdma_devices(host: Host, options: DoctorOptions) -> CheckResult:
 def _port_hint(port: RdmaPort) -> str:
     """The likeliest fix for a port that is not ACTIVE, from what its state says."""
     if port.phys_state == "Disabled":
-        return f"the port is administratively disabled: enable it (ip link set <netdev> up, or ibportstate {port.device} {port.port} enable)"
+        enable = f"ip link set <netdev> up, or ibportstate {port.device} {port.port} enable"
+        return f"the port is administratively disabled: enable it ({enable})"
     if port.phys_state == "Polling":
         return f"{port.label} sees no link partner: check the cable and the switch port"
     if port.phys_state == "LinkUp" and port.state in ("INIT", "ARMED"):

@@ -68,7 +68,8 @@ def run_checks(
         try:
             result = check(host, options)
         except Exception as exc:  # noqa: BLE001 - a broken check is a finding, never a crash
-            result = CheckResult(check_name(check), Status.FAIL, f"the check itself failed: {type(exc).__name__}: {exc}", "set PDKV_DEBUG=1 and report it")
+            detail = f"the check itself failed: {type(exc).__name__}: {exc}"
+            result = CheckResult(check_name(check), Status.FAIL, detail, "set PDKV_DEBUG=1 and report it")
         with done:
             results[i] = result
             done.notify_all()

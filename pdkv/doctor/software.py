@@ -118,7 +118,8 @@ def check_mooncake(host: Host, options: DoctorOptions) -> CheckResult:
             )
         wanted = [d for d in device.split(",") if d]
         if missing := [d for d in wanted if d not in hcas]:
-            return CheckResult(name, Status.FAIL, f"{call}: the engine does not use {', '.join(missing)} (it has {', '.join(hcas)})", f"use --device {hcas[0]}")
+            detail = f"{call}: the engine does not use {', '.join(missing)} (it has {', '.join(hcas)})"
+            return CheckResult(name, Status.FAIL, detail, f"use --device {hcas[0]}")
     nics = f", NICs {', '.join(hcas)}" if hcas else ""
     return CheckResult(name, Status.PASS, f"{call} ok, rpc port {result.get('rpc_port')}{nics}")
 
@@ -145,7 +146,8 @@ def vllm_verdict(distribution: str | None, version: str | None, importable: bool
             return CheckResult(name, Status.WARN, "vllm imports but no package metadata names its version", install)
         return CheckResult(name, Status.FAIL, "vLLM is not installed", install)
     if not importable:
-        return CheckResult(name, Status.FAIL, f"{distribution} {version} is installed but module vllm is not found", f"reinstall: {install}")
+        detail = f"{distribution} {version} is installed but module vllm is not found"
+        return CheckResult(name, Status.FAIL, detail, f"reinstall: {install}")
     release = version_tuple(version)[:2]
     if not (_VLLM_MIN <= release < _VLLM_BELOW):
         return CheckResult(name, Status.FAIL, f"{distribution} {version} is outside pdkv's supported range {SUPPORTED_VLLM}", install)

@@ -233,7 +233,10 @@ def unsupported_field(body: dict[str, Any], connector: KvConnector = KvConnector
     if body.get("use_beam_search"):
         return "use_beam_search is not supported through prefill/decode disaggregation"
     if connector is KvConnector.MOONCAKE and (body.get("n") or 1) > 1:
-        return "n > 1 is not supported with vLLM's MooncakeConnector (it sends each prompt's KV to one decode request); use pdkv's connector"
+        return (
+            "n > 1 is not supported with vLLM's MooncakeConnector (it sends each prompt's KV to one decode request); "
+            "use pdkv's connector"
+        )
     return None
 
 

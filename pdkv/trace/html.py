@@ -104,7 +104,8 @@ def timeline_svg(trace: Trace) -> str:
         y = top + i * LANE_H
         out.append(f'<rect x="0" y="{y}" width="{WIDTH}" height="{LANE_H}" fill="{"#f7f9fb" if i % 2 else "#ffffff"}"/>')
         out.append(f'<text x="12" y="{y + LANE_H / 2 + 5}" font-size="14" font-weight="600">{LANE_NAMES[lane]}</text>')
-        out.append(f'<line x1="{LEFT}" y1="{y + LANE_H / 2}" x2="{WIDTH - RIGHT}" y2="{y + LANE_H / 2}" stroke="#c5ccd3" stroke-dasharray="4 4"/>')
+        mid = y + LANE_H / 2
+        out.append(f'<line x1="{LEFT}" y1="{mid}" x2="{WIDTH - RIGHT}" y2="{mid}" stroke="#c5ccd3" stroke-dasharray="4 4"/>')
     # Phase bands on the lane where the time is spent.
     for p in trace.phases:
         e = at.get(p.end)

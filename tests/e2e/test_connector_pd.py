@@ -131,7 +131,9 @@ def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pai
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     extra = PDKV_EXTRA if connector == "pdkv" else {}
     p_args = ("--max-num-seqs", "2") if connector == "pdkv" else ()  # lets a test keep a P request queued
-    p_spec = spec(tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args)
+    p_spec = spec(
+        tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
+    )
     d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra)
     p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
     d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
@@ -212,7 +214,8 @@ def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
 
 def direct(pair: Pair, ids: list[int], tid: str, p_extra: dict, d_params: dict | None = None) -> dict[str, tuple[float, httpx.Response]]:
     """P's and D's requests sent at the same instant, as the proxy does, with P's body changed by `p_extra`."""
-    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}, **p_extra}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": p_params, **p_extra}
     d_kv = d_params or {
         "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": pair.bootstrap_url,
         "remote_engine_id": pair.engine_id, "transfer_id": tid,
@@ -287,7 +290,8 @@ def test_p_aborted_in_its_queue_fails_d_at_once(pair: Pair, prompts) -> None:
 
     d_thread = threading.Thread(target=decode)
     d_thread.start()
-    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    p_body = {**body(pair.model, ids, max_tokens=1), "kv_transfer_params": p_params}
     with pytest.raises(httpx.ReadTimeout):
         complete(pair.p.url, p_body, timeout=0.5)  # the hang-up: vLLM aborts the request
     hung_up = time.monotonic()

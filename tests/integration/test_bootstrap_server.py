@@ -108,6 +108,7 @@ def test_other_addr_for_a_live_rank_is_409_naming_both(http):
         assert http.get("/query").json()["0"]["worker_addr"]["0"]["0"] == a
 
 
+_RANKS = b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, '
 BAD_BODIES = [
     pytest.param(b'{"engine_id": "e", "dp_rank": 0,', 400, "not valid JSON", id="malformed-json"),
     pytest.param(b"", 400, "not valid JSON", id="empty-body"),
@@ -117,10 +118,10 @@ BAD_BODIES = [
     pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": -1, "pp_rank": 0, "addr": "tcp://h:1"}', 422, "tp_rank", id="negative-rank"),
     pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 1.5, "addr": "tcp://h:1"}', 422, "pp_rank", id="float-rank"),
     pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}', 422, "addr", id="missing-addr"),
-    pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "10.0.0.1:5"}', 422, "tcp://host:port", id="addr-no-scheme"),
-    pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:99999"}', 422, "tcp://host:port", id="addr-bad-port"),
-    pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h"}', 422, "tcp://host:port", id="addr-no-port"),
-    pytest.param(b'{"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "x" }' + b" " * 70000, 413, "larger than", id="too-large"),
+    pytest.param(_RANKS + b'"addr": "10.0.0.1:5"}', 422, "tcp://host:port", id="addr-no-scheme"),
+    pytest.param(_RANKS + b'"addr": "tcp://h:99999"}', 422, "tcp://host:port", id="addr-bad-port"),
+    pytest.param(_RANKS + b'"addr": "tcp://h"}', 422, "tcp://host:port", id="addr-no-port"),
+    pytest.param(_RANKS + b'"addr": "x" }' + b" " * 70000, 413, "larger than", id="too-large"),
 ]
 
 

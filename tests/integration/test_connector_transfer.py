@@ -49,7 +49,8 @@ class Side:
 
 def make_side(stack: ExitStack, fill: int | None, protocol: str = "tcp") -> Side:
     rng = np.random.default_rng(fill)
-    mem = rng.integers(0, 255, size=(LAYERS, BLOCKS, BLOCK_LEN), dtype=np.uint8) if fill is not None else np.zeros((LAYERS, BLOCKS, BLOCK_LEN), np.uint8)
+    shape = (LAYERS, BLOCKS, BLOCK_LEN)
+    mem = rng.integers(0, 255, size=shape, dtype=np.uint8) if fill is not None else np.zeros(shape, np.uint8)
     t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
     t.register([(mem.ctypes.data, mem.nbytes)])
     return Side(mem, t)
@@ -99,7 +100,8 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         stack.callback(bs.stop)
 
         def make(
-            limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp", d_protocol: str | None = None
+            limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp",
+            d_protocol: str | None = None
         ) -> Pair:
             p = make_side(stack, fill=1, protocol=protocol)
             d = make_side(stack, fill=None, protocol=d_protocol or protocol)

@@ -561,7 +561,9 @@ def test_client_facing_errors_carry_no_backend_address(case: str):
     err = r.json()["error"]
     status, cause, message = {
         "prefill-connect": (502, "prefill_connect", "prefill failed: could not connect to the prefill server"),
-        "prefill-4xx": (400, "prefill_status", "prefill refused the request (400): prompt too long (max 8 tokens); see <address> on <address>"),
+        "prefill-4xx": (
+            400, "prefill_status", "prefill refused the request (400): prompt too long (max 8 tokens); see <address> on <address>"
+        ),
         "decode-connect": (502, "decode_connect", "decode failed: could not connect to the decode server"),
         "decode-5xx": (500, "decode_status", "engine at <address> died"),  # D's own body, minus the address
     }[case]

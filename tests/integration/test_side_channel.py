@@ -100,7 +100,8 @@ def test_out_of_range_block_ids_are_refused_and_nothing_is_written(world):
     assert isinstance(reply, PullReply) and reply.status == PullStatus.ERROR and "outside" in reply.error
     # A region claiming more blocks than the peer registered cannot stretch the write either:
     # its length must match P's block length, and P checks its own ids too.
-    world["sock"].send(encode(pull(world, "x1", [0], regions=[RegionSpec(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]])))
+    doubled = [RegionSpec(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]]
+    world["sock"].send(encode(pull(world, "x1", [0], regions=doubled)))
     reply = recv_final(world["sock"])
     assert reply.status == PullStatus.ERROR and "block is" in reply.error
     assert not world["d_mem"].any()

@@ -269,7 +269,9 @@ def test_16_concurrent_writes_into_one_peer_each_land_in_their_own_blocks():
         for _ in range(3):
             remote = rng.permutation(wide).reshape(16, 2)
             local = rng.integers(0, wide, (16, 2))
-            plans = [plan_descriptors([int(b) for b in local[i]], [int(b) for b in remote[i]], regions(src), regions(dst)) for i in range(16)]
+            plans = [
+                plan_descriptors([int(b) for b in local[i]], [int(b) for b in remote[i]], regions(src), regions(dst)) for i in range(16)
+            ]
             assert _concurrently([lambda ds=ds: p.write(d.session_address, ds) for ds in plans]) == [None] * 16
             for i in range(16):
                 for r_src, r_dst in zip(regions(src), regions(dst), strict=True):

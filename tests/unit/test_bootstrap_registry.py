@@ -147,7 +147,8 @@ def test_split_worker_addr_accepts(addr, expected):
 
 @pytest.mark.parametrize(
     "addr",
-    ["http://h:1", "tcp://h", "tcp://h:0", "tcp://h:65536", "tcp://:1", "tcp://::1:80", "tcp://[::1]80", "tcp://h:1/x", "tcp://*:5555", "tcp://a b:1", "tcp://h:-1", ""],
+    ["http://h:1", "tcp://h", "tcp://h:0", "tcp://h:65536", "tcp://:1", "tcp://::1:80", "tcp://[::1]80", "tcp://h:1/x", "tcp://*:5555",
+     "tcp://a b:1", "tcp://h:-1", ""],
 )
 def test_split_worker_addr_rejects(addr):
     with pytest.raises(ValueError, match="tcp://host:port"):

@@ -76,7 +76,10 @@ def p_req(n: int = 100, tid: str = "xfer-1", max_tokens: int | None = 1) -> Req:
 
 
 def d_req(n: int = 100, **over: Any) -> Req:
-    params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": "http://h:8998", "remote_engine_id": "e", "transfer_id": "xfer-1"}
+    params = {
+        "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": "http://h:8998", "remote_engine_id": "e",
+        "transfer_id": "xfer-1",
+    }
     params.update(over)
     return Req("d1", list(range(n)), params)
 

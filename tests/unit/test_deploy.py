@@ -29,7 +29,9 @@ def test_example_file_loads_and_plans_in_start_order() -> None:
     boot, prefill, decode, proxy = parts
     assert boot.plan.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
     assert prefill.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.plan.env["CUDA_VISIBLE_DEVICES"] == "2"
-    assert kv_config(prefill)["kv_connector_extra_config"] == {"mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"]}
+    assert kv_config(prefill)["kv_connector_extra_config"] == {
+        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"]
+    }
     assert kv_config(decode)["kv_role"] == "kv_consumer"
     i = proxy.plan.argv.index("--prefill")
     assert proxy.plan.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
@@ -84,7 +86,8 @@ def test_restart_is_deployment_wide_and_per_part() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(
         restart="no", bootstrap={"restart": "on-failure"}, decode=[{"port": 8200, "restart": "on-failure"}], proxy={"port": 8000})))
     assert {p.plan.name: p.restart for p in parts} == {
-        "bootstrap-0": "on-failure", "bootstrap-1": "on-failure", "prefill-0": "no", "prefill-1": "no", "decode-0": "on-failure", "proxy": "no"}
+        "bootstrap-0": "on-failure", "bootstrap-1": "on-failure", "prefill-0": "no", "prefill-1": "no", "decode-0": "on-failure",
+        "proxy": "no"}
     assert {p.restart for p in deployment_parts(deployment_from_dict(_dep()))} == {"on-failure"}  # the default
 
 
@@ -148,7 +151,8 @@ def test_local_gpu_topology_splits_gpus() -> None:
 def _model(tmp_path: Path, name: str, **config) -> str:
     d = tmp_path / name
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16", **config}))
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "torch_dtype": "bfloat16"}
+    (d / "config.json").write_text(json.dumps({**base, **config}))
     return str(d)
 
 
@@ -169,7 +173,8 @@ def test_block_size_mismatch(tmp_path: Path) -> None:
 
 def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
     other = _model(tmp_path, "other", num_hidden_layers=4)
-    problems = check_engines(_parts({"dtype": "float16", "tp": 2}, {"model": other, "tp": 3}, model=_model(tmp_path, "m"), connector="mooncake"))
+    parts = _parts({"dtype": "float16", "tp": 2}, {"model": other, "tp": 3}, model=_model(tmp_path, "m"), connector="mooncake")
+    problems = check_engines(parts)
     text = " | ".join(p.what for p in problems)
     assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
 
@@ -228,7 +233,9 @@ def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonp
     assert "Cannot access accelerator device" in problem.what and "--connector pdkv" in problem.fix
     shim = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
     assert check_connector(parts, environ={"PYTHONPATH": f"/elsewhere:{shim}"}) == []  # the caller's PYTHONPATH
-    with_env = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)})
+    with_env = _parts(
+        {}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)}
+    )
     assert check_connector(with_env, environ={}) == []  # the deployment's env
     assert len(check_connector(parts, environ={"PYTHONPATH": str(tmp_path)})) == 1  # another folder is not the shim
     assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), environ={}) == []

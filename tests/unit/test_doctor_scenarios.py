@@ -54,7 +54,8 @@ RDMA = DoctorOptions(protocol="rdma", device="mlx5_0", skip_mooncake=True)
 VERDICTS = [
     ("healthy_ndr", check_rdma_device, RDMA, Status.PASS, "mlx5_0/1 ACTIVE LinkUp InfiniBand 400 Gb/s 4X NDR", ""),
     ("no_peermem", check_gpudirect_rdma, RDMA, Status.FAIL, "nvidia_peermem not loaded", "modprobe nvidia_peermem"),
-    ("port_down", check_rdma_device, RDMA, Status.FAIL, "mlx5_0 has no ACTIVE port: mlx5_0/1 DOWN Polling", "check the cable and the switch port"),
+    ("port_down", check_rdma_device, RDMA, Status.FAIL, "mlx5_0 has no ACTIVE port: mlx5_0/1 DOWN Polling",
+     "check the cable and the switch port"),
     ("port_down", check_rdma_devices, RDMA, Status.FAIL, "no ACTIVE port", "no link partner"),
     ("device_missing", check_rdma_device, RDMA, Status.FAIL, "mlx5_0 not found; present: mlx5_1 (400 Gb/s ACTIVE)", "use --device mlx5_1"),
     ("mixed_25g_400g", check_rdma_device, RDMA, Status.WARN, "mlx5_0 at 25 Gb/s is slower than mlx5_1 at 400 Gb/s", "use --device mlx5_1"),
@@ -141,7 +142,9 @@ def test_mc_gid_index_pointing_at_a_link_local_gid_fails():
 
 def test_tcp_skips_every_rdma_only_check_with_the_reason():
     tcp = DoctorOptions(protocol="tcp", device="mlx5_0")
-    for check in (check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa):
+    for check in (
+        check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa
+    ):
         result = check(host_for("port_down"), tcp)
         assert result.status is Status.SKIP and "protocol tcp" in result.detail
 
@@ -153,7 +156,8 @@ def test_healthy_host_passes_every_host_check():
     assert report.ok, report.failed
     by_name = {c.name: c.status for c in report.checks}
     assert by_name["roce_gid"] is Status.SKIP  # InfiniBand, no RoCE GID needed
-    assert all(by_name[n] is Status.PASS for n in ("rdma_devices", "rdma_device", "uverbs", "gpudirect_rdma", "memlock", "gpus", "gpu_nic_numa"))
+    passing = ("rdma_devices", "rdma_device", "uverbs", "gpudirect_rdma", "memlock", "gpus", "gpu_nic_numa")
+    assert all(by_name[n] is Status.PASS for n in passing)
 
 
 def test_report_lists_failures_first_then_warnings():
@@ -168,7 +172,10 @@ def test_report_lists_failures_first_then_warnings():
 
 def test_cma_skips_every_rdma_only_check_and_mooncake():
     cma = DoctorOptions(protocol="cma")
-    for check in (check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa, check_mooncake):
+    for check in (
+        check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa,
+        check_mooncake,
+    ):
         result = check(host_for("port_down"), cma)
         assert result.status is Status.SKIP and "protocol cma" in result.detail
 

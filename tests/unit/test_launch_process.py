@@ -67,7 +67,10 @@ def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
 
 
 def test_early_exit_raises_start_error_with_the_log_tail(tmp_path: Path) -> None:
-    code = "import os, sys\nprint('value', os.environ['PDKV_TEST_VALUE'])\nprint('engine failed: out of cheese', file=sys.stderr)\nsys.exit(7)\n"
+    code = (
+        "import os, sys\nprint('value', os.environ['PDKV_TEST_VALUE'])\n"
+        "print('engine failed: out of cheese', file=sys.stderr)\nsys.exit(7)\n"
+    )
     proc = ManagedProcess(_plan(code, "engine"), tmp_path / "engine.log").start()
     proc.proc.wait(timeout=10)
     with pytest.raises(StartError) as info:

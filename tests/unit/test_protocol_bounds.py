@@ -223,7 +223,8 @@ def test_bench_requests_out_of_range_fail_decoding(body, needle):
 
 
 def test_bench_requests_in_range_decode():
-    assert bench_request({"op": "setup", "layers": 4096, "block_len": 1, "num_blocks": 2**31, "seed": 2**32 - 1}) == Setup(4096, 1, 2**31, 2**32 - 1)
+    largest = {"op": "setup", "layers": 4096, "block_len": 1, "num_blocks": 2**31, "seed": 2**32 - 1}
+    assert bench_request(largest) == Setup(4096, 1, 2**31, 2**32 - 1)
     assert bench_request({"op": "refill", "seed": 0}) == Refill(0)
     assert bench_request({"op": "checksum", "ranges": [[TOP - 16, 16]]}) == Checksum([(TOP - 16, 16)])
 

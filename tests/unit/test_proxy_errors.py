@@ -42,7 +42,9 @@ def test_no_answer_message_names_the_stage_not_the_backend(stage, cause):
 def test_status_message_passes_the_backends_words_without_addresses():
     body = b'{"error": {"message": "too long for http://127.0.0.1:8100", "type": "BadRequestError"}}'
     assert status_message("prefill", 400, body) == "prefill refused the request (400): too long for <address>"
-    assert status_message("decode", 503, b"upstream 127.0.0.1:9 down\n") == "decode failed: the decode server answered 503: upstream <address> down"
+    assert status_message("decode", 503, b"upstream 127.0.0.1:9 down\n") == (
+        "decode failed: the decode server answered 503: upstream <address> down"
+    )
     assert message_of(b"not json at all") == "not json at all"
 
 

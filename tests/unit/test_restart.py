@@ -65,7 +65,9 @@ def test_a_start_that_never_became_healthy_counts_as_a_failure() -> None:
     assert policy.failed(5.0, "was not healthy after 900 s").verdict is Verdict.GIVE_UP
 
 
-@pytest.mark.parametrize(("code", "words"), [(1, "exited with code 1"), (-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"), (-200, "killed by signal 200")])
+@pytest.mark.parametrize(
+    ("code", "words"), [(1, "exited with code 1"), (-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"), (-200, "killed by signal 200")]
+)
 def test_exit_codes_in_words(code: int, words: str) -> None:
     assert describe_exit(code) == words
 
