@@ -137,3 +137,13 @@ def test_counts_and_sums_are_what_was_observed():
     assert values[("pdkv_connector_transfer_seconds_bucket", "0.0025")] == 0
     assert values[("pdkv_connector_transfer_seconds_bucket", "0.005")] == 1
     assert values[("pdkv_connector_handover_seconds_sum", "")] == pytest.approx(0.05)
+
+
+def test_the_senders_malformed_total_increment_still_counts():
+    from pdkv.connector.timing import TraceLog
+
+    log = TraceLog("prefill")
+    log.malformed()
+    log.malformed_total += 1  # how pdkv/connector/sender.py counts a refused pull
+    assert log.malformed_total == 2
+    assert 'pdkv_connector_malformed_total{role="prefill"} 2.0\n' in log.render_metrics()
