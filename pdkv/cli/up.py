@@ -252,6 +252,7 @@ def up(
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
+    from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
     from pdkv.errors import UsageError
 
     for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
@@ -303,6 +304,7 @@ def up(
         if extra:
             dep = _with_extra(dep, list(extra))
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
+    parts = with_vllm_logging(parts, log_dir)
 
     if dry_run:
         docs = [_part_doc(p, restart) for p in parts]
@@ -318,6 +320,7 @@ def up(
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
     raise_problems(preflight(parts, boots))
+    write_logging_config(parts, log_dir)
     _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once, restart=restart)
 
 

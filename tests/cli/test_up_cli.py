@@ -11,6 +11,10 @@ import pytest
 from pdkv.cli import run
 
 
+# pdkv up's own vLLM logging configuration (pdkv.deploy.vllm_logging), under the default --log-dir.
+LOGGING = {"VLLM_LOGGING_CONFIG_PATH": str(Path(".pdkv/logs").resolve() / "vllm-logging.json")}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +44,7 @@ def test_dry_run_json_for_each_role_and_connector(capsys, connector: str, role: 
     expected_env = {"CUDA_VISIBLE_DEVICES": "2", "VLLM_HOST_IP": "10.0.0.5"}
     if role == "prefill":
         expected_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = "8998"
-    assert part["env"] == expected_env
+    assert part["env"] == {**expected_env, **LOGGING}
     assert part["command"].startswith("CUDA_VISIBLE_DEVICES=2 VLLM_HOST_IP=10.0.0.5 ")
 
 
@@ -56,7 +60,7 @@ def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> Non
 
 def test_dry_run_cpu_role_sets_cpu_env(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "cpu", "--omp-bind", "1", "--host-ip", "127.0.0.1")
-    assert part["env"] == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert part["env"] == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", **LOGGING}
     assert part["argv"][part["argv"].index("--block-size") + 1] == "32"
 
 
@@ -202,6 +206,16 @@ def test_preflight_refuses_vllms_connector_on_a_cpu_host(capsys, qwen3_8b: Path,
     assert "Cannot access accelerator device when none is available" in lines[0]
     assert lines[1].strip() == 'hint: use --connector pdkv (connector = "pdkv" in deploy.toml)'
     assert not (tmp_path / "logs").exists()
+
+
+def test_engines_log_through_pdkvs_vllm_logging_unless_the_caller_configures_it(capsys, monkeypatch, tmp_path: Path) -> None:
+    parts = dry_run(capsys, "--platform", "cpu", "--log-dir", str(tmp_path))
+    want = str(tmp_path.resolve() / "vllm-logging.json")
+    assert {p["name"]: p["env"].get("VLLM_LOGGING_CONFIG_PATH") for p in parts} == {
+        "bootstrap-0": None, "prefill-0": want, "decode-0": want, "proxy": None}
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    assert all("VLLM_LOGGING_CONFIG_PATH" not in p["env"] for p in dry_run(capsys, "--platform", "cpu"))
 
 
 def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: Path) -> None:
