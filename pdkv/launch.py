@@ -150,7 +150,10 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     if spec.role == "none":
         return None
     if spec.protocol in ("ipc", "cma") and spec.connector != "pdkv":
-        raise UsageError(f"protocol {spec.protocol} is pdkv's own transport", hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector")
+        raise UsageError(
+            f"protocol {spec.protocol} is pdkv's own transport",
+            hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector",
+        )
     extra: dict[str, Any] = {"mooncake_protocol": spec.protocol}
     if spec.device:
         extra["device_name"] = spec.device

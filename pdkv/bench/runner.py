@@ -128,7 +128,10 @@ def check_spec(spec: BenchSpec) -> None:
         return
     if spec.protocol == "cma":
         if (src, dst) != ("cpu", "cpu"):
-            raise UsageError("--protocol cma moves host memory between processes of this host", hint="use --src cpu --dst cpu, or --protocol ipc for GPUs")
+            raise UsageError(
+                "--protocol cma moves host memory between processes of this host",
+                hint="use --src cpu --dst cpu, or --protocol ipc for GPUs",
+            )
         return
     # Before any process starts: a wrong protocol or a missing RDMA device fails here, in seconds.
     check_protocol(spec.protocol, spec.device)

@@ -114,7 +114,8 @@ class KVReceiver:
             entry = self.tracker.abort(rid)
             addr = self._peer_of.get(rid)
             if entry is not None and addr in self._peers:
-                loop.create_task(self._peers[addr].send(Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended")))
+                release = Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended")
+                loop.create_task(self._peers[addr].send(release))
             elif entry is not None:
                 self._conclude(self.tracker.finished(rid, "aborted by the decode side"))
         for rid, (at, ntok) in first_tokens.items():
@@ -143,7 +144,9 @@ class KVReceiver:
                 continue
             ranks = entry.worker_addr
             if len(ranks) != self.tp_size:
-                raise PdkvError(f"prefill engine {engine_id} has TP {len(ranks)}, this decode engine TP {self.tp_size}: unequal TP is not supported")
+                raise PdkvError(
+                    f"prefill engine {engine_id} has TP {len(ranks)}, this decode engine TP {self.tp_size}: unequal TP is not supported"
+                )
             addr = ranks.get(str(self.tp_rank), {}).get("0")
             if addr is None:
                 raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {self.tp_rank}")

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from typing import Any
 
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
+from pdkv.connector.checks import check_pull
 from pdkv.connector.state import Free, Reply, SendLimits, SendTable, StartSend
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
@@ -31,7 +32,6 @@ from pdkv.protocol import (
     TraceReport,
 )
 from pdkv.transport.base import Region, Transport
-from pdkv.transport.planner import check_blocks
 
 log = logging.getLogger("pdkv.connector")
 
@@ -48,26 +48,6 @@ class _Parked:
     def __init__(self, identity: bytes, request: PullRequest) -> None:
         self.identity = identity
         self.request = request
-
-
-def check_pull(req: PullRequest, regions: list[Region], tp_rank: int, tp_size: int) -> str | None:
-    """Why P must refuse this pull before waiting on it, or None. Pure."""
-    if req.tp_size != tp_size:
-        return f"decode TP size {req.tp_size} differs from prefill TP size {tp_size} (unequal TP is not supported)"
-    if req.tp_rank != tp_rank:
-        return f"pull for TP rank {req.tp_rank} reached prefill TP rank {tp_rank}"
-    if len(req.regions) != len(regions):
-        return f"decode has {len(req.regions)} KV regions, prefill {len(regions)}: the models or layouts differ"
-    for i, (theirs, ours) in enumerate(zip(req.regions, regions, strict=True)):
-        if theirs.block_len != ours.block_len:
-            return f"region {i}: decode block is {theirs.block_len} B, prefill {ours.block_len} B: block size, dtype or model differ"
-        try:
-            check_blocks(req.block_ids, theirs.num_blocks, "decode")
-        except TransferError as exc:
-            return str(exc)
-    if len(set(req.block_ids)) != len(req.block_ids):
-        return "decode block ids repeat"
-    return None
 
 
 class KVSender:
@@ -201,7 +181,8 @@ class KVSender:
                 if a.pull is not None:
                     req = a.pull.request
                     log.warning("pdkv: pull %s (D request %s) refused: %s", a.transfer_id, req.d_req_id, a.error)
-                    self._reply(a.pull.identity, PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.ERROR, error=a.error))
+                    refused = PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.ERROR, error=a.error)
+                    self._reply(a.pull.identity, refused)
                     if a.error.startswith("prefill side never saw"):
                         self.trace.finish(a.transfer_id, "unknown", a.error)
             elif isinstance(a, Free):
@@ -223,7 +204,7 @@ class KVSender:
             self.trace.event(msg.transfer_id, "pull_received", now, d_req_id=msg.d_req_id)
             why = check_pull(msg, self.regions, self.tp_rank, self.tp_size)
             if why is not None:
-                self.trace.malformed_total += 1
+                self.trace.malformed()
                 log.warning("pdkv: refused pull %s from D request %s: %s", msg.transfer_id, msg.d_req_id, why)
                 await self.server.send(
                     identity, PullReply(transfer_id=msg.transfer_id, d_req_id=msg.d_req_id, status=PullStatus.ERROR, error=why)
@@ -275,7 +256,9 @@ class KVSender:
         self._pools.move_to_end(session)
         return pool
 
-    def _concluded(self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]], told: concurrent.futures.Future[None]) -> None:
+    def _concluded(
+        self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]], told: concurrent.futures.Future[None]
+    ) -> None:
         if fut.cancelled():  # the sender is closing
             told.set_result(None)
             return

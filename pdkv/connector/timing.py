@@ -62,11 +62,6 @@ class TraceLog:
     def malformed_total(self) -> int:
         return int(self.registry.get_sample_value("pdkv_connector_malformed_total", {"role": self.role}) or 0)
 
-    @malformed_total.setter
-    def malformed_total(self, value: int) -> None:
-        # The sender still counts with `trace.malformed_total += 1`; malformed() is the way to count.
-        self._malformed.inc(value - self.malformed_total)
-
     def _get(self, tid: str) -> TransferTrace:
         t = self._traces.get(tid)
         if t is None:

@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from pdkv.protocol import CompletionFields, ProxyTiming, transfer_id_for
+from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
@@ -71,7 +72,7 @@ class ProxyApp:
             body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report()}
             conn.respond(200 if ready else 503, _json_encode(body))
         elif path == "/metrics":
-            conn.respond(200, self.metrics.render(self.backends.rows()).encode(), "text/plain; version=0.0.4")
+            conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)
         elif path == "/v1/models":
             await self.models(conn)
         elif path == "/pdkv/requests":

@@ -260,7 +260,8 @@ class CudaIpcTransport:
         bases = torch.tensor([base], dtype=torch.int64, device=f"cuda:{device}")
         blocks = torch.tensor([0], dtype=torch.int64, device=f"cuda:{device}")
         kernel = copy_kernels()["blocks"]
-        self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=self.chunk_bytes // 8, BLOCK=1024, num_warps=4))
+        words = self.chunk_bytes // 8
+        self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
         with self._lock:

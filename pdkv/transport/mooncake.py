@@ -293,7 +293,10 @@ class MooncakeTransport(PlannedWrites):
         self._check_open()
         if peer.startswith("cma:"):
             # host:port parsing would accept it and Mooncake would try to resolve "cma:<boot id>".
-            raise TransferError(f"decode's address {peer!r} is for cma, but this engine moves KV with Mooncake {self.protocol}: use the same mooncake_protocol on P and D")
+            raise TransferError(
+                f"decode's address {peer!r} is for cma, but this engine moves KV with Mooncake {self.protocol}: "
+                "use the same mooncake_protocol on P and D"
+            )
         if not descriptors:
             return
         srcs = [d.src for d in descriptors]

@@ -303,7 +303,7 @@ def test_prefill_timeout_cancels_both():
         assert r.status_code == 504 and r.json()["error"]["cause"] == "prefill_timeout"
         assert 0.4 < elapsed < 2.5
         _wait_for(lambda: dep.decodes[0].cancelled == 1 and dep.prefills[0].cancelled == 1, what="both cancelled")
-        assert 'pdkv_proxy_errors_total{cause="prefill_timeout"} 1' in c.get("/metrics").text
+        assert 'pdkv_proxy_errors_total{cause="prefill_timeout"} 1.0\n' in c.get("/metrics").text
 
 
 @pytest.mark.parametrize("fallback", [True, False])
@@ -616,7 +616,7 @@ def test_prefill_failing_before_decodes_first_byte_is_served_by_decode_alone(str
         assert "kv_transfer_params" not in local and local["max_tokens"] == REQUEST["max_tokens"]
         cause = "prefill_connect" if failure == "connect" else "prefill_status"
         assert record["local_prefill"] == f"prefill_failed: {cause}" and record["status"] == 200 and "error" not in record
-        assert 'pdkv_proxy_local_prefill_total{reason="prefill_failed"} 1' in metrics
+        assert 'pdkv_proxy_local_prefill_total{reason="prefill_failed"} 1.0\n' in metrics
         _wait_for(lambda: dep.decodes[0].cancelled >= 1, what="the P/D copy on D cancelled")
 
 
@@ -627,7 +627,7 @@ def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "d0 answer"
         assert "kv_transfer_params" not in dep.decodes[0].seen[-1][1] and not dep.prefills[0].seen
         assert c.get("/pdkv/requests/alone-1").json()["local_prefill"] == "no_prefill"
-        assert 'pdkv_proxy_local_prefill_total{reason="no_prefill"} 1' in c.get("/metrics").text
+        assert 'pdkv_proxy_local_prefill_total{reason="no_prefill"} 1.0\n' in c.get("/metrics").text
         dep.register(0, "engine-late")
         _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
         assert c.post("/v1/completions", json=REQUEST).status_code == 200

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params, load_config
-from pdkv.connector.sender import check_pull
+from pdkv.connector.checks import check_pull
 from pdkv.connector.side_channel import decode_reply, decode_request, encode
 from pdkv.errors import ConfigError
 from pdkv.protocol import PullReply, PullRequest, PullStatus, RegionSpec, Release, StatsQuery
