@@ -141,7 +141,7 @@ def resolve_protocol(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
     """For ipc, fall back to Mooncake tcp (with the reason, also logged) when the two GPUs cannot reach each other."""
     if spec.protocol != "ipc" or spec.target is not None:
         return spec, None
-    from pdkv.transport.cuda_ipc import ipc_reachable
+    from pdkv.transport.cuda_kernels import ipc_reachable
 
     ok, reason = ipc_reachable(int(spec.src[5:]), int(spec.dst[5:]))
     if ok:

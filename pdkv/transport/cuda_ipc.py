@@ -29,7 +29,7 @@ from pdkv.transport.base import Descriptor, Region, Written
 from pdkv.transport.host import host_id
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
 
-__all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "ipc_reachable", "plan_chunks"]
+__all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -389,23 +389,3 @@ class CudaIpcTransport:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def ipc_reachable(src_device: int, dst_device: int) -> tuple[bool, str]:
-    """Whether P's GPU can write D's GPU directly; the reason when not (for the logged fallback)."""
-    try:
-        import torch
-    except ImportError:
-        return False, "torch is not installed"
-    if not torch.cuda.is_available():
-        return False, "no CUDA device visible"
-    n = torch.cuda.device_count()
-    if max(src_device, dst_device) >= n:
-        return False, f"only {n} CUDA devices visible"
-    if src_device != dst_device and not torch.cuda.can_device_access_peer(src_device, dst_device):
-        return False, f"GPU {src_device} cannot access GPU {dst_device} as a peer (no NVLink/P2P path)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False, "Triton is not installed"
-    return True, "peer access available"

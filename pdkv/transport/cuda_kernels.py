@@ -1,4 +1,5 @@
-"""The CUDA pieces under the ipc transport: a few driver calls through ctypes, and the Triton copy kernels.
+"""The CUDA pieces under the ipc transport: a few driver calls through ctypes, the Triton copy kernels, and
+whether two GPUs can take that path (ipc_reachable).
 
 Nothing here is imported until a CudaIpcTransport starts; torch and Triton
 are imported inside the functions that need them.
@@ -126,3 +127,23 @@ def copy_kernels() -> dict[str, Any]:
         KERNELS["chunks"] = copy_chunks
         KERNELS["blocks"] = copy_blocks
     return KERNELS
+
+
+def ipc_reachable(src_device: int, dst_device: int) -> tuple[bool, str]:
+    """Whether P's GPU can write D's GPU directly; the reason when not (for the logged fallback)."""
+    try:
+        import torch
+    except ImportError:
+        return False, "torch is not installed"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device visible"
+    n = torch.cuda.device_count()
+    if max(src_device, dst_device) >= n:
+        return False, f"only {n} CUDA devices visible"
+    if src_device != dst_device and not torch.cuda.can_device_access_peer(src_device, dst_device):
+        return False, f"GPU {src_device} cannot access GPU {dst_device} as a peer (no NVLink/P2P path)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "Triton is not installed"
+    return True, "peer access available"
