@@ -7,7 +7,7 @@ tests/shims/cpu_accelerator), all driven by
 pdkv's proxy: greedy tokens and top logprobs equal one colocated vLLM's,
 and D computes one prompt token, not the prompt. For pdkv's connector the
 bytes P pushed equal `pdkv plan`'s figure, and the paths that would hang
-answer within seconds.
+answer within seconds (D runs kv_load_failure_policy "fail" here).
 """
 
 from __future__ import annotations
@@ -134,7 +134,9 @@ def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pai
     p_spec = spec(
         tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
     )
-    d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra)
+    # D fails a pull it cannot complete (vLLM's default policy): the paths that would hang must answer at once;
+    # recompute, pdkv up's default for pdkv's connector, has tests/e2e/test_recompute.py.
+    d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra, load_failure="fail")
     p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
     d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
     try:
