@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
-if ! dpkg -s libibverbs1 librdmacm1 chromium >/dev/null 2>&1; then
+# iproute2's `ip`: the multihost test bed's network namespaces (tests/multihost/netns.py); slim images lack it.
+if ! dpkg -s libibverbs1 librdmacm1 chromium iproute2 >/dev/null 2>&1; then
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium >/dev/null
+  apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium iproute2 >/dev/null
 fi
 python3 -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
 # PyPI's torchvision/torchaudio/torchcodec break beside torch 2.13.0+cpu; vLLM serves text models without them.

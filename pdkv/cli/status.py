@@ -28,6 +28,8 @@ Examples:
   pdkv status --proxy http://10.0.0.5:8000 --json
 
   pdkv status -f deploy.toml --watch
+
+  pdkv status -f fleet.toml          # every host's parts
 """
 
 DEFAULT_PROXY = "http://127.0.0.1:8000"
@@ -35,10 +37,12 @@ DEFAULT_PROXY = "http://127.0.0.1:8000"
 
 def _render(report: Any) -> Group:
     parts = Table(title="parts", show_header=True)
-    for col in ("part", "kind", "url", "health", "detail"):
+    fleet = any(p.host for p in report.parts)
+    for col in ("part", *(("host",) if fleet else ()), "kind", "url", "health", "detail"):
         parts.add_column(col)
     for p in report.parts:
-        parts.add_row(p.name, p.kind, p.url, Text("up", style="green") if p.up else Text("down", style="red"), p.detail)
+        health = Text("up", style="green") if p.up else Text("down", style="red")
+        parts.add_row(p.name, *((p.host,) if fleet else ()), p.kind, p.url, health, p.detail)
     blocks: list[Any] = [parts]
     regs = Table(title="bootstrap registrations", show_header=True)
     for col in ("bootstrap", "dp", "engine id", "tp", "pp", "side channel"):
@@ -66,6 +70,7 @@ def status(
     json_out: JsonOpt = False,
 ) -> int:
     from pdkv.deploy import collect_status, load_deployment, status_targets
+    from pdkv.deploy.status import part_hosts
     from pdkv.errors import UsageError
 
     if proxy and file:
@@ -73,8 +78,11 @@ def status(
     targets: list[tuple[str, str, str]] = []
     boots: list[str] = []
     proxy_url = proxy
+    hosts: dict[str, str] = {}
     if file is not None:
-        targets, boots, proxy_url = status_targets(load_deployment(file))
+        dep = load_deployment(file)
+        targets, boots, proxy_url = status_targets(dep)
+        hosts = part_hosts(dep)
     elif proxy_url is None:
         from pdkv.deploy import deployment_parts, local_deployment
 
@@ -85,7 +93,7 @@ def status(
         proxy_url = next(p.plan.url for p in parts if p.kind == "proxy")
 
     def poll() -> Any:
-        return collect_status(proxy_url=proxy_url, targets=targets, bootstraps=boots, timeout=timeout)
+        return collect_status(proxy_url=proxy_url, targets=targets, bootstraps=boots, timeout=timeout, hosts=hosts)
 
     if not watch:
         report = poll()

@@ -35,6 +35,8 @@ Examples:
 
   pdkv up -f deploy.toml
 
+  pdkv up -f fleet.toml --host B
+
   pdkv up --role prefill --model /models/Qwen3-8B --gpu 0 --device mlx5_0
 
   pdkv up --role decode --model /models/Qwen3-8B --gpu 2 --port 8200 --dry-run --json
@@ -102,7 +104,9 @@ def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
 
 def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
     proxy = next((p for p in parts if p.kind == "proxy"), None)
-    target = proxy or next(p for p in parts if p.kind in ("prefill", "decode"))
+    target = proxy or next((p for p in parts if p.kind in ("prefill", "decode")), None)
+    if target is None:  # a fleet host with only a bootstrap server
+        return [Text("ready.", style="bold green"), Text("Ctrl-C stops every part.", style="dim")]
     model = served or (target.spec.model if target.spec else "MODEL")
     body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
     lines = [Text("ready. Send a request:", style="bold green"), Text(f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")]
@@ -133,8 +137,9 @@ def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
 
 
 def _served_model(parts: list[Any], served: str | None) -> str:
-    engine = next(p for p in parts if p.spec is not None)
-    return served or engine.spec.model
+    if served:
+        return served
+    return next(p for p in parts if p.spec is not None).spec.model
 
 
 def _supervise(
@@ -233,7 +238,7 @@ def up(
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
-    host: Annotated[str, typer.Option("--host", help="Address the engine listens on (with --role).")] = "0.0.0.0",
+    host: Annotated[str | None, typer.Option("--host", help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
     host_ip: Annotated[str | None, typer.Option("--host-ip", help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
     bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port", help="Port of P's in-worker bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT).")] = None,
     bootstrap: Annotated[str | None, typer.Option("--bootstrap", help="URL of a standalone bootstrap server for P.")] = None,
@@ -252,6 +257,7 @@ def up(
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
+    from pdkv.deploy.fleet import chosen_hosts, local_addresses, select_parts
     from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
     from pdkv.errors import UsageError
 
@@ -261,6 +267,8 @@ def up(
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
     if file is not None and role is not None:
         raise UsageError("give either -f FILE or --role, not both")
+    if host is not None and file is None and role is None:
+        raise UsageError("--host goes with -f FILE (a [[hosts]] name) or --role (a listen address)")
     gpus = gpu_count()
     if protocol == "ipc" and (platform == "cpu" or (platform is None and not gpus)):
         raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp or cma on CPU hosts")
@@ -272,13 +280,18 @@ def up(
         dep = load_deployment(file)
         if extra:
             dep = _with_extra(dep, list(extra))
-        parts, boots, served, timeout = deployment_parts(dep), external_bootstraps(dep), dep.served_model_name, min(timeout, dep.startup_timeout)
+        # A fleet file: the parts of this host (--host NAME, else the hosts with one of this machine's addresses).
+        here = chosen_hosts(dep, host, local_addresses() if host is None and dep.hosts else ())
+        parts = select_parts(deployment_parts(dep), here)
+        boots, served, timeout = external_bootstraps(dep), dep.served_model_name, min(timeout, dep.startup_timeout)
+        if not any(p.spec is not None for p in parts):  # a fleet host with no engine (its proxy warms up by the deployment's model)
+            served = served or dep.model
     elif role is not None:
         plat = platform or ("gpu" if gpus else "cpu")
         parts, boots = _role_parts(
             role,
             model=model or str(tiny_model_path()),
-            host=host,
+            host=host or "0.0.0.0",
             port=port or (8100 if role == "prefill" else 8200),
             connector=connector,
             protocol=protocol or ("tcp" if plat == "cpu" else "rdma"),

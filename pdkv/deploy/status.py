@@ -16,6 +16,7 @@ class PartHealth(msgspec.Struct, frozen=True):
     url: str
     up: bool
     detail: str = ""
+    host: str = ""  # its [[hosts]] name in a fleet
 
 
 class Registration(msgspec.Struct, frozen=True):
@@ -88,7 +89,15 @@ def status_targets(dep: Deployment) -> tuple[list[tuple[str, str, str]], list[st
     return targets, boots, proxy
 
 
-def collect_status(*, proxy_url: str | None = None, targets: Sequence[tuple[str, str, str]] = (), bootstraps: Sequence[str] = (), timeout: float = 2.0) -> StatusReport:
+def part_hosts(dep: Deployment) -> dict[str, str]:
+    """Part name -> its [[hosts]] name, for a fleet file (empty for one host)."""
+    return {p.plan.name: p.host for p in deployment_parts(dep) if p.host}
+
+
+def collect_status(
+    *, proxy_url: str | None = None, targets: Sequence[tuple[str, str, str]] = (), bootstraps: Sequence[str] = (), timeout: float = 2.0,
+    hosts: dict[str, str] | None = None,
+) -> StatusReport:
     """Poll every part's /health, each bootstrap's /query and the proxy's /metrics.
 
     Given only a proxy URL, the parts and bootstraps are those the proxy's
@@ -114,7 +123,7 @@ def collect_status(*, proxy_url: str | None = None, targets: Sequence[tuple[str,
         for name, kind, url in targets:
             status, body, err = _get(client, url.rstrip("/") + "/health")
             up = status is not None and 200 <= status < 300
-            parts.append(PartHealth(name, kind, url, up, "" if up else err or f"answered {status}"))
+            parts.append(PartHealth(name, kind, url, up, "" if up else err or f"answered {status}", host=(hosts or {}).get(name, "")))
             if kind == "proxy" and figures is None and status is not None:
                 figures = _proxy_figures(client, url)
         registrations: list[Registration] = []

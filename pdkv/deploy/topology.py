@@ -36,6 +36,7 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.fleet import HostEntry, check_hosts, host_address
 from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
 from pdkv.launch import (
@@ -72,6 +73,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     extra_args: list[str] = []
     env: dict[str, str] = {}
     restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name
 
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -79,12 +81,14 @@ class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     port: int = DEFAULT_BOOTSTRAP_PORT
     url: str | None = None
     restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name (standalone mode)
 
 
 class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     port: int = 8000
     extra_args: list[str] = []
     restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name
 
 
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -109,6 +113,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     proxy: ProxyEntry | None = ProxyEntry()
     extra_args: list[str] = []
     env: dict[str, str] = {}
+    hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -125,6 +130,7 @@ class Part(msgspec.Struct, frozen=True):
     spec: EngineSpec | None = None
     restart: RestartMode = "on-failure"
     registers_with: str | None = None
+    host: str | None = None  # its [[hosts]] name in a fleet
 
 
 def load_deployment(path: str | Path) -> Deployment:
@@ -150,6 +156,7 @@ def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") ->
         raise ConfigError(f"{source}: a deployment needs at least one [[prefill]] and one [[decode]]")
     if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
         raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
+    check_hosts(dep, source=source)
     return dep
 
 
@@ -246,7 +253,10 @@ def _pdkv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdkv", *args]
 
 
-def engine_spec(dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None) -> EngineSpec:
+def engine_spec(
+    dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
+    host_ip: str | None = None,
+) -> EngineSpec:
     return EngineSpec(
         model=entry.model or dep.model,
         host=dep.host,
@@ -264,50 +274,64 @@ def engine_spec(dep: Deployment, entry: EngineEntry, role: Literal["prefill", "d
         served_model_name=dep.served_model_name if entry.model is None else None,
         bootstrap_port=bootstrap_port,
         bootstrap_url=bootstrap_url,
-        host_ip=dep.host_ip,
+        host_ip=host_ip or dep.host_ip,
         omp_bind=entry.omp_bind,
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
     )
 
 
+def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
+    """A fleet part's plan with the URL its peers (and `pdkv status`) reach it at: its host's address."""
+    return plan if address is None else msgspec.structs.replace(plan, url=http_url(address, port))
+
+
 def deployment_parts(dep: Deployment) -> list[Part]:
-    """Every process of `dep`, in start order, with its exact command and environment."""
+    """Every process of `dep`, in start order, with its exact command and environment.
+
+    In a fleet each part listens on `dep.host` and is reached at, and advertises (VLLM_HOST_IP, bootstrap
+    URLs), its host's address; `Part.host` names the host.
+    """
     parts: list[Part] = []
     prefills: list[Part] = []
     boot = dep.bootstrap
     connect = connect_host(dep.host)
     # Bootstrap URLs travel to D (through the proxy), so they carry an address D can reach.
-    advertised = dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") else dep.host)
+    advertised = dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
+    boot_at = host_address(dep, boot.host) if boot.mode == "standalone" else None
     for i, entry in enumerate(dep.prefill):
         port = boot.port + i
         bootstrap_port: int | None = None
         registers_with: str | None = None
+        p_at = host_address(dep, entry.host)
         if entry.bootstrap_url or boot.mode == "external":
             url = entry.bootstrap_url or boot.url
         elif boot.mode == "standalone":
-            url = http_url(advertised, port)
+            url = http_url(boot_at or advertised, port)
             plan = LaunchPlan(
                 name=f"bootstrap-{i}",
                 argv=_pdkv_argv("bootstrap", "--host", dep.host, "--port", str(port)),
                 env={},
-                url=http_url(connect, port),
+                url=http_url(boot_at or connect, port),
             )
-            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)], restart=boot.restart or dep.restart))
+            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)], restart=boot.restart or dep.restart, host=boot.host))
             registers_with = plan.name
         else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
-            url, bootstrap_port = http_url(advertised, port), port
+            url, bootstrap_port = http_url(p_at or advertised, port), port
         # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
-        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port)
+        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at)
         ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else [])
-        prefills.append(Part(kind="prefill", plan=engine_plan(spec, name=f"prefill-{i}"), ports=ports, bootstrap_url=url, spec=spec,
-                             restart=entry.restart or dep.restart, registers_with=registers_with))
+        plan = _reached_at(engine_plan(spec, name=f"prefill-{i}"), p_at, entry.port)
+        prefills.append(Part(kind="prefill", plan=plan, ports=ports, bootstrap_url=url, spec=spec,
+                             restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
     parts += prefills
     decodes = []
     for i, entry in enumerate(dep.decode):
-        spec = engine_spec(dep, entry, "decode", None, None)
-        decodes.append(Part(kind="decode", plan=engine_plan(spec, name=f"decode-{i}"), ports=[(dep.host, entry.port)], spec=spec,
-                            restart=entry.restart or dep.restart))
+        d_at = host_address(dep, entry.host)
+        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at)
+        plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
+        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port)], spec=spec,
+                            restart=entry.restart or dep.restart, host=entry.host))
     parts += decodes
     if dep.proxy is not None:
         argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port)]
@@ -315,8 +339,10 @@ def deployment_parts(dep: Deployment) -> list[Part]:
             argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
         for d in decodes:
             argv += ["--decode", d.plan.url]
-        plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(connect, dep.proxy.port))
-        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart))
+        proxy_at = host_address(dep, dep.proxy.host) or connect
+        plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
+        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart,
+                          host=dep.proxy.host))
     return parts
 
 
