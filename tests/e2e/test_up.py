@@ -1,4 +1,5 @@
-"""`pdkv up` with no arguments on a CPU host: a working 1P1D, and nothing left behind after Ctrl-C."""
+"""`pdkv up` with no arguments on a CPU host: a working, warmed-up 1P1D that restarts a killed engine, and
+nothing left behind (and no traceback logged) after Ctrl-C; `pdkv up --trace --once`."""
 
 from __future__ import annotations
 
@@ -56,8 +57,35 @@ def _next_event(q: queue.Queue, name: str, deadline: float) -> dict:
             return event
 
 
-@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="the built-in CPU topology runs only where no GPU is present")
-def test_pdkv_up_serves_1p1d_and_sigint_leaves_nothing(tmp_path: Path) -> None:
+CPU_ONLY = pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="the built-in CPU topology runs only where no GPU is present")
+RESTART_BOUND_S = 180.0  # kill -9 of D to a request served through the proxy again, on 2 cores
+BODY = {"model": "tiny", "prompt": "The river runs north to the city", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+
+
+class Up:
+    """One `pdkv up --json` for the module: its process, its JSON events, every pid it was seen to own."""
+
+    def __init__(self, proc: subprocess.Popen[str], logs: Path, stderr: Path) -> None:
+        self.proc, self.logs, self.stderr = proc, logs, stderr
+        self.events = _events(proc)
+        self.ready: dict = {}
+        self.pids: dict[str, int] = {}  # part name -> its pid now
+        self.seen: set[int] = {proc.pid}
+
+    def look(self) -> set[int]:
+        """Every live descendant of `pdkv up` now, remembered for the clean-up."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.seen |= {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        return {pid for pid in self.seen if _alive(pid)}
+
+    def tails(self) -> str:
+        logs = sorted(self.logs.glob("*.log"))
+        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]) for p in logs)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory):
+    tmp_path = tmp_path_factory.mktemp("up")
     env = {**os.environ, "PDKV_CACHE_DIR": str(tmp_path / "cache")}  # a fresh tiny model, as on a new machine
     logs = tmp_path / "logs"
     t0 = time.monotonic()
@@ -70,44 +98,16 @@ def test_pdkv_up_serves_1p1d_and_sigint_leaves_nothing(tmp_path: Path) -> None:
             env=env,
             start_new_session=True,
         )
-    descendants: set[int] = set()
+    running = Up(proc, logs, tmp_path / "up.stderr")
     try:
-        q = _events(proc)
         try:
-            ready = _next_event(q, "ready", t0 + READY_TIMEOUT_S)
+            running.ready = _next_event(running.events, "ready", t0 + READY_TIMEOUT_S)
         except AssertionError:
-            tails = "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-30:]) for p in sorted(logs.glob("*.log")))
-            raise AssertionError(f"pdkv up was not ready: {(tmp_path / 'up.stderr').read_text()}\n{tails}") from None
-        ready_s = time.monotonic() - t0
-        print(f"\npdkv up (fresh tiny model) ready after {ready_s:.1f} s; parts: {[p['name'] for p in ready['parts']]}")
-        names = [p["name"] for p in ready["parts"]]
-        assert names == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
-        descendants = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        assert {p["pid"] for p in ready["parts"]} <= descendants
-
-        proxy = next(p["url"] for p in ready["parts"] if p["name"] == "proxy")
-        body = {"model": "tiny", "prompt": "The river runs north to the city", "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-        r = httpx.post(f"{proxy}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        answer = r.json()
-        assert answer["usage"]["completion_tokens"] == 8
-        pd = answer["choices"][0]["logprobs"]
-        assert len(pd["tokens"]) == 8
-        # The same request straight to P, served colocated there: D's answer from P's KV must match it.
-        prefill = next(p["url"] for p in ready["parts"] if p["name"] == "prefill-0")
-        direct = httpx.post(f"{prefill}/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
-        assert pd["tokens"] == direct["tokens"]
-        assert pd["token_logprobs"] == pytest.approx(direct["token_logprobs"], abs=1e-3)
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=STOP_TIMEOUT_S) == 0
-        stopped = _next_event(q, "stopped", time.monotonic() + 5)
-        assert set(stopped["pids"]) == {p["pid"] for p in ready["parts"]}
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(pid) for pid in descendants):
-            time.sleep(0.2)
-        left = sorted(pid for pid in descendants if _alive(pid))
-        assert not left, f"processes left after SIGINT: {left}"
+            raise AssertionError(f"pdkv up was not ready: {running.stderr.read_text()}\n{running.tails()}") from None
+        print(f"\npdkv up (fresh tiny model) ready after {time.monotonic() - t0:.1f} s; warm-up {running.ready['warmup_ms']} ms")
+        running.pids = {p["name"]: p["pid"] for p in running.ready["parts"]}
+        running.look()
+        yield running
     finally:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -115,12 +115,93 @@ def test_pdkv_up_serves_1p1d_and_sigint_leaves_nothing(tmp_path: Path) -> None:
             proc.wait(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
-        for pid in descendants:  # a failed assertion above must not leave engines on the shared cores
+        for pid in running.seen:  # a failed test must not leave engines on the shared cores
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
 
 
-@pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="the built-in CPU topology runs only where no GPU is present")
+def _proxy(up: Up) -> str:
+    return next(p["url"] for p in up.ready["parts"] if p["name"] == "proxy")
+
+
+@CPU_ONLY
+def test_pdkv_up_serves_1p1d_warmed_up(up: Up) -> None:
+    names = [p["name"] for p in up.ready["parts"]]
+    assert names == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert set(up.pids.values()) <= up.look()
+    assert len(up.ready["warmup_ms"]) == 1  # one warm-up request through the proxy before "ready"
+    r = httpx.post(f"{_proxy(up)}/v1/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["usage"]["completion_tokens"] == 8
+    pd = answer["choices"][0]["logprobs"]
+    assert len(pd["tokens"]) == 8
+    # The same request straight to P, served colocated there: D's answer from P's KV must match it.
+    prefill = next(p["url"] for p in up.ready["parts"] if p["name"] == "prefill-0")
+    direct = httpx.post(f"{prefill}/v1/completions", json=BODY, timeout=120).json()["choices"][0]["logprobs"]
+    assert pd["tokens"] == direct["tokens"]
+    assert pd["token_logprobs"] == pytest.approx(direct["token_logprobs"], abs=1e-3)
+
+
+@CPU_ONLY
+def test_a_killed_decode_engine_is_restarted_and_serves_again(up: Up) -> None:
+    old = up.pids["decode-0"]
+    cores = os.sched_getaffinity(old)
+    t0 = time.monotonic()
+    os.killpg(old, signal.SIGKILL)  # the API server, its engine core and its worker
+    deadline = t0 + RESTART_BOUND_S
+    exited = _next_event(up.events, "exited", deadline)
+    assert (exited["name"], exited["code"]) == ("decode-0", -9) and "killed by SIGKILL" in exited["message"]
+    restarting = _next_event(up.events, "restarting", deadline)
+    assert restarting["name"] == "decode-0" and restarting["delay_s"] == 1.0
+    try:
+        restarted = _next_event(up.events, "restarted", deadline)
+    except AssertionError:
+        raise AssertionError(f"decode-0 did not come back: {up.stderr.read_text()[-2000:]}\n{up.tails()}") from None
+    assert restarted["name"] == "decode-0" and restarted["pid"] != old
+    up.pids["decode-0"] = restarted["pid"]
+    assert os.sched_getaffinity(restarted["pid"]) == cores  # the same core binding
+    last = "no answer yet"
+    while True:  # the proxy takes D back at its first passing health round
+        try:
+            r = httpx.post(f"{_proxy(up)}/v1/completions", json=BODY, timeout=max(1.0, deadline - time.monotonic()))
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        else:
+            if r.status_code == 200:
+                break
+            last = f"{r.status_code} {r.text[:300]}"
+        assert time.monotonic() < deadline, f"no request served within {RESTART_BOUND_S:g} s of the kill; last: {last}"
+        time.sleep(1.0)
+    print(f"\ndecode-0 killed, restarted and serving through the proxy again after {time.monotonic() - t0:.1f} s")
+    assert r.json()["usage"]["completion_tokens"] == 8
+    assert not _alive(old)
+
+
+@CPU_ONLY
+def test_sigint_stops_everything_and_no_part_logs_a_traceback(up: Up) -> None:
+    descendants = up.look()
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(timeout=STOP_TIMEOUT_S) == 0
+    stopped = _next_event(up.events, "stopped", time.monotonic() + 5)
+    assert set(stopped["pids"]) == set(up.pids.values())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in descendants):
+        time.sleep(0.2)
+    left = sorted(pid for pid in descendants if _alive(pid))
+    assert not left, f"processes left after SIGINT: {left}"
+    logs = sorted(up.logs.glob("*.log"))
+    assert [p.name for p in logs] == ["bootstrap-0.log", "decode-0.log", "prefill-0.log", "proxy.log"]
+    from pdkv.deploy.vllm_logging import QUIET_LINE
+
+    quieted = sum(p.read_text(errors="replace").count(QUIET_LINE) for p in logs)
+    print(f"\nvLLM #48745's shutdown EngineDeadError turned into one INFO line {quieted} time(s)")
+    with_traceback = {p.name: p.read_text(errors="replace") for p in logs if "Traceback" in p.read_text(errors="replace")}
+    assert not with_traceback, "a clean stop logged a traceback:\n" + "\n".join(
+        f"--- {name}\n{text[max(0, text.index('Traceback') - 500):][:3000]}" for name, text in with_traceback.items())
+
+
+@CPU_ONLY
 def test_readme_main_job_traces_one_request_and_stops(tmp_path: Path) -> None:
     """`pdkv up --trace --once`: bring up the local 1P1D, trace one request, stop everything, exit 0."""
     from pdkv.geometry import geometry_from_model, plan_transfer
@@ -142,13 +223,14 @@ def test_readme_main_job_traces_one_request_and_stops(tmp_path: Path) -> None:
         names = [e["event"] for e in events]
         assert names[:2] == ["starting", "ready"] and names[-1] == "stopped"
         trace = next(e["trace"] for e in events if e["event"] == "trace")
+        ready = next(e for e in events if e["event"] == "ready")
+        assert len(ready["warmup_ms"]) == 1 and trace["request_id"].startswith("trace-")  # the warm-up is not the one traced
         ttft = trace["proxy_ttft_ms"]
         assert ttft > 0
         assert sum(p["ms"] for p in trace["phases"]) == pytest.approx(ttft, rel=0.05)
         geometry = geometry_from_model(tmp_path / "cache" / "tiny-model")
         want = plan_transfer(geometry, prompt_tokens=trace["prompt_tokens"], block_size=32).transfer_bytes
         assert trace["transfer"]["bytes"] == want
-        ready = next(e for e in events if e["event"] == "ready")
         left = [p["pid"] for p in ready["parts"] if _alive(p["pid"])]
         assert not left, f"processes left after --once: {left}"
     finally:
