@@ -317,6 +317,7 @@ class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     descriptors: Count = 0
     first_step_tokens: Count = 0  # D's first step after the KV arrived: 1 means only the last prompt token
     events: dict[str, UnixTime] = {}
+    session: str = ""  # on P: D's transfer-engine address ("host:port") it wrote the KV to
 
 
 class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply", kw_only=True):

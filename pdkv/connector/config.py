@@ -36,6 +36,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 1.0
     # P: bound on one KV write; a peer that stops answering fails the transfer after it.
     write_timeout_s: float = 30.0
+    # P: every worker registers its side channel again this often, so a restarted bootstrap server (which
+    # starts empty) lists P again within this bound, without restarting P. 0: register once.
+    register_interval_s: float = 5.0
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
@@ -57,6 +60,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
+        if self.register_interval_s < 0:
+            raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:
             raise ConfigError(f"kv_connector_extra_config.idle_wait_ms must be 0..1000, got {self.idle_wait_ms}")
         if not 0 <= self.wait_write_ms <= 10_000:

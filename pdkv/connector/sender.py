@@ -277,7 +277,7 @@ class KVSender:
                 )
             local = a.blocks[req.first_block : req.first_block + want]
             remote_regions = [Region(r.base, r.block_len, r.num_blocks) for r in req.regions]
-            self.trace.event(a.transfer_id, "transfer_start")
+            self.trace.event(a.transfer_id, "transfer_start", session=req.session)
             if fence is not None:
                 fence.synchronize()
             self.transport.connect(req.session, req.ipc)

@@ -18,7 +18,6 @@ from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
 from pdkv.connector.state import SendLimits
 from pdkv.connector.timing import TraceLog
-from pdkv.errors import StartError
 from pdkv.protocol import RegisterRequest
 
 log = logging.getLogger("pdkv.connector")
@@ -51,6 +50,7 @@ class ConnectorWorker:
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.bootstrap: Any = None
+        self.registration: Any = None  # P: StandingRegistration, renewing this worker's bootstrap entry
         self._on_gpu = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
@@ -100,19 +100,12 @@ class ConnectorWorker:
         self._register_with_bootstrap()
 
     def _register_with_bootstrap(self) -> None:
-        from pdkv.bootstrap import TOKEN_ENV
-        from pdkv.bootstrap.client import BootstrapClient
+        from pdkv.connector.registration import StandingRegistration
 
         assert self.sender is not None
         url = bootstrap_url(self.config, self.host)
         req = RegisterRequest(engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0, addr=self.sender.address)
-        try:
-            # Other TP ranks may come up before TP0's in-worker server: retry for a few seconds.
-            # A bootstrap server started with --token wants it on /register: take it from the same variable.
-            with BootstrapClient(url, timeout=2.0, retries=8, token=os.environ.get(TOKEN_ENV) or None) as bs:
-                bs.register(req)
-        except Exception as exc:
-            raise StartError(f"could not register with the bootstrap server at {url}: {exc}") from exc
+        self.registration = StandingRegistration(url, req, self.config.register_interval_s)
         log.info("pdkv: registered %s (tp %d) side channel %s at %s", self.engine_id, self.tp_rank, self.sender.address, url)
 
     def start_step(self, meta: StepMeta) -> None:
@@ -154,6 +147,8 @@ class ConnectorWorker:
         return sent, recv
 
     def close(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
         for part in (self.sender, self.receiver):
             if part is not None:
                 part.close()
