@@ -199,7 +199,8 @@ class ManagedProcess:
         if _group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
-            if not _wait_until(lambda: proc.poll() is not None and not _group_alive(pgid), max(deadline, time.monotonic() + min(2.0, grace))):
+            last_chance = max(deadline, time.monotonic() + min(2.0, grace))
+            if not _wait_until(lambda: proc.poll() is not None and not _group_alive(pgid), last_chance):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -98,7 +98,8 @@ class RestartPolicy:
         if len(self._exits) > self.burst:
             return RestartDecision(
                 Verdict.GIVE_UP,
-                why=f"{how}; {len(self._exits)} exits within {self.window_s:g} s is past the bound of {self.burst} restarts, so it stays down",
+                why=f"{how}; {len(self._exits)} exits within {self.window_s:g} s is past the bound of {self.burst} restarts, "
+                "so it stays down",
             )
         delay = min(self.max_s, self.initial_s * 2**self._streak)
         self._streak += 1

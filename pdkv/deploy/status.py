@@ -113,7 +113,8 @@ def collect_status(
             status, body, err = _get(client, proxy_url.rstrip("/") + "/health")
             if not any(kind == "proxy" for _, kind, _ in targets):
                 reason = err or (body.get("reason", "") if isinstance(body, dict) else "")
-                parts.append(PartHealth("proxy", "proxy", proxy_url, status == 200, "" if status == 200 else reason or f"answered {status}"))
+                why = "" if status == 200 else reason or f"answered {status}"
+                parts.append(PartHealth("proxy", "proxy", proxy_url, status == 200, why))
             if isinstance(body, dict) and not targets:
                 for i, b in enumerate(body.get("backends", [])):
                     targets.append((f"{b.get('role', '?')}-{i}", str(b.get("role", "?")), str(b.get("url", ""))))

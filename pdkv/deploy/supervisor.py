@@ -74,7 +74,8 @@ class Supervisor:
         self.on_change = on_change or (lambda: None)
         self.on_event = on_event or (lambda _e: None)
         self.procs = [
-            ManagedProcess(plan, self.log_dir / f"{plan.name}.log", on_line=(lambda line, n=plan.name: on_line(n, line)) if on_line else None)
+            ManagedProcess(plan, self.log_dir / f"{plan.name}.log",
+                           on_line=(lambda line, n=plan.name: on_line(n, line)) if on_line else None)
             for plan in plans
         ]
         # Owned by the thread that calls start_all/watch/stop_all (one at a time).
@@ -167,7 +168,8 @@ class Supervisor:
         policy = self.policies[self.procs.index(proc)]
         decision = policy.exited(time.monotonic(), code) if code is not None else policy.failed(time.monotonic(), how)
         last = _last_line(proc)
-        self._emit(PartEvent(proc.name, "exited", f"{proc.name} {how}" + (f"; its log's last line: {last}" if last else ""), code=code, pid=proc.pid))
+        message = f"{proc.name} {how}" + (f"; its log's last line: {last}" if last else "")
+        self._emit(PartEvent(proc.name, "exited", message, code=code, pid=proc.pid))
         self._deadline.pop(proc.name, None)
         if decision.verdict is Verdict.RESTART:
             self._due[proc.name] = time.monotonic() + decision.delay_s
@@ -215,7 +217,8 @@ class Supervisor:
             return  # not running, or already on its way back
         self._due[name] = time.monotonic()
         self._set(name, "restarting")
-        self._emit(PartEvent(name, "restarting", f"{name} starts again: {because} restarted and {name} must register with it again", pid=proc.pid))
+        why = f"{name} starts again: {because} restarted and {name} must register with it again"
+        self._emit(PartEvent(name, "restarting", why, pid=proc.pid))
 
     def stop_all(self, grace: float = 10.0) -> None:
         """Stop every started part, last started first (the proxy before the engines it routes to).

@@ -68,7 +68,9 @@ def logging_config() -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "filters": {"pdkv_shutdown": {"()": f"{__name__}.ShutdownTracebackFilter"}},
-        "formatters": {"vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": fmt, "log_level": "INFO"}},
+        "formatters": {
+            "vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": fmt, "log_level": "INFO"},
+        },
         "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO", "stream": "ext://sys.stdout",
                               "filters": ["pdkv_shutdown"]}},
         "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},
@@ -88,7 +90,8 @@ def with_vllm_logging(parts: Sequence[Part], log_dir: str | Path, environ: Mappi
     out = []
     for part in parts:
         if part.spec is not None and not _configures_vllm_logging(part.plan.env):
-            part = msgspec.structs.replace(part, plan=msgspec.structs.replace(part.plan, env={**part.plan.env, "VLLM_LOGGING_CONFIG_PATH": path}))
+            plan = msgspec.structs.replace(part.plan, env={**part.plan.env, "VLLM_LOGGING_CONFIG_PATH": path})
+            part = msgspec.structs.replace(part, plan=plan)
         out.append(part)
     return out
 

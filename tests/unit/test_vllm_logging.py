@@ -77,7 +77,8 @@ def test_every_engine_gets_the_file_and_nothing_else_does(tmp_path: Path) -> Non
     assert not (tmp_path / "unused").exists()
 
 
-@pytest.mark.parametrize("env", [{"VLLM_LOGGING_LEVEL": "DEBUG"}, {"VLLM_LOGGING_CONFIG_PATH": "/mine.json"}, {"VLLM_CONFIGURE_LOGGING": "0"}])
+@pytest.mark.parametrize("env", [{"VLLM_LOGGING_LEVEL": "DEBUG"}, {"VLLM_LOGGING_CONFIG_PATH": "/mine.json"},
+                                 {"VLLM_CONFIGURE_LOGGING": "0"}])
 def test_a_caller_who_configures_vllms_logging_keeps_it(tmp_path: Path, env: dict[str, str]) -> None:
     parts = deployment_parts(local_deployment(gpus=0))
     assert with_vllm_logging(parts, tmp_path, environ=env) == parts
@@ -88,6 +89,7 @@ def test_the_configuration_is_vllms_default_plus_the_filter() -> None:
 
     ours = logging_config()
     filters = ours["handlers"]["vllm"].pop("filters")
-    assert filters == ["pdkv_shutdown"] and ours.pop("filters") == {"pdkv_shutdown": {"()": f"{ShutdownTracebackFilter.__module__}.ShutdownTracebackFilter"}}
+    assert filters == ["pdkv_shutdown"]
+    assert ours.pop("filters") == {"pdkv_shutdown": {"()": f"{ShutdownTracebackFilter.__module__}.ShutdownTracebackFilter"}}
     theirs = {**DEFAULT_LOGGING_CONFIG, "formatters": {"vllm": DEFAULT_LOGGING_CONFIG["formatters"]["vllm"]}}
     assert ours == theirs  # as vLLM configures an engine writing into a pipe at INFO, colour off
