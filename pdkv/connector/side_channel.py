@@ -232,3 +232,19 @@ async def request_once(address: str, msg: Any, timeout: float) -> Any:
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def send_once(address: str, msgs: list[Any], linger_ms: int = 500) -> None:
+    """Send messages that want no reply to a P worker (blocking, at most about `linger_ms`): run it off the loop."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(address)
+        for msg in msgs:
+            sock.send(encode(msg))
+    finally:
+        sock.close(linger=linger_ms)
+        ctx.term()
+

@@ -225,8 +225,11 @@ class SendTable:
         return []
 
     def released(self, transfer_id: str, now: float, d_req_id: str = "") -> list[Action]:
-        """D request `d_req_id` no longer wants the KV (it ended first, or found the prompt cached)."""
-        e = self._entry(transfer_id)
+        """D request `d_req_id` no longer wants the KV (it ended first, or found the prompt cached; or the proxy
+        says no D request will pull it)."""
+        e = self.entries.get(transfer_id)
+        if e is None:  # before P saw it: remembered as a tombstone (bounded), so its blocks are freed once they come
+            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.UNSEEN, deadline=now + self.limits.unknown_wait_s)
         if e.phase is Phase.CLOSED or (d_req_id and d_req_id in e.sending):
             return []  # nothing left, or the write in flight settles it
         e.served += 1

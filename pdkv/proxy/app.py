@@ -36,7 +36,15 @@ from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
 from pdkv.proxy.http import Request, ServerConnection, UpstreamError, fetch
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
+from pdkv.proxy.routing import (
+    KvConnector,
+    ProxyConfig,
+    decode_request,
+    local_request,
+    prefill_headers,
+    prefill_request,
+    unsupported_field,
+)
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -184,6 +192,10 @@ class ProxyApp:
             t.decode_dispatched = time.time()
             d_state.pool.send(d_ex, d_bytes)
             fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+            if t.error is not None or fallback is not None:
+                # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
+                # P closed the transfer and the release is a no-op): P may free its blocks now.
+                self._release_at_prefill(p_state, t, fields.n or 1)
             if fallback is not None:
                 await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
@@ -293,6 +305,21 @@ class ProxyApp:
                 t.status, t.last_byte = d_ex.status, time.time()
                 return None
             await flight.wait()
+
+    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int) -> None:
+        """Tell P's connector (one Release per D request that would have pulled) that nobody will pull this
+        transfer, off the loop, so that P frees its blocks now instead of after its expiry. vLLM's connector
+        would not understand it: only with pdkv's."""
+        from pdkv.connector.side_channel import send_once
+        from pdkv.protocol import Release
+
+        addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
+        if self.config.connector is not KvConnector.PDKV or not addrs:
+            return
+        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left") for _ in range(pulls)]
+        loop = asyncio.get_running_loop()
+        for addr in addrs:
+            loop.run_in_executor(None, send_once, addr, msgs)
 
     async def _transfer_fate(self, p_state: BackendState | None, t: ProxyTiming) -> str | None:
         """Why this request's KV transfer failed, as P's connector recorded it; None if P does not say

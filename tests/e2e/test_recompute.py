@@ -9,6 +9,9 @@
   client sees a failure (requests whose P died go to D alone), every answer
   equals P alone's; while P is down D answers alone (the request record
   says so, with its TTFT); once P is back the proxy disaggregates again.
+- D killed (kill -9) while 8 clients stream: each request in flight ends
+  within 5 s with a clear error naming the decode stage, P holds no blocks
+  for them 10 s later, and D serves again once it is back.
 """
 
 from __future__ import annotations
@@ -164,4 +167,39 @@ def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Eng
         engines.check(alone, asyncio.run(run_load(url, alone, engines.model, 1)))
         rec = httpx.get(f"{url}/pdkv/requests", params={"limit": 1}, trust_env=False).json()[0]
         assert rec.get("local_prefill") is None and rec["prefill_dispatched"] and "error" not in rec
+    wait_usage_zero(d.url)
+
+
+def test_decode_killed_under_load_fails_fast_leaks_nothing_on_prefill_and_comes_back(engines: Engines):
+    d = engines.decode("cma")
+    with engines.proxy("cma", d) as url:
+        p = engines.prefill("cma")
+        cases = streams(24)
+        killed_at: list[float] = []
+
+        async def load_and_kill() -> list[Answer]:
+            run = asyncio.ensure_future(run_load(url, cases, engines.model, 8))
+            await asyncio.sleep(1.0)  # 8 streams in flight
+            os.killpg(d.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+            return await run
+
+        start = time.monotonic()
+        answers = asyncio.run(load_and_kill())
+        d.proc.wait(10)
+        for a in answers:  # each ended: whole, or with a clear error within 5 s of the kill
+            if a.status != 200 or a.error:
+                assert a.error and start + a.seconds - killed_at[0] < 5.0, a
+                assert "decode" in a.error, a.error
+        assert any(a.error for a in answers), "the kill hit no request"
+        # P holds nothing for the requests D will never pull: the proxy released them.
+        wait_usage_zero(p.url)
+        d.start()
+        d.wait_healthy(300)
+        end = time.monotonic() + 30
+        while httpx.get(f"{url}/health", trust_env=False).status_code != 200:
+            assert time.monotonic() < end, "D not back in the proxy"
+            time.sleep(0.25)
+        again = [Case(ENDPOINT, PROMPTS[2], stream=True)]
+        engines.check(again, asyncio.run(run_load(url, again, engines.model, 1)))
     wait_usage_zero(d.url)

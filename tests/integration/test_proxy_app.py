@@ -336,12 +336,14 @@ class FateServer:
         from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 
         self.transfer_id = transfer_id
+        self.seen: list[Any] = []
         self.loop = EventLoopThread("fate")
         self.server = SideChannelServer(self.loop, "127.0.0.1", self.handle)
 
     async def handle(self, identity: bytes, msg: Any) -> None:
         from pdkv.protocol import StatsQuery, StatsReply, TransferTrace
 
+        self.seen.append(msg)
         if isinstance(msg, StatsQuery):
             trace = TransferTrace(transfer_id=self.transfer_id, status="cancelled",
                                   error="prefill request p-1 finished as FINISHED_ABORTED", events={"registered": time.time()})
@@ -632,3 +634,27 @@ def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
         _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
         assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert dep.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-late"
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deployment: Deployment, n: int):
+    # No D request will pull this KV: P's connector is told at once (one Release per choice), not after its expiry.
+    from pdkv.protocol import Release
+
+    fate = FateServer("unused")
+    try:
+        _register_side_channel(deployment, fate.server.address)
+        deployment.decodes[0].behaviour.update(status=400, body={"error": {"message": "bad"}})
+        with deployment.client() as c:
+            r = c.post("/v1/completions", json={**REQUEST, "stream": False, "n": n, "temperature": 1.0},
+                       headers={"X-Request-Id": f"rel-{n}"})
+        assert r.status_code == 400
+        _wait_for(lambda: sum(isinstance(m, Release) for m in fate.seen) == n, what="the Releases at P")
+        assert all(m.transfer_id == "xfer-rel-" + str(n) for m in fate.seen if isinstance(m, Release))
+        deployment.decodes[0].behaviour.update(status=200)
+        with deployment.client() as c:
+            assert c.post("/v1/completions", json={**REQUEST, "stream": False}).status_code == 200
+        time.sleep(0.3)
+        assert sum(isinstance(m, Release) for m in fate.seen) == n  # a served request releases nothing
+    finally:
+        fate.close()

@@ -313,3 +313,14 @@ def test_a_failed_pull_names_every_block_it_wrote_into_and_others_name_none():
     assert out.error and out.failed_blocks == ()
     [silent] = tr.tick(1.0)
     assert silent.failed_blocks == (7, 8)
+
+
+def test_a_release_before_p_saw_the_transfer_is_a_bounded_tombstone_that_frees_the_blocks_when_they_come():
+    # The proxy releases every transfer whose D never answered; P may not have seen it yet, or ever.
+    t = table()
+    assert t.released("x", 0.0) == []
+    assert t.entries["x"].phase is Phase.CLOSED
+    assert t.ready("x", "p1", [1], 1.0) == [Free("x", "p1", "duplicate")]
+    t.released("never", 0.0)
+    t.tick(LIMITS.tombstone_s + 1.0)
+    assert "never" not in t.entries and "x" not in t.entries
