@@ -334,7 +334,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                             restart=entry.restart or dep.restart, host=entry.host))
     parts += decodes
     if dep.proxy is not None:
-        argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port)]
+        argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port), "--connector", dep.connector]
         for p in prefills:
             argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
         for d in decodes:

@@ -36,6 +36,7 @@ def test_example_file_loads_and_plans_in_start_order() -> None:
     i = proxy.plan.argv.index("--prefill")
     assert proxy.plan.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
     assert proxy.plan.argv[proxy.plan.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
+    assert proxy.plan.argv[proxy.plan.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
 
 
 def _dep(**overrides) -> dict:
