@@ -120,7 +120,7 @@ class Part(msgspec.Struct, frozen=True):
     """One process of the deployment: what it is, its launch plan, the ports it will hold, its restart policy.
 
     `registers_with` names the standalone bootstrap part a prefill registers
-    with: when that one restarts (and forgets), the prefill must start again.
+    with once (vLLM's connector): when that one restarts (and forgets), the prefill must start again.
     """
 
     kind: PartKind
@@ -315,7 +315,9 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 url=http_url(boot_at or connect, port),
             )
             parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)], restart=boot.restart or dep.restart, host=boot.host))
-            registers_with = plan.name
+            # vLLM's connector registers once, so its prefill starts again with a restarted (empty) bootstrap;
+            # pdkv's renews its registration every few seconds (register_interval_s) and keeps serving.
+            registers_with = plan.name if dep.connector == "mooncake" else None
         else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
             url, bootstrap_port = http_url(p_at or advertised, port), port
         # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.

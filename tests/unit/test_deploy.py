@@ -93,8 +93,11 @@ def test_restart_is_deployment_wide_and_per_part() -> None:
 
 
 def test_each_prefill_names_the_standalone_bootstrap_it_registers_with() -> None:
-    parts = deployment_parts(deployment_from_dict(_dep()))
+    parts = deployment_parts(deployment_from_dict(_dep(connector="mooncake")))
     assert [p.registers_with for p in parts if p.kind == "prefill"] == ["bootstrap-0", "bootstrap-1"]
+    # pdkv's connector renews its registration: a restarted bootstrap does not restart its prefill.
+    renewing = deployment_parts(deployment_from_dict(_dep()))
+    assert [p.registers_with for p in renewing if p.kind == "prefill"] == [None, None]
     in_worker = deployment_parts(deployment_from_dict(_dep(bootstrap={"mode": "in-worker"})))
     assert [p.registers_with for p in in_worker if p.kind == "prefill"] == [None, None]  # P serves its own
 

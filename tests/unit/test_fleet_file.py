@@ -117,11 +117,12 @@ def test_host_selection_by_name_and_by_this_machines_addresses() -> None:
 
 
 def test_a_prefill_away_from_its_bootstrap_does_not_restart_with_it() -> None:
-    parts = deployment_parts(deployment_from_dict(fleet()))
+    # vLLM's connector registers once, so its prefill restarts with its bootstrap where both are on one host.
+    parts = deployment_parts(deployment_from_dict(fleet(connector="mooncake")))
     assert next(p for p in parts if p.kind == "prefill").registers_with == "bootstrap-0"
     (p,) = select_parts(parts, {"B"})
     assert p.registers_with is None
-    together = deployment_parts(deployment_from_dict(fleet(prefill=[{"host": "A", "port": 8100}])))
+    together = deployment_parts(deployment_from_dict(fleet(connector="mooncake", prefill=[{"host": "A", "port": 8100}])))
     assert [p.registers_with for p in select_parts(together, {"A"}) if p.kind == "prefill"] == ["bootstrap-0"]
 
 
