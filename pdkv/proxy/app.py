@@ -10,10 +10,12 @@ Routes:
 
 One request: P's and D's copies are sent at the same moment (D's connector
 waits for P's KV). D's first byte is forwarded as soon as it arrives. Failures
-are coupled: P answering non-2xx, timing out or dropping the connection
-cancels D and the client gets that error at once (as an SSE error event if D
-had already started streaming); D failing cancels P and the client gets D's
-error; the client going away cancels both. A body whose own fields the proxy
+are coupled: P answering 5xx, timing out or dropping the connection before
+D's first byte cancels D's copy, and D computes the prompt alone (local
+fallback; with it off, the client gets the error at once); P's 4xx reaches
+the client; once D has its first byte (its KV arrived) P no longer matters.
+D failing cancels P and the client gets D's error; the client going away
+cancels both. A transfer no D request will take is released at P. A body whose own fields the proxy
 reads (CompletionFields) do not decode is a 400 before any backend sees it.
 Error messages name the failed stage, never a backend's address (see
 pdkv.proxy.errors); the addresses go to the log and the request's record.

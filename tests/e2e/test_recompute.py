@@ -140,7 +140,7 @@ def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Eng
     d = engines.decode(protocol)
     with engines.proxy(protocol, d) as url:
         p = engines.prefill(protocol)
-        cases = streams(40)
+        cases = streams(160)  # several seconds of load at 8 in flight: the kill lands in the middle of it
 
         async def load_and_kill() -> list[Answer]:
             run = asyncio.ensure_future(run_load(url, cases, engines.model, 8))
@@ -151,6 +151,10 @@ def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Eng
         answers = asyncio.run(load_and_kill())
         p.proc.wait(10)
         engines.check(cases, answers)
+        metrics = httpx.get(f"{url}/metrics", trust_env=False).text
+        fell_back = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                        if line.startswith('pdkv_proxy_local_prefill_total{reason="prefill_failed"}'))
+        assert fell_back >= 1, "the kill hit no request"  # requests whose P died were answered by D alone
         # P is down: D answers alone, and the request's record says so.
         time.sleep(1.5)  # a health round or two
         alone = [Case(ENDPOINT, PROMPTS[1], stream=True)]
@@ -174,7 +178,7 @@ def test_decode_killed_under_load_fails_fast_leaks_nothing_on_prefill_and_comes_
     d = engines.decode("cma")
     with engines.proxy("cma", d) as url:
         p = engines.prefill("cma")
-        cases = streams(24)
+        cases = streams(160)  # several seconds of load at 8 in flight: the kill lands in the middle of it
         killed_at: list[float] = []
 
         async def load_and_kill() -> list[Answer]:
