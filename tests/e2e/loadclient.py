@@ -91,6 +91,9 @@ async def one(client: httpx.AsyncClient, base: str, case: Case, model: str, top:
             else:
                 async with client.stream("POST", base + case.endpoint, json=body_of(case, model, top)) as r:
                     out.status = r.status_code
+                    if r.status_code != 200:
+                        out.error = (await r.aread()).decode("utf-8", "replace")[:300]
+                        return _timed(out, start)
                     events = 0
                     async for line in r.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -105,12 +108,14 @@ async def one(client: httpx.AsyncClient, base: str, case: Case, model: str, top:
                         if case.cancel_after is not None and events >= case.cancel_after:
                             out.cancelled = True
                             break
-                    if r.status_code != 200 and not out.error:
-                        out.error = (await r.aread()).decode("utf-8", "replace")[:300]
     except TimeoutError:
         out.error = f"no answer within {timeout:g} s"
     except httpx.HTTPError as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+    return _timed(out, start)
+
+
+def _timed(out: Answer, start: float) -> Answer:
     out.seconds = time.monotonic() - start
     return out
 
