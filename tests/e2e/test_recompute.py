@@ -56,6 +56,16 @@ def wait_usage_zero(url: str, within_s: float = 10.0) -> None:
         time.sleep(0.25)
 
 
+def restart_and_wait_routable(engine: ManagedProcess, proxy_url: str) -> None:
+    """Start a killed engine again and wait (bounded) until the proxy routes to it."""
+    engine.start()
+    engine.wait_healthy(300)
+    end = time.monotonic() + 30
+    while httpx.get(f"{proxy_url}/health", trust_env=False).status_code != 200:
+        assert time.monotonic() < end, f"{engine.name} not back in the proxy"
+        time.sleep(0.25)
+
+
 class Engines:
     """Prefill engines per transport (core 0) and decode engines (core 1), with P alone's answers."""
 
@@ -162,12 +172,7 @@ def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Eng
         rec = httpx.get(f"{url}/pdkv/requests", params={"limit": 1}, trust_env=False).json()[0]
         assert rec["local_prefill"] in ("no_prefill", "prefill_failed: prefill_connect") and rec["decode_first_byte"] > rec["received"]
         # P restarted: the proxy sends P/D requests again, without a restart of its own.
-        p.start()
-        p.wait_healthy(300)
-        end = time.monotonic() + 30
-        while httpx.get(f"{url}/health", trust_env=False).status_code != 200:
-            assert time.monotonic() < end, "P not back in the proxy"
-            time.sleep(0.25)
+        restart_and_wait_routable(p, url)
         engines.check(alone, asyncio.run(run_load(url, alone, engines.model, 1)))
         rec = httpx.get(f"{url}/pdkv/requests", params={"limit": 1}, trust_env=False).json()[0]
         assert rec.get("local_prefill") is None and rec["prefill_dispatched"] and "error" not in rec
@@ -198,12 +203,7 @@ def test_decode_killed_under_load_fails_fast_leaks_nothing_on_prefill_and_comes_
         assert any(a.error for a in answers), "the kill hit no request"
         # P holds nothing for the requests D will never pull: the proxy released them.
         wait_usage_zero(p.url)
-        d.start()
-        d.wait_healthy(300)
-        end = time.monotonic() + 30
-        while httpx.get(f"{url}/health", trust_env=False).status_code != 200:
-            assert time.monotonic() < end, "D not back in the proxy"
-            time.sleep(0.25)
+        restart_and_wait_routable(d, url)
         again = [Case(ENDPOINT, PROMPTS[2], stream=True)]
         engines.check(again, asyncio.run(run_load(url, again, engines.model, 1)))
     wait_usage_zero(d.url)
