@@ -4,6 +4,7 @@
 some events or not); `run_load` sends cases at a concurrency and returns one
 `Answer` each; `same_greedy_answer` compares an answer with P alone's,
 allowing a divergence only where P alone's top two tokens were tied.
+`free_port` and `kv_usage` serve the suites that start engines.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -147,3 +149,18 @@ def same_greedy_answer(got: Answer, want: Answer) -> str | None:
     if not got.cancelled and len(got.tokens) != len(want.tokens):
         return f"{len(got.tokens)} tokens, P alone {len(want.tokens)}"
     return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_usage(url: str) -> float:
+    """An engine's `vllm:kv_cache_usage_perc` (the largest, with several label sets)."""
+    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+    assert values, f"{url}/metrics has no vllm:kv_cache_usage_perc"
+    return max(values)
+

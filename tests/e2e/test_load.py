@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import httpx
 import pytest
 
 import loadclient
-from loadclient import Answer, Case, one, prompts, run_load, same_greedy_answer
+from loadclient import Answer, Case, free_port, kv_usage, one, prompts, run_load, same_greedy_answer
 from pdkv.launch import ManagedProcess
 from pdkv.proxy.routing import build_config
 from pdkv.proxy.server import BackgroundProxy
@@ -37,11 +36,6 @@ PROMPTS = prompts(7, WORD_COUNTS)
 DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma"), "pdkv-tcp": ("pdkv", "tcp"), "vllm-mooncake-tcp": ("mooncake", "tcp")}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @dataclass
 class Deployment:
@@ -52,12 +46,6 @@ class Deployment:
     model: str
     alone: dict[tuple[str, str], Answer]  # (endpoint, prompt) -> P alone's greedy answer
 
-
-def kv_usage(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
-    assert values, f"{url}/metrics has no vllm:kv_cache_usage_perc"
-    return max(values)
 
 
 def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +26,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from loadclient import Answer, Case, prompts, run_load, same_greedy_answer
+from loadclient import Answer, Case, free_port, kv_usage, prompts, run_load, same_greedy_answer
 from pdkv.launch import ManagedProcess
 from pdkv.proxy.routing import build_config
 from pdkv.proxy.server import BackgroundProxy
@@ -38,15 +37,6 @@ PROMPTS = prompts(11, [3, 17, 60, 150, 260])
 ENDPOINT = "/v1/completions"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kv_usage(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
-    return max(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc"))
 
 
 def wait_usage_zero(url: str, within_s: float = 10.0) -> None:
