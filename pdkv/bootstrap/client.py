@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from pdkv.bootstrap.members import LeaveRequest, MemberRecord, MembersResponse
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
 from pdkv.protocol import DeregisterRequest, DeregisterResponse, EngineEntry, RegisterRequest
 
@@ -81,6 +82,13 @@ def _parse_query(url: str, response: httpx.Response) -> dict[int, EngineEntry]:
         return {int(dp): entry for dp, entry in raw.items()}
     except (msgspec.DecodeError, ValueError) as exc:
         raise RemoteError(f"bootstrap at {url} answered GET /query with something that is not a registry: {exc}") from None
+
+
+def _parse_members(url: str, response: httpx.Response) -> MembersResponse:
+    try:
+        return msgspec.json.decode(response.content, type=MembersResponse)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RemoteError(f"bootstrap at {url} answered GET /pdkv/members with something that is not a member list: {exc}") from None
 
 
 def _body(body: Any) -> tuple[bytes | None, dict[str, str] | None]:
@@ -173,6 +181,18 @@ class BootstrapClient(_Base):
         """Drop every entry of `engine_id` (pdkv's server only); returns the addresses removed."""
         return _parse_removed(self._request("POST", "/deregister", DeregisterRequest(engine_id)))
 
+    def join(self, record: MemberRecord) -> None:
+        """Add or renew this engine's member record (pdkv's server only)."""
+        self._request("POST", "/pdkv/members", record)
+
+    def leave(self, member_id: str) -> None:
+        """Drop a member record now (pdkv's server only); leaving twice is fine."""
+        self._request("POST", "/pdkv/members/leave", LeaveRequest(member_id))
+
+    def members(self) -> MembersResponse:
+        """The live members (pdkv's server only)."""
+        return _parse_members(self.url, self._request("GET", "/pdkv/members"))
+
     def health(self) -> bool:
         """True if the server answers GET /health with 200 (one attempt, never raises)."""
         try:
@@ -222,6 +242,18 @@ class AsyncBootstrapClient(_Base):
     async def deregister(self, engine_id: str) -> int:
         """Drop every entry of `engine_id` (pdkv's server only); returns the addresses removed."""
         return _parse_removed(await self._request("POST", "/deregister", DeregisterRequest(engine_id)))
+
+    async def join(self, record: MemberRecord) -> None:
+        """Add or renew this engine's member record (pdkv's server only)."""
+        await self._request("POST", "/pdkv/members", record)
+
+    async def leave(self, member_id: str) -> None:
+        """Drop a member record now (pdkv's server only); leaving twice is fine."""
+        await self._request("POST", "/pdkv/members/leave", LeaveRequest(member_id))
+
+    async def members(self) -> MembersResponse:
+        """The live members (pdkv's server only)."""
+        return _parse_members(self.url, await self._request("GET", "/pdkv/members"))
 
     async def health(self) -> bool:
         """True if the server answers GET /health with 200 (one attempt, never raises)."""

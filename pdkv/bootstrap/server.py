@@ -7,6 +7,9 @@ Routes:
     GET  /query        {"<dp>": {"engine_id", "worker_addr": {"<tp>": {"<pp>": addr}}}}
     GET  /health       {"status": "ok", "engines": n, "workers": n}
     GET  /metrics      Prometheus text
+    POST /pdkv/members        MemberRecord -> 200 {"status": "ok", "result": "joined"|"renewed"}
+    POST /pdkv/members/leave  LeaveRequest -> 200 {"status": "ok", "removed": 0|1}
+    GET  /pdkv/members        {"version": n, "members": [{"record": MemberRecord, "expires_in_s": s}]}
 Errors answer {"detail": message}: 400 malformed JSON, 422 wrong fields (a
 rank outside [0, 65536) among them: pdkv.protocol.MAX_RANK), 401 missing or
 wrong token, 409 conflict; the registry is unchanged by any of them.
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +34,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from pdkv.bootstrap.members import MAX_MEMBERS, LeaveRequest, MemberRecord, MemberTable
 from pdkv.bootstrap.registry import BootstrapRegistry, Conflict, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
 from pdkv.metrics import CONTENT_TYPE, render
@@ -63,7 +68,7 @@ class BootstrapMetrics:
     """What GET /metrics shows, on its own prometheus_client registry: counters the handlers bump and
     the registry's size, read when rendered."""
 
-    def __init__(self, engines: BootstrapRegistry) -> None:
+    def __init__(self, engines: BootstrapRegistry, members: MemberTable) -> None:
         self.registry = r = CollectorRegistry()
         registrations = Counter("pdkv_bootstrap_registrations_total", "Accepted POST /register calls, by result.", ["result"], registry=r)
         self.registrations = {o.value: registrations.labels(o.value) for o in Outcome}
@@ -76,6 +81,9 @@ class BootstrapMetrics:
         self.evictions = Counter("pdkv_bootstrap_evictions_total", "Engines dropped by the liveness sweep.", registry=r)
         Gauge("pdkv_bootstrap_engines", "DP ranks with a registered engine.", registry=r).set_function(lambda: engines.engine_count)
         Gauge("pdkv_bootstrap_workers", "Registered worker addresses.", registry=r).set_function(lambda: engines.worker_count)
+        Gauge("pdkv_bootstrap_members", "Live members (engines with an unexpired lease).", registry=r).set_function(lambda: len(members))
+        changes = Counter("pdkv_bootstrap_member_changes_total", "Members that joined, left or expired.", ["change"], registry=r)
+        self.member_changes = {k: changes.labels(k) for k in ("joined", "changed", "left", "expired")}
 
     def render(self) -> str:
         return render(self.registry)
@@ -130,9 +138,10 @@ def _ok(obj: Any) -> web.Response:
 class _Handlers:
     def __init__(self, registry: BootstrapRegistry, token: str | None, probe: ProbePolicy) -> None:
         self.registry = registry
+        self.members = MemberTable()
         self.token = token
         self.probe = probe
-        self.metrics = BootstrapMetrics(registry)
+        self.metrics = BootstrapMetrics(registry, self.members)
         self._query_cache: tuple[int, bytes] = (-1, b"")
 
     def _unauthorized(self, request: web.Request) -> web.Response | None:
@@ -218,6 +227,45 @@ class _Handlers:
             self._query_cache = (self.registry.version, body)
         return web.Response(body=body, content_type="application/json")
 
+    async def join(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        rec = await self._decode(request, MemberRecord)
+        if not isinstance(rec, MemberRecord):
+            return rec
+        self._expire()
+        known = self.members.has(rec.member_id)
+        if not known and len(self.members) >= MAX_MEMBERS:
+            self.metrics.rejects["invalid"].inc()
+            return _error(429, f"the registry holds {MAX_MEMBERS} members already; refusing {rec.member_id!r}")
+        if not self.members.put(rec, time.monotonic()):
+            return _ok({"status": "ok", "result": "renewed"})
+        self.metrics.member_changes["changed" if known else "joined"].inc()
+        log.info("member %s %r %s at %s (dp %d/%d)", "changed:" if known else "joined:", rec.member_id, rec.role, rec.url,
+                 rec.dp_rank, rec.dp_size)
+        return _ok({"status": "ok", "result": "changed" if known else "joined"})
+
+    async def leave(self, request: web.Request) -> web.Response:
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
+        req = await self._decode(request, LeaveRequest)
+        if not isinstance(req, LeaveRequest):
+            return req
+        removed = self.members.leave(req.member_id)
+        if removed:
+            self.metrics.member_changes["left"].inc()
+            log.info("member left: %r", req.member_id)
+        return _ok({"status": "ok", "removed": int(removed)})
+
+    async def list_members(self, request: web.Request) -> web.Response:
+        self._expire()
+        return _ok(self.members.view(time.monotonic()))
+
+    def _expire(self) -> None:
+        for rec in self.members.expire(time.monotonic()):
+            self.metrics.member_changes["expired"].inc()
+            log.warning("member expired: %r %s at %s renewed no lease within %g s", rec.member_id, rec.role, rec.url, rec.ttl_s)
+
     async def health(self, request: web.Request) -> web.Response:
         return _ok(HealthResponse(status="ok", engines=self.registry.engine_count, workers=self.registry.worker_count))
 
@@ -238,6 +286,7 @@ class _Handlers:
         async def loop() -> None:
             while True:
                 await asyncio.sleep(self.probe.interval)
+                self._expire()
                 try:
                     await self.sweep_once()
                 except Exception:  # a sweep must never kill the server
@@ -266,6 +315,9 @@ def make_app(registry: BootstrapRegistry | None = None, *, token: str | None = N
     app.router.add_get("/query", handlers.query)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.serve_metrics)
+    app.router.add_post("/pdkv/members", handlers.join)
+    app.router.add_post("/pdkv/members/leave", handlers.leave)
+    app.router.add_get("/pdkv/members", handlers.list_members)
     app.cleanup_ctx.append(handlers.sweep_forever)
     return app
 

@@ -39,6 +39,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: every worker registers its side channel again this often, so a restarted bootstrap server (which
     # starts empty) lists P again within this bound, without restarting P. 0: register once.
     register_interval_s: float = 5.0
+    # Both: the bootstrap server whose members registry this engine joins, so a proxy following it
+    # (`pdkv proxy --members URL`) routes to it; env PDKV_MEMBERS_URL. Unset: P joins its standalone
+    # bootstrap_server_address, D joins nothing.
+    members_url: str | None = None
+    # Both: the engine's own OpenAI URL (http://ADDR:PORT) its member record names; env PDKV_ADVERTISE_URL.
+    # Without one the engine joins no registry.
+    advertise_url: str | None = None
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
@@ -94,7 +101,26 @@ def bootstrap_url(config: ConnectorConfig, host: str) -> str:
     addr = config.bootstrap_server_address
     if addr is None:
         return f"http://{host}:{bootstrap_bind(config)[1]}"
+    return _http(addr)
+
+
+MEMBERS_URL_ENV = "PDKV_MEMBERS_URL"
+ADVERTISE_URL_ENV = "PDKV_ADVERTISE_URL"
+
+
+def _http(addr: str) -> str:
     return addr if addr.startswith(("http://", "https://")) else f"http://{addr}"
+
+
+def membership(config: ConnectorConfig, *, is_producer: bool) -> tuple[str, str] | None:
+    """(members registry URL, this engine's advertised URL), or None if the engine joins no registry."""
+    members = config.members_url or os.environ.get(MEMBERS_URL_ENV) or None
+    if members is None and is_producer:
+        members = config.bootstrap_server_address
+    advertise = config.advertise_url or os.environ.get(ADVERTISE_URL_ENV) or None
+    if not members or not advertise:
+        return None
+    return _http(members).rstrip("/"), _http(advertise).rstrip("/")
 
 
 Role = Literal["prefill", "decode", "none"]

@@ -22,7 +22,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from pdkv.connector.config import load_config
 from pdkv.connector.layout import refusal
 from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
-from pdkv.connector.worker import ConnectorWorker
+from pdkv.connector.worker import ConnectorWorker, EngineIdentity
 from pdkv.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -89,6 +89,10 @@ class PdkvConnector(KVConnectorBase_V1):
                 tp_size=pc.tensor_parallel_size,
                 dp_rank=getattr(pc, "data_parallel_index", pc.data_parallel_rank),
                 num_blocks=kv_cache_config.num_blocks,
+                identity=EngineIdentity(
+                    model=str(vllm_config.model_config.served_model_name),
+                    block_size=vllm_config.cache_config.block_size, dp_size=pc.data_parallel_size,
+                ),
             )
 
     @staticmethod

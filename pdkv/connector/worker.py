@@ -11,7 +11,9 @@ import os
 import sys
 from typing import Any
 
-from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url
+import msgspec
+
+from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url, membership
 from pdkv.connector.layout import TensorInfo, memory_ranges, regions_for_caches
 from pdkv.connector.receiver import KVReceiver, Results
 from pdkv.connector.scheduler import StepMeta
@@ -28,6 +30,14 @@ def advertised_host(config: ConnectorConfig) -> str:
     return config.side_channel_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
 
 
+class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine's member record says about it beyond the connector's own settings."""
+
+    model: str = ""
+    block_size: int = 0
+    dp_size: int = 1
+
+
 class ConnectorWorker:
     def __init__(
         self,
@@ -39,6 +49,7 @@ class ConnectorWorker:
         tp_size: int,
         dp_rank: int,
         num_blocks: int,
+        identity: EngineIdentity | None = None,
     ) -> None:
         self.config = config
         self.engine_id = engine_id
@@ -51,6 +62,8 @@ class ConnectorWorker:
         self.receiver: KVReceiver | None = None
         self.bootstrap: Any = None
         self.registration: Any = None  # P: StandingRegistration, renewing this worker's bootstrap entry
+        self.member: Any = None  # TP0: StandingRegistration of this engine's member record
+        self.identity = identity or EngineIdentity()
         self._on_gpu = False
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
@@ -82,6 +95,7 @@ class ConnectorWorker:
                 liveness_s=self.config.liveness_s, trace=trace,
                 ipc=self.transport.hello(),
             )
+            self._join_members()
             return
         if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:
             from pdkv.bootstrap.server import start_background
@@ -98,6 +112,7 @@ class ConnectorWorker:
             wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000,
         )
         self._register_with_bootstrap()
+        self._join_members()
 
     def _register_with_bootstrap(self) -> None:
         from pdkv.connector.registration import StandingRegistration
@@ -105,8 +120,32 @@ class ConnectorWorker:
         assert self.sender is not None
         url = bootstrap_url(self.config, self.host)
         req = RegisterRequest(engine_id=self.engine_id, dp_rank=self.dp_rank, tp_rank=self.tp_rank, pp_rank=0, addr=self.sender.address)
-        self.registration = StandingRegistration(url, req, self.config.register_interval_s)
+        what = f"{self.engine_id}'s side channel"
+        self.registration = StandingRegistration(url, lambda bs: bs.register(req), what, self.config.register_interval_s)
         log.info("pdkv: registered %s (tp %d) side channel %s at %s", self.engine_id, self.tp_rank, self.sender.address, url)
+
+    def _join_members(self) -> None:
+        """TP0: join the members registry, if the engine has one and knows its own URL (see ConnectorConfig)."""
+        from pdkv.bootstrap.members import DEFAULT_TTL_S, MemberRecord
+        from pdkv.connector.registration import StandingRegistration
+
+        where = membership(self.config, is_producer=self.is_producer)
+        if where is None or self.tp_rank != 0:
+            return
+        members_url, advertise = where
+        interval = self.config.register_interval_s
+        record = MemberRecord(
+            member_id=self.engine_id, role="prefill" if self.is_producer else "decode", url=advertise,
+            bootstrap_url=bootstrap_url(self.config, self.host) if self.is_producer else None,
+            dp_rank=self.dp_rank, dp_size=max(self.identity.dp_size, self.dp_rank + 1), tp_size=self.tp_size,
+            model=self.identity.model, block_size=self.identity.block_size, connector="pdkv",
+            transport=self.config.mooncake_protocol, ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
+        )
+        self.member = StandingRegistration(
+            members_url, lambda bs: bs.join(record), f"member {self.engine_id}", interval, required=False,
+            on_close=lambda bs: bs.leave(record.member_id),
+        )
+        log.info("pdkv: %s joins the members registry at %s as %s %s", self.engine_id, members_url, record.role, advertise)
 
     def start_step(self, meta: StepMeta) -> None:
         """Steps 14 and 19: hand the scheduler's news to the sender or receiver; never blocks."""
@@ -147,8 +186,9 @@ class ConnectorWorker:
         return sent, recv
 
     def close(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
+        for registration in (self.member, self.registration):
+            if registration is not None:
+                registration.close()
         for part in (self.sender, self.receiver):
             if part is not None:
                 part.close()

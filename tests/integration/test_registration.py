@@ -1,4 +1,4 @@
-"""P's standing registration against a real bootstrap server on 127.0.0.1: renewed, so a restarted
+"""Standing registrations against a real bootstrap server on 127.0.0.1: renewed, so a restarted
 (empty) bootstrap server lists P again within the interval; a bootstrap that never answers fails P's start."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import time
 import pytest
 
 from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap.members import MemberRecord
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.connector.registration import StandingRegistration
 from pdkv.errors import StartError
 from pdkv.protocol import RegisterRequest
 
 REQ = RegisterRequest(engine_id="engine-p", dp_rank=0, tp_rank=0, pp_rank=0, addr="tcp://127.0.0.1:5555")
+REGISTER = lambda bs: bs.register(REQ)  # noqa: E731
 NO_PROBES = ProbePolicy(interval=0)  # the side channel above does not exist: no liveness sweeps here
 
 
@@ -26,7 +28,7 @@ def listed(url: str) -> bool:
 def test_a_restarted_bootstrap_lists_p_again_within_the_interval():
     bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
     port = int(bs.url.rsplit(":", 1)[1])
-    reg = StandingRegistration(bs.url, REQ, interval_s=0.3)
+    reg = StandingRegistration(bs.url, REGISTER, "P", interval_s=0.3)
     try:
         assert listed(bs.url)
         bs.stop()
@@ -49,11 +51,50 @@ def test_no_bootstrap_at_start_is_a_start_error_and_interval_zero_registers_once
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(StartError, match="could not register"):
-        StandingRegistration(dead, REQ, interval_s=0.3)
+        StandingRegistration(dead, REGISTER, "P", interval_s=0.3)
     bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
     try:
-        reg = StandingRegistration(bs.url, REQ, interval_s=0)
+        reg = StandingRegistration(bs.url, REGISTER, "P", interval_s=0)
         assert reg._thread is None and listed(bs.url)
+        reg.close()
+    finally:
+        bs.stop()
+
+
+MEMBER = MemberRecord(member_id="engine-d", role="decode", url="http://127.0.0.1:8200", model="tiny", block_size=32,
+                      transport="tcp", ttl_s=1.0)
+
+
+def members(url: str) -> list[MemberRecord]:
+    with BootstrapClient(url, timeout=2.0, retries=0) as bs:
+        return [m.record for m in bs.members().members]
+
+
+def test_a_member_is_renewed_within_its_lease_and_leaves_on_close():
+    bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
+    try:
+        reg = StandingRegistration(bs.url, lambda c: c.join(MEMBER), "D", interval_s=0.3, required=False,
+                                   on_close=lambda c: c.leave(MEMBER.member_id))
+        time.sleep(1.5)  # longer than the 1 s lease: only renewals keep it
+        assert members(bs.url) == [MEMBER]
+        reg.close()
+        assert members(bs.url) == []
+    finally:
+        bs.stop()
+
+
+def test_a_member_whose_renewals_stop_expires_and_a_missing_registry_is_not_fatal():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    reg = StandingRegistration(dead, lambda c: c.join(MEMBER), "D", interval_s=0.3, required=False)
+    reg.close()
+    bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
+    try:
+        reg = StandingRegistration(bs.url, lambda c: c.join(MEMBER), "D", interval_s=0)
+        assert members(bs.url) == [MEMBER]
+        time.sleep(1.2)
+        assert members(bs.url) == []
         reg.close()
     finally:
         bs.stop()
