@@ -79,7 +79,8 @@ class ProxyApp:
             conn.respond(status, error_body(status, f"no route {method} {path}", "bad_request"))
         elif path == "/health":
             ready, reason = self.backends.readiness()
-            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report()}
+            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report(),
+                    "notes": self.backends.notes}
             conn.respond(200 if ready else 503, _json_encode(body))
         elif path == "/metrics":
             conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)
@@ -116,6 +117,9 @@ class ProxyApp:
 
     async def models(self, conn: ServerConnection) -> None:
         d = self.backends.any_decode()
+        if d is None:
+            conn.respond(503, error_body(503, "no decode server is known yet", "no_backend"))
+            return
         try:
             ex = await fetch(d.pool, "GET", "/v1/models", timeout=self.config.health_timeout)
         except UpstreamError as exc:

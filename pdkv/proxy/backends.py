@@ -6,9 +6,19 @@ engine ids are re-read on every health round (a restarted P registers a new
 one) and dropped at once when the query fails, so D is never told to pull
 from an engine that is gone. A decode server is routable when /health answers.
 
-A backend is taken out after `unhealthy_after` failed rounds in a row, or at
-once when a request cannot connect to it; it is put back by the first round
+A backend is taken out after `unhealthy_after` failed rounds in a row, at
+once when a request cannot connect to it, or when `probe_failures` liveness
+probes in a row (a TCP connect every `probe_interval`, cheap enough to run
+often) fail: then the requests in flight on it end at once with a clear error
+instead of waiting on a host that is gone. It is put back by the first round
 that passes.
+
+With `members` URLs the proxy follows those bootstrap servers' members
+registries (pdkv.bootstrap.members): a server that joins is health-checked at
+once and routed to when it passes; one that leaves, or whose lease expires,
+gets no new requests (those in flight finish). Backends given on the command
+line stay whatever the registry says. A P and a D are paired only when their
+compatibility keys agree (pdkv.proxy.membership).
 """
 
 from __future__ import annotations
@@ -19,15 +29,16 @@ import logging
 
 from pdkv.errors import PdkvError
 from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
-from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget, ProxyConfig, choose_pair
+from pdkv.proxy.membership import CompatKey, Membership, compatible, group, unmatched
+from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget, ProxyConfig
 
 log = logging.getLogger("pdkv.proxy")
 
 
 class BackendState:
-    __slots__ = ("role", "url", "pool", "up", "failures", "reason", "outstanding")
+    __slots__ = ("role", "url", "pool", "up", "failures", "reason", "outstanding", "static", "key", "probe_failures")
 
-    def __init__(self, role: str, url: str, pool: UpstreamPool) -> None:
+    def __init__(self, role: str, url: str, pool: UpstreamPool, *, static: bool = True) -> None:
         self.role = role
         self.url = url
         self.pool = pool
@@ -35,13 +46,16 @@ class BackendState:
         self.failures = 0
         self.reason = "not checked yet"
         self.outstanding = 0
+        self.static = static  # from the command line: stays whatever the registry says
+        self.key: CompatKey | None = None  # from its member record, if it has one
+        self.probe_failures = 0
 
 
 class PrefillState(BackendState):
     __slots__ = ("bootstrap_url", "engines", "workers")
 
-    def __init__(self, url: str, bootstrap_url: str, pool: UpstreamPool) -> None:
-        super().__init__("prefill", url, pool)
+    def __init__(self, url: str, bootstrap_url: str, pool: UpstreamPool, *, static: bool = True) -> None:
+        super().__init__("prefill", url, pool, static=static)
         self.bootstrap_url = bootstrap_url
         self.engines: dict[int, str] = {}
         self.workers: dict[int, list[str]] = {}  # DP rank -> its workers' side channels (from the bootstrap)
@@ -52,35 +66,38 @@ class Backends:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        pool = lambda url: UpstreamPool(url, connect_timeout=config.connect_timeout)  # noqa: E731
-        self.prefills = [PrefillState(p.url, p.bootstrap_url, pool(p.url)) for p in config.prefill]
-        self.decodes = [BackendState("decode", d, pool(d)) for d in config.decode]
+        self.prefills = [PrefillState(p.url, p.bootstrap_url, self._pool(p.url)) for p in config.prefill]
+        self.decodes = [BackendState("decode", d, self._pool(d)) for d in config.decode]
         self._p_chooser = Chooser(config.policy)
         self._d_chooser = Chooser(config.policy)
         self._targets: list[PrefillTarget] = []
         self._target_owner: list[PrefillState] = []
+        self._target_decodes: list[list[int]] = []  # per target: indices of the live decodes it may pair with
         self._target_load: dict[tuple[str, int], int] = {}
         self._live_decodes: list[BackendState] = []
+        self._retired: list[BackendState] = []  # left the registry; closed once idle
         self._wake = asyncio.Event()
         self._clients: dict[str, object] = {}
+        self.notes: list[str] = []  # pairing mismatches and registry conflicts, as /health shows them
+        self._noted: set[str] = set()
+        self.membership_version: tuple[int, ...] = ()
+        self._conflicts: list[str] = []
         self.rounds = 0
+
+    def _pool(self, url: str) -> UpstreamPool:
+        return UpstreamPool(url, connect_timeout=self.config.connect_timeout)
 
     # --- request path
     def pair(self) -> tuple[Pairing, PrefillState, BackendState] | None:
         """A prefill engine and a decode server to send one request to, or None if no pair is up."""
-        targets, decodes = self._targets, self._live_decodes
-        if not targets or not decodes:
+        targets, decodes, pairs = self._targets, self._live_decodes, self._target_decodes
+        eligible = [i for i, ds in enumerate(pairs) if ds]
+        if not eligible or not decodes:
             return None
         load = self._target_load
-        chosen = choose_pair(
-            [load.get((t.url, t.dp_rank), 0) for t in targets],
-            [d.outstanding for d in decodes],
-            self._p_chooser,
-            self._d_chooser,
-        )
-        assert chosen is not None
-        p_index, d_index = chosen
-        d_state = decodes[d_index]
+        p_index = eligible[self._p_chooser.choose([load.get((targets[i].url, targets[i].dp_rank), 0) for i in eligible])]
+        candidates = pairs[p_index]
+        d_state = decodes[candidates[self._d_chooser.choose([decodes[j].outstanding for j in candidates])]]
         return Pairing(targets[p_index], d_state.url), self._target_owner[p_index], d_state
 
     def begin(self, pairing: Pairing, d_state: BackendState) -> None:
@@ -101,11 +118,13 @@ class Backends:
         self._wake.set()
 
     def readiness(self) -> tuple[bool, str]:
+        if self._targets and self._live_decodes and not any(self._target_decodes):
+            return False, "no prefill engine that is up may be paired with a decode server that is up: " + "; ".join(self.notes)
         if not self._targets:
-            detail = "; ".join(f"{p.url}: {p.reason}" for p in self.prefills)
+            detail = "; ".join(f"{p.url}: {p.reason}" for p in self.prefills) or "none known yet"
             return False, f"no prefill server is ready ({detail})"
         if not self._live_decodes:
-            detail = "; ".join(f"{d.url}: {d.reason}" for d in self.decodes)
+            detail = "; ".join(f"{d.url}: {d.reason}" for d in self.decodes) or "none known yet"
             return False, f"no decode server is ready ({detail})"
         return True, "ok"
 
@@ -119,8 +138,8 @@ class Backends:
             return None
         return decodes[self._d_chooser.choose([d.outstanding for d in decodes])]
 
-    def any_decode(self) -> BackendState:
-        return self._live_decodes[0] if self._live_decodes else self.decodes[0]
+    def any_decode(self) -> BackendState | None:
+        return self._live_decodes[0] if self._live_decodes else (self.decodes[0] if self.decodes else None)
 
     # --- health
     def _mark(self, state: BackendState, ok: bool, reason: str, *, immediate: bool = False) -> None:
@@ -147,7 +166,14 @@ class Backends:
                 targets.append(PrefillTarget(p.url, p.bootstrap_url, rank, size, p.engines[rank]))
                 owners.append(p)
         self._targets, self._target_owner = targets, owners
-        self._live_decodes = [d for d in self.decodes if d.up]
+        self._live_decodes = live = [d for d in self.decodes if d.up]
+        self._target_decodes = [[j for j, d in enumerate(live) if compatible(p.key, d.key)] for p in owners]
+        notes = unmatched({p.url: p.key for p in self.prefills}, {d.url: d.key for d in self.decodes})
+        for note in notes:
+            if note not in self._noted:
+                self._noted.add(note)
+                log.warning("%s: it gets no requests", note)
+        self.notes = notes + self._conflicts
 
     async def _health(self, state: BackendState) -> str | None:
         try:
@@ -190,14 +216,134 @@ class Backends:
         reason = await self._health(d)
         self._mark(d, reason is None, reason or "ok")
 
+    # --- membership
+    def apply_membership(self, view: Membership) -> bool:
+        """Make the registry's view the routing view's: add servers that joined, retire the registry's own
+        ones that left, attach compatibility keys. True if a server was added (health-check it now)."""
+        added = False
+        seen_p, seen_d = set(view.prefills), set(view.decodes)
+        for p in self.prefills:
+            member = view.prefills.get(p.url)
+            p.key = member.key if member is not None else (p.key if not p.static else None)
+        for d in self.decodes:
+            d.key = view.decodes.get(d.url, d.key if not d.static else None)
+        have_p = {p.url for p in self.prefills}
+        for url, member in view.prefills.items():
+            if url not in have_p:
+                state = PrefillState(url, member.bootstrap_url, self._pool(url), static=False)
+                state.key = member.key
+                self.prefills.append(state)
+                log.info("prefill %s joined (engines %s, bootstrap %s)", url, member.engines, member.bootstrap_url)
+                added = True
+        have_d = {d.url for d in self.decodes}
+        for url, key in view.decodes.items():
+            if url not in have_d:
+                state = BackendState("decode", url, self._pool(url), static=False)
+                state.key = key
+                self.decodes.append(state)
+                log.info("decode %s joined", url)
+                added = True
+        gone = [b for b in (*self.prefills, *self.decodes) if not b.static and b.url not in (seen_p if b.role == "prefill" else seen_d)]
+        for b in gone:
+            log.info("%s %s left the registry: no new requests", b.role, b.url)
+            b.up = False
+            self._retired.append(b)
+        if gone:
+            self.prefills = [p for p in self.prefills if p not in gone]
+            self.decodes = [d for d in self.decodes if d not in gone]
+        for conflict in view.conflicts:
+            if conflict not in self._noted:
+                self._noted.add(conflict)
+                log.warning("members registry: %s", conflict)
+        self._conflicts = list(view.conflicts)
+        self._rebuild()
+        return added
+
+    async def refresh_members(self) -> bool:
+        """Read every members registry once; True if a server joined. A registry that does not answer keeps
+        the last view (the proxy's own health checks still take out what is down)."""
+        from pdkv.bootstrap.client import AsyncBootstrapClient
+
+        records, versions = [], []
+        for url in self.config.members:
+            client = self._clients.get(url)
+            if client is None:
+                client = self._clients[url] = AsyncBootstrapClient(url, timeout=self.config.health_timeout, retries=0)
+            try:
+                answer = await client.members()  # type: ignore[attr-defined]
+            except PdkvError as exc:
+                if f"members:{url}" not in self._noted:
+                    self._noted.add(f"members:{url}")
+                    log.warning("members registry %s: %s; keeping the last view", url, exc.message)
+                return False
+            self._noted.discard(f"members:{url}")
+            records += [m.record for m in answer.members]
+            versions.append(answer.version)
+        if tuple(versions) == self.membership_version:
+            return False
+        self.membership_version = tuple(versions)
+        return self.apply_membership(group(records))
+
+    # --- liveness
+    async def probe_once(self) -> None:
+        """One TCP connect to every backend that is up; `probe_failures` failures in a row take it out and
+        end its requests in flight."""
+        live = [b for b in (*self.prefills, *self.decodes) if b.up]
+        results = await asyncio.gather(*(self._reachable(b) for b in live))
+        changed = False
+        for b, reason in zip(live, results, strict=True):
+            if reason is None:
+                b.probe_failures = 0
+                continue
+            b.probe_failures += 1
+            if b.probe_failures >= self.config.probe_failures and b.up:
+                why = f"unreachable: {reason} ({b.probe_failures} probes in a row)"
+                self._mark(b, False, why, immediate=True)
+                n = b.pool.fail_all(UpstreamError("unreachable", f"{b.role} {b.url} {why}"))
+                log.warning("%s %s %s; %d request(s) in flight on it ended", b.role, b.url, why, n)
+                changed = True
+        if changed:
+            self._rebuild()
+            self._wake.set()
+
+    async def _reachable(self, b: BackendState) -> str | None:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(b.pool.host, b.pool.port), self.config.probe_interval)
+        except asyncio.TimeoutError:
+            return f"no TCP connection within {self.config.probe_interval:g} s"
+        except OSError as exc:
+            return f"TCP connect failed: {exc.strerror or exc}"
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        return None
+
+    # --- loops
     async def check_once(self) -> None:
         """One health round over every backend, concurrently, then the routing view is rebuilt."""
+        if self.config.members:
+            await self.refresh_members()
         await asyncio.gather(*(self._check_prefill(p) for p in self.prefills), *(self._check_decode(d) for d in self.decodes))
         self._rebuild()
+        self._close_retired()
         self.rounds += 1
 
+    def _close_retired(self) -> None:
+        keep = []
+        for b in self._retired:
+            busy = b.outstanding if b.role == "decode" else sum(n for (u, _), n in self._target_load.items() if u == b.url)
+            if busy:
+                keep.append(b)
+            else:
+                b.pool.close()
+        self._retired = keep
+
     async def run_health(self) -> None:
-        """Health rounds every `health_interval` seconds (sooner after a connect failure), until cancelled."""
+        """Health rounds every `health_interval` seconds (sooner after a connect failure or a join), the members
+        registry every `members_interval`, liveness probes every `probe_interval`; until cancelled."""
+        await asyncio.gather(self._health_loop(), self._members_loop(), self._probe_loop())
+
+    async def _health_loop(self) -> None:
         while True:
             try:
                 await self.check_once()
@@ -207,8 +353,29 @@ class Backends:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.health_interval)
 
+    async def _members_loop(self) -> None:
+        if not self.config.members:
+            return
+        while True:
+            await asyncio.sleep(self.config.members_interval)
+            try:
+                if await self.refresh_members():
+                    self._wake.set()
+            except Exception:  # noqa: BLE001 - the next read tries again
+                log.exception("members refresh failed")
+
+    async def _probe_loop(self) -> None:
+        if self.config.probe_interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(self.config.probe_interval)
+            try:
+                await self.probe_once()
+            except Exception:  # noqa: BLE001
+                log.exception("liveness probe round failed")
+
     async def close(self) -> None:
-        for b in (*self.prefills, *self.decodes):
+        for b in (*self.prefills, *self.decodes, *self._retired):
             b.pool.close()
         # Aborted transports close their sockets in a callback: let it run before the loop ends.
         for _ in range(3):

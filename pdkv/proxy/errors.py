@@ -37,6 +37,7 @@ _NO_ANSWER = {
     "timeout": "the {stage} server did not answer in time",
     "disconnect": "the {stage} server dropped the connection mid-answer",
     "cancelled": "the proxy cancelled the {stage} request",
+    "unreachable": "the {stage} server became unreachable",
 }
 
 

@@ -395,6 +395,13 @@ class UpstreamPool:
         elif not conn.closed:
             conn.transport.close()
 
+    def fail_all(self, error: UpstreamError) -> int:
+        """End every exchange in flight on this origin with `error` (the origin is gone); returns how many."""
+        busy = [conn.exchange for conn in self._open if conn.exchange is not None]
+        for ex in busy:
+            ex.fail(error)
+        return len(busy)
+
     def close(self) -> None:
         """Close every connection, idle or busy (a busy one's exchange fails as a disconnect)."""
         for task in list(self._connecting):

@@ -68,6 +68,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     health_interval: float = 5.0
     health_timeout: float = 2.0
     unhealthy_after: int = 2
+    # Bootstrap servers whose members registries the proxy follows (pdkv.bootstrap.members).
+    members: tuple[str, ...] = ()
+    members_interval: float = 2.0
+    # A TCP connect to every backend that is up this often; probe_failures in a row take it out. 0: off.
+    probe_interval: float = 1.0
+    probe_failures: int = 2
     trace_capacity: int = 4096
 
 
@@ -129,17 +135,25 @@ def build_config(
     d_specs = list(decode) or list(values.pop("decode", []) or [])
     values.pop("prefill", None)
     values.pop("decode", None)
-    if not p_specs:
-        raise ConfigError("no prefill server given", hint="pass --prefill http://HOST:PORT (repeatable) or a --config file")
-    if not d_specs:
-        raise ConfigError("no decode server given", hint="pass --decode http://HOST:PORT (repeatable) or a --config file")
+    members = values.get("members") or ()
+    if isinstance(members, str):
+        members = [members]
+    values["members"] = tuple(_origin(m, "members registry URL") for m in members)
+    follow = " or --members http://BOOTSTRAP:PORT"
+    if not p_specs and not members:
+        raise ConfigError("no prefill server given", hint=f"pass --prefill http://HOST:PORT (repeatable){follow} or a --config file")
+    if not d_specs and not members:
+        raise ConfigError("no decode server given", hint=f"pass --decode http://HOST:PORT (repeatable){follow} or a --config file")
     values["prefill"] = tuple(parse_prefill(s) for s in p_specs)
     values["decode"] = tuple(parse_decode(s) for s in d_specs)
     try:
         config = msgspec.convert(values, ProxyConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid proxy configuration: {exc}") from None
-    for name in ("connect_timeout", "prefill_timeout", "decode_first_byte_timeout", "health_interval", "health_timeout"):
+    if config.probe_interval < 0 or config.probe_failures < 1:
+        raise ConfigError("probe-interval must be 0 or more and probe-failures at least 1")
+    for name in ("connect_timeout", "prefill_timeout", "decode_first_byte_timeout", "health_interval", "health_timeout",
+                 "members_interval"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be positive")
     return config
@@ -186,19 +200,6 @@ class PrefillTarget(msgspec.Struct, frozen=True):
 class Pairing(msgspec.Struct, frozen=True):
     prefill: PrefillTarget
     decode: str
-
-
-def choose_pair(
-    prefill_load: Sequence[int],
-    decode_load: Sequence[int],
-    p_chooser: Chooser,
-    d_chooser: Chooser,
-) -> tuple[int, int] | None:
-    """Indices of a prefill engine and a decode server among those that are up (their in-flight
-    counts given), or None if either side is empty."""
-    if not prefill_load or not decode_load:
-        return None
-    return p_chooser.choose(prefill_load), d_chooser.choose(decode_load)
 
 
 # --- rewriting ---------------------------------------------------------------

@@ -13,7 +13,6 @@ from pdkv.proxy.routing import (
     Policy,
     PrefillTarget,
     build_config,
-    choose_pair,
     decode_request,
     parse_decode,
     parse_prefill,
@@ -82,14 +81,6 @@ def test_least_outstanding_takes_the_idlest_and_spreads_ties():
     assert c.choose([3, 1, 2]) == 1
     ties = [c.choose([0, 0]) for _ in range(4)]
     assert sorted(ties) == [0, 0, 1, 1]
-
-
-def test_choose_pair_needs_both_sides():
-    p, d = Chooser(Policy.ROUND_ROBIN), Chooser(Policy.ROUND_ROBIN)
-    assert choose_pair([], [0], p, d) is None
-    assert choose_pair([0], [], p, d) is None
-    assert choose_pair([0, 0], [0, 0, 0], p, d) == (0, 0)
-    assert choose_pair([0, 0], [0, 0, 0], p, d) == (1, 1)
 
 
 CLIENT = {
