@@ -115,6 +115,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l health-interval
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-fallback
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l no-local-fallback
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port

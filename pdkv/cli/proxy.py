@@ -34,6 +34,8 @@ Examples:
 
   pdkv proxy -p http://p1:8100 -d http://d1:8200 --connector mooncake   # engines run vLLM's MooncakeConnector
 
+  pdkv proxy --members http://10.0.0.1:8998   # route to whatever engines join that bootstrap's registry
+
   pdkv proxy --config proxy.toml --port 9000 --json
 """
 
@@ -74,6 +76,14 @@ def proxy(
         ),
     ] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", "-d", metavar="URL", help="Decode server URL; repeatable.")] = None,
+    members: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--members", "-m", metavar="BOOTSTRAP_URL",
+            help="Follow this bootstrap server's members registry: engines that join it are routed to, engines that "
+            "leave are not; repeatable, beside or instead of --prefill/--decode.",
+        ),
+    ] = None,
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")
     ] = None,
@@ -109,6 +119,7 @@ def proxy(
         prefill or [],
         decode or [],
         file_values=_read_config(config),
+        members=members or None,
         policy=policy.value if policy else None,
         connector=connector.value if connector else None,
         local_fallback=local_fallback,

@@ -286,6 +286,14 @@ def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
     return plan if address is None else msgspec.structs.replace(plan, url=http_url(address, port))
 
 
+def _joins(part: Part, members: str) -> Part:
+    """`part` with the environment that makes its engine join the members registry at `members`."""
+    from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
+
+    env = {**part.plan.env, MEMBERS_URL_ENV: members, ADVERTISE_URL_ENV: part.plan.url}
+    return msgspec.structs.replace(part, plan=msgspec.structs.replace(part.plan, env=env))
+
+
 def deployment_parts(dep: Deployment) -> list[Part]:
     """Every process of `dep`, in start order, with its exact command and environment.
 
@@ -326,7 +334,6 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         plan = _reached_at(engine_plan(spec, name=f"prefill-{i}"), p_at, entry.port)
         prefills.append(Part(kind="prefill", plan=plan, ports=ports, bootstrap_url=url, spec=spec,
                              restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
-    parts += prefills
     decodes = []
     for i, entry in enumerate(dep.decode):
         d_at = host_address(dep, entry.host)
@@ -334,9 +341,16 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
         decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port)], spec=spec,
                             restart=entry.restart or dep.restart, host=entry.host))
-    parts += decodes
+    # pdkv's connector: every engine joins the first prefill's bootstrap's members registry, which the proxy follows.
+    members = prefills[0].bootstrap_url if prefills and dep.connector == "pdkv" else None
+    if members:
+        prefills = [_joins(p, members) for p in prefills]
+        decodes = [_joins(d, members) for d in decodes]
+    parts += prefills + decodes
     if dep.proxy is not None:
         argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+        if members:
+            argv += ["--members", members]
         for p in prefills:
             argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
         for d in decodes:
