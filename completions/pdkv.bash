@@ -36,7 +36,7 @@ _pdkv() {
         "proxy") words="--config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --local-fallback --members --no-local-fallback --policy --port --prefill --prefill-timeout --help" ;;
         "status") words="--file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
-        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;
+        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;
         *) words="bench bootstrap doctor model plan proxy status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -245,6 +245,15 @@ def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
     )
 
 
+def joining(plan: LaunchPlan, members_url: str, advertise_url: str | None = None) -> LaunchPlan:
+    """`plan` with the environment that makes its engine (pdkv's connector) join the members registry at
+    `members_url`, advertising `advertise_url` (default: the plan's own URL, the one its peers use)."""
+    from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
+
+    env = {**plan.env, MEMBERS_URL_ENV: members_url, ADVERTISE_URL_ENV: advertise_url or plan.url}
+    return msgspec.structs.replace(plan, env=env)
+
+
 def __getattr__(name: str) -> Any:
     # ManagedProcess moved to pdkv.deploy.process; `from pdkv.launch import ManagedProcess` keeps working
     # (imported on first use: pdkv.deploy imports this module).

@@ -42,6 +42,8 @@ Examples:
   pdkv up --role decode --model /models/Qwen3-8B --gpu 2 --port 8200 --dry-run --json
 
   pdkv up --role prefill --model M --bootstrap http://10.0.0.2:8998 -- --enforce-eager
+
+  pdkv up --role decode --model M --members http://10.0.0.1:8998   # join a running deployment
 """
 
 COLORS = {"bootstrap": "magenta", "prefill": "cyan", "decode": "green", "proxy": "yellow"}
@@ -68,10 +70,10 @@ def _split_cores() -> tuple[str, str]:
     return one(0, half - 1), one(half, n - 1)
 
 
-def _role_parts(role: str, **kw: Any) -> tuple[list[Any], list[str]]:
+def _role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Any], list[str]]:
     from pdkv.deploy import Part
     from pdkv.errors import UsageError
-    from pdkv.launch import EngineSpec, engine_plan
+    from pdkv.launch import EngineSpec, engine_plan, http_url, joining
 
     if role not in ("prefill", "decode"):
         raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
@@ -79,6 +81,13 @@ def _role_parts(role: str, **kw: Any) -> tuple[list[Any], list[str]]:
         raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
     spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
     plan = engine_plan(spec, name=role)
+    if members:
+        if spec.connector != "pdkv":
+            raise UsageError("--members needs pdkv's connector", hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
+        from pdkv.proxy.routing import parse_decode
+
+        reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
+        plan = joining(plan, parse_decode(members), reached)
     ports = [(spec.host, spec.port)]
     if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
         ports.append(("0.0.0.0", spec.bootstrap_port))
@@ -242,6 +251,7 @@ def up(
     host_ip: Annotated[str | None, typer.Option("--host-ip", help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
     bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port", help="Port of P's in-worker bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT).")] = None,
     bootstrap: Annotated[str | None, typer.Option("--bootstrap", help="URL of a standalone bootstrap server for P.")] = None,
+    members: Annotated[str | None, typer.Option("--members", help="With --role: join the members registry of this bootstrap server (URL), so a proxy following it (pdkv proxy --members) routes to the engine.")] = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV block (CPU: a multiple of 32).")] = None,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
     platform: Annotated[str | None, typer.Option("--platform", help="gpu or cpu (default: gpu when one is present).")] = None,
@@ -267,6 +277,8 @@ def up(
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
     if file is not None and role is not None:
         raise UsageError("give either -f FILE or --role, not both")
+    if members is not None and role is None:
+        raise UsageError("--members goes with --role", hint="a deployment file's engines join its first bootstrap's registry by themselves")
     if host is not None and file is None and role is None:
         raise UsageError("--host goes with -f FILE (a [[hosts]] name) or --role (a listen address)")
     gpus = gpu_count()
@@ -290,6 +302,7 @@ def up(
         plat = platform or ("gpu" if gpus else "cpu")
         parts, boots = _role_parts(
             role,
+            members,
             model=model or str(tiny_model_path()),
             host=host or "0.0.0.0",
             port=port or (8100 if role == "prefill" else 8200),

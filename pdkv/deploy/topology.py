@@ -49,6 +49,7 @@ from pdkv.launch import (
     connect_host,
     engine_plan,
     http_url,
+    joining,
     routable_ip,
 )
 
@@ -287,11 +288,7 @@ def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
 
 
 def _joins(part: Part, members: str) -> Part:
-    """`part` with the environment that makes its engine join the members registry at `members`."""
-    from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
-
-    env = {**part.plan.env, MEMBERS_URL_ENV: members, ADVERTISE_URL_ENV: part.plan.url}
-    return msgspec.structs.replace(part, plan=msgspec.structs.replace(part.plan, env=env))
+    return msgspec.structs.replace(part, plan=joining(part.plan, members))
 
 
 def deployment_parts(dep: Deployment) -> list[Part]:

@@ -60,6 +60,12 @@ BEFORE = {
         "pdkv_bootstrap_evictions": ("counter", "Engines dropped by the liveness sweep.", {"_total": [{}]}),
         "pdkv_bootstrap_engines": ("gauge", "DP ranks with a registered engine.", {"": [{}]}),
         "pdkv_bootstrap_workers": ("gauge", "Registered worker addresses.", {"": [{}]}),
+        # Added with the members registry:
+        "pdkv_bootstrap_members": ("gauge", "Live members (engines with an unexpired lease).", {"": [{}]}),
+        "pdkv_bootstrap_member_changes": (
+            "counter", "Members that joined, left or expired.",
+            {"_total": [{"change": "changed"}, {"change": "expired"}, {"change": "joined"}, {"change": "left"}]},
+        ),
     },
 }
 # The bucket bounds before: the proxy's were BUCKETS_S; the connector's lacked 0.0005, 60 and 120, which one tuple for
@@ -95,7 +101,9 @@ def _rendered(component: str) -> str:
     from pdkv.bootstrap.registry import BootstrapRegistry
     from pdkv.bootstrap.server import BootstrapMetrics
 
-    return BootstrapMetrics(BootstrapRegistry()).render()
+    from pdkv.bootstrap.members import MemberTable
+
+    return BootstrapMetrics(BootstrapRegistry(), MemberTable()).render()
 
 
 def _key(labels: dict[str, str]) -> tuple[tuple[str, str], ...]:
