@@ -146,3 +146,13 @@ def test_beam_search_is_refused_by_name():
 
     assert "use_beam_search" in unsupported_field({"use_beam_search": True})
     assert unsupported_field({"use_beam_search": False, "n": 4}) is None
+
+
+def test_a_members_registry_alone_is_enough_backends_and_its_url_is_checked():
+    cfg = build_config([], [], members=["10.0.0.1:8998"])
+    assert cfg.members == ("http://10.0.0.1:8998",) and cfg.prefill == () and cfg.decode == ()
+    with pytest.raises(ConfigError, match="no prefill server") as info:
+        build_config([], ["http://d:1"])
+    assert "--members" in (info.value.hint or "")
+    with pytest.raises(ConfigError, match="members registry URL"):
+        build_config([], [], members=["ftp://x"])
