@@ -68,6 +68,7 @@ class Fleet:
     hosts: dict[str, NetnsHost]
     logs: Path
     ready_s: float
+    spare: NetnsHost  # on the bridge, in no part of the file: where an engine joins later
 
 
 def _read_events(proc: subprocess.Popen, events: list[dict]) -> None:
@@ -81,7 +82,8 @@ def _read_events(proc: subprocess.Popen, events: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(testbed, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    hosts = {h.name: h for h in testbed(["A", "B", "C"])}
+    *made, spare = testbed(["A", "B", "C", "E"])
+    hosts = {h.name: h for h in made}
     root = tmp_path_factory.mktemp("fleet")
     tables = "".join(f'\n[[hosts]]\nname = "{h.name}"\naddress = "{h.address}"\n' for h in hosts.values())
     file = root / "fleet.toml"
@@ -107,7 +109,7 @@ def fleet(testbed, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
             if time.monotonic() - t0 > READY_S:
                 raise AssertionError(f"the fleet was not ready within {READY_S:g} s: {events}")
             time.sleep(0.5)
-        yield Fleet(file, tiny_model, hosts, root, time.monotonic() - t0)
+        yield Fleet(file, tiny_model, hosts, root, time.monotonic() - t0, spare)
     except BaseException:
         for log in sorted(root.glob("*/*.log")) + sorted(root.glob("*.stderr")):
             print(f"--- {log.relative_to(root)} ---\n{log.read_text()[-3000:]}")
@@ -175,3 +177,139 @@ def test_kv_crosses_hosts_with_plans_bytes(fleet: Fleet, measured: dict) -> None
     parts = {p["name"]: p for p in measured["status"]["parts"]}
     assert all(p["up"] for p in parts.values()), parts
     assert parts["decode-0"]["url"] == f"http://{c}:8200"
+
+
+def _get_json(host: NetnsHost, url: str) -> dict:
+    """GET `url` from inside `host`'s namespace (the only place the fleet's addresses are reached from)."""
+    code = "import httpx, sys; print(httpx.get(sys.argv[1], timeout=5, trust_env=False).text)"
+    done = subprocess.run(host.argv(sys.executable, "-c", code, url), check=False, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def _kv_usage(host: NetnsHost, url: str) -> float:
+    code = ("import httpx, sys; t = httpx.get(sys.argv[1] + '/metrics', timeout=5, trust_env=False).text; "
+            "print(max(float(l.rsplit(' ', 1)[1]) for l in t.splitlines() if l.startswith('vllm:kv_cache_usage_perc')))")
+    done = subprocess.run(host.argv(sys.executable, "-c", code, url), check=False, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return float(done.stdout)
+
+
+def _until(predicate, bound_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < bound_s, f"{what} not within {bound_s:g} s"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def test_every_engine_joins_the_members_registry_at_its_hosts_address(fleet: Fleet, measured: dict) -> None:
+    a, b, c = (fleet.hosts[n].address for n in "ABC")
+    records = {m["record"]["role"]: m["record"] for m in _get_json(fleet.hosts["A"], f"http://{a}:8998/pdkv/members")["members"]}
+    assert set(records) == {"prefill", "decode"}
+    assert records["prefill"]["url"] == f"http://{b}:8100" and records["prefill"]["bootstrap_url"] == f"http://{a}:8998"
+    assert records["decode"]["url"] == f"http://{c}:8200"
+    for rec in records.values():
+        assert (rec["model"], rec["block_size"], rec["transport"], rec.get("tp_size", 1)) == ("tiny", BLOCK, "tcp", 1)
+    health = _get_json(fleet.hosts["A"], f"http://{a}:8000/health")
+    assert health["status"] == "ok" and health["notes"] == []
+
+
+def _decodes_up(fleet: Fleet) -> list[str]:
+    health = _get_json(fleet.hosts["A"], f"http://{fleet.hosts['A'].address}:8000/health")
+    return sorted(b["url"] for b in health["backends"] if b["role"] == "decode" and b["up"])
+
+
+def _answers(fleet: Fleet, n: int, seed: int) -> dict:
+    a, b = fleet.hosts["A"].address, fleet.hosts["B"].address
+    cmd = fleet.hosts["A"].argv(sys.executable, str(HERE / "join_client.py"), f"http://{a}:8000", f"http://{b}:8100", str(n), str(seed))
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    for entry in doc["answers"]:
+        got, want = Answer(**entry["pd"]), Answer(**entry["alone"])
+        assert got.status == 200 and want.status == 200, (got.error, want.error)
+        assert same_greedy_answer(got, want) is None, same_greedy_answer(got, want)
+    return doc
+
+
+def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leaves(fleet: Fleet, measured: dict) -> None:
+    """1P2D with live membership: D2 joins the running fleet from host E (no proxy restart, no file change)."""
+    a, c, e = fleet.hosts["A"].address, fleet.hosts["C"].address, fleet.spare.address
+    d1, d2 = f"http://{c}:8200", f"http://{e}:8200"
+    cmd = fleet.spare.argv(sys.executable, "-m", "pdkv", "up", "--role", "decode", "--model", str(fleet.model), "--platform", "cpu",
+                           "--protocol", "tcp", "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
+                           "--port", "8200", "--omp-bind", "1", "--restart", "no", "--json", "--log-dir", str(fleet.logs / "E"),
+                           "--", "--served-model-name", "tiny", "--max-model-len", "2048")
+    events: list[dict] = []
+    with (fleet.logs / "E.stderr").open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        reader = threading.Thread(target=_read_events, args=(proc, events), daemon=True)
+        reader.start()
+        try:
+            _until(lambda: any(ev.get("event") == "ready" for ev in events) or proc.poll() is not None, READY_S, "D2 ready")
+            assert proc.poll() is None, (fleet.logs / "E.stderr").read_text()[-3000:]
+            took = _until(lambda: _decodes_up(fleet) == sorted([d1, d2]), 15, "the proxy routing to D2")
+            print(f"D2 routable {took:.1f} s after it was ready")
+            doc = _answers(fleet, 8, seed=1)
+            assert set(doc["decode_urls"]) == {d1, d2}, doc["decode_urls"]
+        finally:
+            proc.send_signal(2)  # SIGINT: D2 stops and leaves the registry
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+            reader.join(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+    gone = _until(lambda: _decodes_up(fleet) == [d1], 10, "D2 to leave the proxy's view")
+    print(f"D2 out of the proxy's view {gone:.1f} s after it stopped")
+    doc = _answers(fleet, 4, seed=2)
+    assert set(doc["decode_urls"]) == {d1}
+
+
+def test_a_cut_link_ends_the_streams_on_it_within_5_s_and_the_host_comes_back(fleet: Fleet, measured: dict) -> None:
+    hosts = fleet.hosts
+    a, b, c = (hosts[n].address for n in "ABC")
+    proxy, p_url, d_url = f"http://{a}:8000", f"http://{b}:8100", f"http://{c}:8200"
+    client = subprocess.Popen(hosts["A"].argv(sys.executable, str(HERE / "fault_client.py"), proxy, "6", "1500"),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert client.stdin is not None and client.stdout is not None
+    try:
+        line = client.stdout.readline()
+        assert json.loads(line)["event"] == "streaming", line + client.stderr.read()[-3000:]
+        subprocess.run(["ip", "-n", hosts["C"].netns, "link", "set", "eth0", "down"], check=True, timeout=30)
+        try:
+            client.stdin.write("cut\n")
+            client.stdin.flush()
+            ended = json.loads(client.stdout.readline() or "{}")
+            assert ended.get("event") == "ended", client.stderr.read()[-3000:]
+            results = ended["results"]
+            print("after the cut:", [(r["after_cut_s"], r["tokens"], r["error"]) for r in results])
+            for r in results:
+                assert not r["completed"] and r["after_cut_s"] <= 5.0, r
+                assert "decode server became unreachable" in (r["error"] or ""), r
+            health = _get_json(hosts["A"], f"{proxy}/health")
+            assert health["status"] == "unavailable"
+            reason = next(x["reason"] for x in health["backends"] if x["role"] == "decode")
+            assert "unreachable" in reason or "/health" in reason, reason
+        finally:
+            subprocess.run(["ip", "-n", hosts["C"].netns, "link", "set", "eth0", "up"], check=True, timeout=30)
+        back = _until(lambda: _get_json(hosts["A"], f"{proxy}/health")["status"] == "ok", 30, "the proxy re-admitting D")
+        print(f"D re-admitted {back:.1f} s after the link came back")
+    finally:
+        client.kill()
+        client.wait(10)
+        for pipe in (client.stdin, client.stdout, client.stderr):
+            if pipe is not None:
+                pipe.close()
+    got = _get_json(hosts["A"], f"{proxy}/health")
+    assert got["status"] == "ok"
+    code = ("import httpx, sys; r = httpx.post(sys.argv[1] + '/v1/completions', json={'model': 'tiny', 'prompt': 'again', "
+            "'max_tokens': 4}, timeout=60, trust_env=False); print(r.status_code)")
+    done = subprocess.run(hosts["A"].argv(sys.executable, "-c", code, proxy), capture_output=True, text=True, timeout=90, check=False)
+    assert done.stdout.strip() == "200", done.stderr[-2000:]
+    # Nothing leaks on either side: D's cut streams end once its sockets learn the proxy is gone; P sent before the cut.
+    freed = _until(lambda: _kv_usage(hosts["A"], d_url) == 0.0 and _kv_usage(hosts["A"], p_url) == 0.0, 120, "P's and D's KV freed")
+    print(f"KV freed on P and D {freed:.1f} s after the proxy was back")
