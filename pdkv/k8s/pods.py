@@ -24,6 +24,7 @@ ADVERTISE_ENV = "PDKV_ADVERTISE_URL"  # the engine's own URL in its member recor
 MEMBERS_ENV = "PDKV_MEMBERS_URL"  # the members registry the engine registers with
 KV_CONFIG_ENV = "PDKV_KV_TRANSFER_CONFIG"  # the ConfigMap's kv-transfer-config, expanded into vLLM's argv
 SHM_VOLUME = "dshm"
+MODEL_VOLUME = "models"
 HEALTH_PATH = "/health"
 
 
@@ -129,8 +130,18 @@ def security_context() -> dict[str, Any]:
     return {"capabilities": {"add": ["IPC_LOCK"]}}
 
 
-def shm_mount() -> dict[str, Any]:
-    return {"name": SHM_VOLUME, "mountPath": "/dev/shm"}
+def engine_mounts(k: KubernetesEntry) -> list[dict[str, Any]]:
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    if k.model_pvc:
+        mounts.append({"name": MODEL_VOLUME, "mountPath": k.model_mount, "readOnly": True})
+    return mounts
+
+
+def engine_volumes(k: KubernetesEntry) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
+    if k.model_pvc:
+        volumes.append({"name": MODEL_VOLUME, "persistentVolumeClaim": {"claimName": k.model_pvc, "readOnly": True}})
+    return volumes
 
 
 def doctor_container(k: KubernetesEntry, protocol: str, device: str, ports: list[int], res: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +187,7 @@ def pod_spec(
     *,
     role: Role,
     init: list[dict[str, Any]] | None = None,
-    shm: bool = False,
+    engine: bool = False,
 ) -> dict[str, Any]:
     """The spec around the containers. Service links are off: a Service named like an env var prefix
     (vllm -> VLLM_PORT=tcp://...) would otherwise inject variables vLLM misreads."""
@@ -191,6 +202,6 @@ def pod_spec(
     if init:
         spec["initContainers"] = init
     spec["containers"] = containers
-    if shm:
-        spec["volumes"] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k.shm_size}}]
+    if engine:
+        spec["volumes"] = engine_volumes(k)
     return spec

@@ -96,7 +96,7 @@ def _check(dep: Deployment, groups: list[EngineGroup], *, source: str) -> None:
         for p in (p for p in as_parts.values() if p.kind == "prefill"):
             problems = pd_disagreements(p, d, None, None)
             if problems:
-                raise ConfigError(f"{source}: {problems[0].where}: {problems[0].message}", hint=problems[0].fix)
+                raise ConfigError(f"{source}: {problems[0].part}: {problems[0].what}", hint=problems[0].fix)
 
 
 def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_map: str, *, worker: bool) -> dict[str, Any]:
@@ -137,7 +137,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     if not worker:
         container.update(pods.engine_probes(dep.startup_timeout))
     container["securityContext"] = pods.security_context()
-    container["volumeMounts"] = [pods.shm_mount()]
+    container["volumeMounts"] = pods.engine_mounts(k)
     return container
 
 
@@ -151,7 +151,7 @@ def _engine_pod(dep: Deployment, g: EngineGroup, members_url: str, config_map: s
     labels = pods.labels(k, g.role, g.part)
     return {
         "metadata": {"labels": labels, "annotations": {CONFIG_HASH: hashlib.sha256(g.kv_config.encode()).hexdigest()}},
-        "spec": pods.pod_spec(k, [container], role=g.role, init=init, shm=True),
+        "spec": pods.pod_spec(k, [container], role=g.role, init=init, engine=True),
     }
 
 

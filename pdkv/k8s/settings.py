@@ -58,6 +58,8 @@ class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     proxy_service_type: ServiceType = "ClusterIP"
     token_secret: str | None = None  # a Secret holding the bootstrap token (created by the operator)
     token_key: str = "token"
+    model_pvc: str | None = None  # a PersistentVolumeClaim holding the weights, mounted read-only at model_mount
+    model_mount: str = "/models"
     node_selector: dict[str, str] = {}
     service_account: str | None = None
 
@@ -94,6 +96,11 @@ def check_kubernetes(k: KubernetesEntry, *, source: str) -> None:
     check_resource_name(k.rdma_resource, "rdma_resource", source=source)
     if k.token_secret is not None:
         check_dns_label(k.token_secret, "[kubernetes] token_secret", source=source, max_len=253)
+    if k.model_pvc is not None:
+        check_dns_label(k.model_pvc, "[kubernetes] model_pvc", source=source, max_len=253)
+    if not k.model_mount.startswith("/") or k.model_mount.rstrip("/") in ("", "/dev", "/dev/shm"):
+        raise ConfigError(f"{source}: [kubernetes] model_mount = {k.model_mount!r} is not a folder a volume can go on",
+                          hint='an absolute path such as "/models"')
     if k.service_account is not None:
         check_dns_label(k.service_account, "[kubernetes] service_account", source=source, max_len=253)
     if not _QUANTITY.match(k.shm_size):
