@@ -36,7 +36,9 @@ Examples:
 
 FileOpt = Annotated[Path, typer.Option("--file", "-f", help="The deployment file (as for pdkv up -f).")]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Folder for the YAML files and kustomization.yaml.")]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Namespace of every object. [default: the file's, else default]")]
+NamespaceOpt = Annotated[
+    str | None, typer.Option("--namespace", "-n", help="Namespace of every object. [default: the file's, else default]")
+]
 
 
 @k8s_app.command("render", help=RENDER_HELP)
@@ -62,7 +64,7 @@ def render_command(file: FileOpt, out: OutOpt = None, namespace: NamespaceOpt = 
     for obj in objects:
         table.add_row(obj["kind"], obj["metadata"]["name"], file_name(obj))
     console.print(table)
-    console.print(f"apply with: kubectl apply -k {out}")
+    console.print(f"apply with: kubectl apply -k {out}", soft_wrap=True, markup=False)
 
 
 def register(app: typer.Typer) -> None:

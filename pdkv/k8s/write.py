@@ -16,8 +16,12 @@ HEADER = "# Rendered by `pdkv k8s render -f {source}`: change the deployment fil
 def to_yaml(obj: Any) -> str:
     import yaml
 
+    class Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True  # a dict shared by two containers is written twice, not as an &anchor a reader must follow
+
     # No line folding: the kv-transfer-config JSON stays one line, as vLLM reads it.
-    return yaml.safe_dump(obj, sort_keys=False, default_flow_style=False, width=1 << 20)
+    return yaml.dump(obj, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=1 << 20)
 
 
 def file_name(obj: dict[str, Any]) -> str:

@@ -60,7 +60,7 @@ def lws_schema() -> dict[str, Any]:
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    crd = yaml.load(CRD.read_text(), Loader=loader)  # noqa: S506 - a safe loader
+    crd = yaml.load(CRD.read_text(), Loader=loader)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return _strict(version["schema"]["openAPIV3Schema"])
 
