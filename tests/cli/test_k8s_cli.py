@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,3 +132,33 @@ def test_pdkv_up_accepts_the_kubernetes_table_and_refuses_unknown_keys_in_it(tmp
     src.write_text('model = "m"\n[[prefill]]\nport = 8010\n[[decode]]\nport = 8020\n[kubernetes]\nnamespce = "x"\n')
     assert run(["up", "--dry-run", "-f", str(src)]) == 2
     assert "namespce" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs sh")
+@pytest.mark.skipif(bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")),
+                    reason="this machine has an RDMA NIC: the doctor would pass")
+def test_the_doctor_init_container_fails_a_node_without_rdma_with_one_line(tmp_path: Path):
+    # This machine has no RDMA NIC: the init container's own command exits 4 with the reason in its termination log.
+    deployment = yaml.safe_load((GOLDEN / "k8s-1p1d" / "deployment-qwen3-8b-prefill-0.yaml").read_text())
+    (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
+    sh, flag, script = init["command"]
+    log = tmp_path / "termination-log"
+    assert script.startswith("exec pdkv doctor ") and script.endswith(" 2>/dev/termination-log")
+    script = script.replace("exec pdkv ", f"exec {sys.executable} -m pdkv ").replace("/dev/termination-log", str(log))
+    script = re.sub(r"--port \d+", lambda m: f"--port {free_port()}", script)  # the pod's ports may be taken on this machine
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120"}
+    env.pop("PDKV_SYS_ROOT", None)
+    proc = subprocess.run([sh, flag, script], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 4, proc.stdout[-2000:] + log.read_text()
+    first, *rest = log.read_text().splitlines()
+    assert first.startswith("pdkv: error: ") and "rdma_devices: no RDMA devices under /sys/class/infiniband" in first
+    assert [line for line in rest if not line.startswith("  hint: ")] == []
+    assert "rdma_devices" in proc.stdout  # the table stays in the container's log
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
