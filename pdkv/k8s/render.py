@@ -38,6 +38,7 @@ WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 KV_FLAG = "--kv-transfer-config"
 CONFIG_HASH = "pdkv/kv-transfer-config-sha256"  # a changed config rolls the pods
 EngineRole = Literal["prefill", "decode"]
+SHUTDOWN_MARGIN_S = 10  # of the grace period, for vLLM's processes to exit once the requests drained
 
 
 class EngineGroup(msgspec.Struct, frozen=True):
@@ -110,6 +111,9 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     from_map = plan.argv[plan.argv.index(KV_FLAG) + 1] == g.kv_config
     if from_map:
         argv[argv.index(KV_FLAG) + 1] = f"$({pods.KV_CONFIG_ENV})"
+    if not worker and "--shutdown-timeout" not in argv:
+        # vLLM aborts the requests in flight at SIGTERM unless told to drain them; the pod's grace period bounds the drain.
+        argv += ["--shutdown-timeout", str(max(k.grace_period_s - SHUTDOWN_MARGIN_S, 0))]
     if layout.nodes > 1:
         argv += ["--nnodes", str(layout.nodes), "--node-rank", WORKER_INDEX if worker else "0",
                  "--master-addr", LEADER_ADDRESS, "--master-port", str(k.master_port)]

@@ -189,6 +189,8 @@ def test_engine_pods_have_what_rdma_pd_needs(rendered):
         assert shm["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
         assert spec["terminationGracePeriodSeconds"] >= 60 and spec["enableServiceLinks"] is False
+        if kind != "worker":  # vLLM drains the requests in flight within the grace period instead of aborting them
+            assert 0 < int(flag(c["command"], "--shutdown-timeout")) < spec["terminationGracePeriodSeconds"]
         res = c["resources"]
         assert res["requests"] == res["limits"]
         tp = int(flag(c["command"], "--tensor-parallel-size") or 1)
@@ -264,3 +266,33 @@ def test_pdkv_up_reads_the_file_and_refuses_replicas(tmp_path: Path):
     assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     with pytest.raises(ConfigError, match="pdkv up starts one engine per table"):
         deployment_parts(load_deployment(FILES["4p2d"]))
+
+
+@pytest.fixture(scope="module")
+def vllm_serve_parser():
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    return parser
+
+
+@pytest.mark.parametrize("example", sorted(FILES))
+def test_vllms_own_parser_reads_every_engine_command(vllm_serve_parser, example):
+    objects = render_file(FILES[example])
+    expand = {"$(LWS_LEADER_ADDRESS)": "qwen3-0.qwen3.pdkv", "$(LWS_WORKER_INDEX)": "1"}
+    for _, kind, role, template in _engines(objects):
+        argv = containers(template)[0]["command"]
+        config = json.dumps(_kv_config(objects, template))
+        words = [config if w == "$(PDKV_KV_TRANSFER_CONFIG)" else w for w in argv]
+        for var, value in expand.items():
+            words = [w.replace(var, value) for w in words]
+        assert words[:2] == ["vllm", "serve"]
+        args = vllm_serve_parser.parse_args(words[1:])
+        assert args.model_tag == argv[2] and args.kv_transfer_config.kv_connector == "PdkvConnector"
+        assert args.kv_transfer_config.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert args.headless is (kind == "worker")
+        assert args.nnodes == (2 if kind in ("leader", "worker") else 1)
+        assert args.node_rank == (1 if kind == "worker" else 0)
