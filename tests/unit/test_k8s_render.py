@@ -42,6 +42,7 @@ VARIANTS = {
     **{name: None for name in FILES},
     "tcp-no-doctor-token": base(top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
     "tp2-mixed": base(prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
+    "cpu-tcp": base(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
     "external-bootstrap": base(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
 }
 
@@ -191,6 +192,9 @@ def test_engine_pods_have_what_rdma_pd_needs(rendered):
         assert spec["terminationGracePeriodSeconds"] >= 60 and spec["enableServiceLinks"] is False
         if kind != "worker":  # vLLM drains the requests in flight within the grace period instead of aborting them
             assert 0 < int(flag(c["command"], "--shutdown-timeout")) < spec["terminationGracePeriodSeconds"]
+        if c["command"][0] == "python3":  # a CPU engine (vLLM's API server module): no devices
+            assert "resources" not in c and not any("rdma" in json.dumps(i) for i in spec.get("initContainers", []))
+            continue
         res = c["resources"]
         assert res["requests"] == res["limits"]
         tp = int(flag(c["command"], "--tensor-parallel-size") or 1)
@@ -230,6 +234,16 @@ def test_the_kv_transfer_config_is_the_one_pdkv_up_passes():
     p_up = kv_transfer_config(up["prefill-0"])
     del p_up["kv_connector_extra_config"]["bootstrap_server_address"]  # pdkv up's standalone bootstrap; the pod's is in-worker
     assert json.loads(data["prefill-0.json"]) == p_up
+
+
+def test_scaling_a_role_changes_its_replicas_alone(tmp_path: Path):
+    text = FILES["4p2d"].read_text()
+    assert "replicas = 4\n" in text
+    before = render_file(FILES["4p2d"])
+    after = render_text(tmp_path, text.replace("replicas = 4\n", "replicas = 9\n"))
+    changed = [(a["kind"], a["metadata"]["name"]) for a, b in zip(after, before, strict=True) if a != b]
+    assert changed == [("LeaderWorkerSet", "qwen3-8b-4p2d-prefill-0")]  # the proxy, its argv and the registry stay as they are
+    assert next(o for o in after if o["kind"] == "LeaderWorkerSet")["spec"]["replicas"] == 9
 
 
 def test_namespace_override_reaches_every_object_and_the_members_url():
