@@ -38,6 +38,8 @@ WORKER_INDEX = "$(LWS_WORKER_INDEX)"
 KV_FLAG = "--kv-transfer-config"
 CONFIG_HASH = "pdkv/kv-transfer-config-sha256"  # a changed config rolls the pods
 EngineRole = Literal["prefill", "decode"]
+# The variables render sets from the pod itself; the file's env may not set them.
+RENDERED_ENV = frozenset({pods.HOST_IP_ENV, pods.ADVERTISE_ENV, pods.MEMBERS_ENV, pods.KV_CONFIG_ENV, "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"})
 SHUTDOWN_MARGIN_S = 10  # of the grace period, for vLLM's processes to exit once the requests drained
 
 
@@ -74,29 +76,38 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
 
 def engine_groups(dep: Deployment, *, source: str) -> list[EngineGroup]:
     groups = []
-    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+    tables: list[tuple[EngineRole, list[EngineEntry]]] = [("prefill", dep.prefill), ("decode", dep.decode)]
+    for role, entries in tables:
         for i, entry in enumerate(entries):
             label = f"[[{role}]] {i + 1}"
             if entry.bootstrap_url:
                 raise ConfigError(f"{source}: {label} sets bootstrap_url; in Kubernetes each prefill pod serves its own bootstrap",
                                   hint="drop bootstrap_url (the [bootstrap] Service is the members registry)")
+            owned = sorted((set(dep.env) | set(entry.env)) & RENDERED_ENV)
+            if owned:
+                raise ConfigError(f"{source}: {label} sets {owned[0]} in env, which the pod's own address and ports decide in Kubernetes",
+                                  hint=f"drop {owned[0]} from env (docs/k8s.md says what each pod gets)")
             layout = pods.engine_layout(entry.tp, dep.kubernetes, gpu=dep.platform == "gpu", label=label, source=source)
-            spec = _k8s_spec(dep, entry, role)  # type: ignore[arg-type]
+            spec = _k8s_spec(dep, entry, role)
             plan = engine_plan(spec, name=f"{role}-{i}")
-            groups.append(EngineGroup(role=role, part=plan.name, entry=entry, layout=layout, spec=spec, plan=plan))  # type: ignore[arg-type]
+            groups.append(EngineGroup(role=role, part=plan.name, entry=entry, layout=layout, spec=spec, plan=plan))
     return groups
 
 
-def _check(dep: Deployment, groups: list[EngineGroup], *, source: str) -> None:
+def _check_file(dep: Deployment, *, source: str) -> None:
     if dep.connector != "pdkv":
         raise ConfigError(f"{source}: connector {dep.connector!r} in Kubernetes: engines join the proxy through pdkv's members "
                           "registry, which vLLM's MooncakeConnector does not write to", hint='use connector = "pdkv"')
     if dep.protocol not in ("rdma", "tcp"):
         raise ConfigError(f"{source}: protocol {dep.protocol} moves KV inside one host; P and D pods may sit on any node",
                           hint='use protocol = "rdma" (or "tcp")')
-    as_parts = {g.part: Part(kind=g.role, plan=g.plan, ports=[], spec=g.spec) for g in groups}
-    for d in (p for p in as_parts.values() if p.kind == "decode"):
-        for p in (p for p in as_parts.values() if p.kind == "prefill"):
+
+
+def _check_agreement(groups: list[EngineGroup], *, source: str) -> None:
+    """Every D agrees with every P, by the rule `pdkv up`'s pre-flight applies (the model configs are the pods', unread)."""
+    as_parts = [Part(kind=g.role, plan=g.plan, ports=[], spec=g.spec) for g in groups]
+    for d in (p for p in as_parts if p.kind == "decode"):
+        for p in (p for p in as_parts if p.kind == "prefill"):
             problems = pd_disagreements(p, d, None, None)
             if problems:
                 raise ConfigError(f"{source}: {problems[0].part}: {problems[0].what}", hint=problems[0].fix)
@@ -241,8 +252,9 @@ def render(dep: Deployment, *, namespace: str | None = None, source: str = "depl
     ns = namespace or k.namespace
     if namespace is not None:
         check_dns_label(namespace, "--namespace", source=source)
+    _check_file(dep, source=source)
     groups = engine_groups(dep, source=source)
-    _check(dep, groups, source=source)
+    _check_agreement(groups, source=source)
     url = members_url(dep, ns)
     config_map = f"{k.name}-kv-transfer-config"
     objects: list[dict[str, Any]] = [{

@@ -267,6 +267,7 @@ def test_namespace_override_reaches_every_object_and_the_members_url():
         (base(prefill='bootstrap_url = "http://10.0.0.9:8998"'), "bootstrap_url"),
         (base(decode="block_size = 32"), "block size differs: P 16, D 32"),
         (base(prefill="replicas = 0"), "replicas = 0"),
+        (base(decode='env = { VLLM_HOST_IP = "10.0.0.3" }'), "sets VLLM_HOST_IP in env"),
     ],
 )
 def test_bad_input_is_one_config_error(tmp_path: Path, text: str, words: str):
