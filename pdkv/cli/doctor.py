@@ -96,7 +96,7 @@ def doctor(
         first = report.failed[0]
         raise ChecksFailed(
             f"{len(names)} check(s) failed: {', '.join(names)}; {first.name}: {' '.join(first.detail.split())}",
-            hint=f"{first.hint}; apply each fix shown, then run pdkv doctor again" if first.hint else "apply each fix shown, then run pdkv doctor again",
+            hint="; ".join(h for h in (first.hint, "apply each fix shown, then run pdkv doctor again") if h),
         )
 
 

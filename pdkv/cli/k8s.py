@@ -13,13 +13,14 @@ from pdkv.cli.output import console, print_json
 
 k8s_app = typer.Typer(help="Kubernetes manifests from a deployment file.", no_args_is_help=True)
 
-RENDER_HELP = """Render the deployment file `pdkv up -f` reads as Kubernetes objects for a fleet.
+# rich markup would take [[prefill]] and [kubernetes] for tags: they are escaped.
+RENDER_HELP = r"""Render the deployment file `pdkv up -f` reads as Kubernetes objects for a fleet.
 
 The bootstrap server (the members registry: Deployment + Service), every
-[[prefill]] and [[decode]] table (a Deployment, or a LeaderWorkerSet when its
+\[\[prefill]] and \[\[decode]] table (a Deployment, or a LeaderWorkerSet when its
 TP spans nodes; `replicas` instances), the proxy (Deployment + Service, the
 clients' entry point) and a ConfigMap with each engine's kv-transfer-config.
-Kubernetes-only settings are the file's [kubernetes] table (docs/k8s.md).
+Kubernetes-only settings are the file's \[kubernetes] table (docs/k8s.md).
 
 With -o DIR: one YAML file per object plus a kustomization.yaml
 (`kubectl apply -k DIR`); without it, one YAML stream on stdout
@@ -37,7 +38,7 @@ Examples:
 FileOpt = Annotated[Path, typer.Option("--file", "-f", help="The deployment file (as for pdkv up -f).")]
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Folder for the YAML files and kustomization.yaml.")]
 NamespaceOpt = Annotated[
-    str | None, typer.Option("--namespace", "-n", help="Namespace of every object. [default: the file's, else default]")
+    str | None, typer.Option("--namespace", "-n", help="Namespace of every object. \\[default: the file's, else default]")
 ]
 
 

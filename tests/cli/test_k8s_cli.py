@@ -162,3 +162,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_help_shows_the_tables_and_examples(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert run(["k8s", "render", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "[[prefill]] and [[decode]] table" in out and "[kubernetes] table" in out
+    assert "pdkv k8s render -f examples/k8s-1p1d.toml -o k8s/" in out
