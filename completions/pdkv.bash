@@ -12,6 +12,8 @@ _pdkv() {
             "bootstrap deregister") path="bootstrap deregister" ;;
             "bootstrap query") path="bootstrap query" ;;
             "doctor") path="doctor" ;;
+            "k8s") path="k8s" ;;
+            "k8s render") path="k8s render" ;;
             "model") path="model" ;;
             "model tiny") path="model tiny" ;;
             "plan") path="plan" ;;
@@ -27,17 +29,19 @@ _pdkv() {
         "bench serve") words="--advertise --device --dst --host --json --mc --once --port --protocol --help" ;;
         "bootstrap deregister") words="--json --retries --timeout --token --url --help" ;;
         "bootstrap query") words="--json --retries --timeout --help" ;;
+        "k8s render") words="--file --json --namespace --out --help" ;;
         "model tiny") words="--json --seed --std --help" ;;
         "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --protocol --seed --src --sweep --target --warmup --help" ;;
         "bootstrap") words="deregister query --host --json --port --probe-failures --probe-interval --probe-timeout --quiet --token --help" ;;
         "doctor") words="--device --json --mooncake-timeout --port --protocol --skip-mooncake --help" ;;
+        "k8s") words="render --help" ;;
         "model") words="tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
         "proxy") words="--config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --local-fallback --members --no-local-fallback --policy --port --prefill --prefill-timeout --help" ;;
         "status") words="--file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;
-        *) words="bench bootstrap doctor model plan proxy status trace up --version --help" ;;
+        *) words="bench bootstrap doctor k8s model plan proxy status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

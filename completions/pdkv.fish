@@ -3,6 +3,7 @@ complete -c pdkv -f
 complete -c pdkv -n '__fish_use_subcommand' -a bench
 complete -c pdkv -n '__fish_use_subcommand' -a bootstrap
 complete -c pdkv -n '__fish_use_subcommand' -a doctor
+complete -c pdkv -n '__fish_use_subcommand' -a k8s
 complete -c pdkv -n '__fish_use_subcommand' -a model
 complete -c pdkv -n '__fish_use_subcommand' -a plan
 complete -c pdkv -n '__fish_use_subcommand' -a proxy
@@ -91,6 +92,11 @@ complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l mooncake-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l skip-mooncake
+complete -c pdkv -n '__fish_seen_subcommand_from k8s; and not __fish_seen_subcommand_from render' -a render
+complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l file
+complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l namespace
+complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l out
 complete -c pdkv -n '__fish_seen_subcommand_from model; and not __fish_seen_subcommand_from tiny' -a tiny
 complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from tiny' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from tiny' -l seed

@@ -9,6 +9,11 @@ if ! dpkg -s libibverbs1 librdmacm1 chromium iproute2 >/dev/null 2>&1; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium iproute2 >/dev/null
 fi
+# kubectl (client only): the test that `kubectl kustomize` accepts `pdkv k8s render`'s folder; Debian's kubernetes-client.
+if ! command -v kubectl >/dev/null 2>&1; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends kubernetes-client >/dev/null
+fi
 python3 -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
 # PyPI's torchvision/torchaudio/torchcodec break beside torch 2.13.0+cpu; vLLM serves text models without them.
 python3 -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -30,6 +30,7 @@ COMMANDS: list[str] = [
     "proxy",
     "doctor",
     "up",
+    "k8s",
     "status",
     "bench",
     "trace",
@@ -50,6 +51,8 @@ Examples:
   pdkv doctor --device mlx5_0
 
   pdkv up                                # a local 1P1D: bootstrap, prefill, decode, proxy
+
+  pdkv k8s render -f examples/k8s-1p1d.toml -o k8s/   # Kubernetes manifests of a deployment file
 
   pdkv status --proxy http://127.0.0.1:8000
 

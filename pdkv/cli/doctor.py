@@ -91,10 +91,12 @@ def doctor(
             report = run_doctor(options, on_result=progress)
         _render(report)
     if not report.ok:
+        # One line that says why on its own (a Kubernetes init container's termination message is this line).
         names = [c.name for c in report.failed]
+        first = report.failed[0]
         raise ChecksFailed(
-            f"{len(names)} check(s) failed: {', '.join(names)}",
-            hint="apply each fix shown, then run pdkv doctor again",
+            f"{len(names)} check(s) failed: {', '.join(names)}; {first.name}: {' '.join(first.detail.split())}",
+            hint="; ".join(h for h in (first.hint, "apply each fix shown, then run pdkv doctor again") if h),
         )
 
 

@@ -39,6 +39,7 @@ from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.fleet import HostEntry, check_hosts, host_address
 from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
+from pdkv.k8s.settings import KubernetesEntry
 from pdkv.launch import (
     Connector,
     EngineSpec,
@@ -75,6 +76,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     env: dict[str, str] = {}
     restart: RestartMode | None = None
     host: str | None = None  # a [[hosts]] name
+    replicas: int = 1  # instances of this engine in Kubernetes (`pdkv k8s render`); `pdkv up` starts one
 
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -115,6 +117,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     extra_args: list[str] = []
     env: dict[str, str] = {}
     hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
+    kubernetes: KubernetesEntry = KubernetesEntry()  # read by `pdkv k8s render` only (pdkv.k8s)
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -155,6 +158,10 @@ def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") ->
         raise ConfigError(f"{source}: {exc}", hint="see examples/deploy.toml for the fields") from None
     if not dep.prefill or not dep.decode:
         raise ConfigError(f"{source}: a deployment needs at least one [[prefill]] and one [[decode]]")
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas < 1:
+                raise ConfigError(f"{source}: [[{role}]] {i + 1} has replicas = {e.replicas}", hint="write 1 or more")
     if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
         raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
     check_hosts(dep, source=source)
@@ -254,6 +261,28 @@ def _pdkv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdkv", *args]
 
 
+def bootstrap_args(host: str, port: int) -> list[str]:
+    """`pdkv bootstrap`'s arguments for a standalone server (here and in Kubernetes, pdkv.k8s)."""
+    return ["bootstrap", "--host", host, "--port", str(port)]
+
+
+def proxy_args(dep: Deployment, host: str) -> list[str]:
+    """`pdkv proxy`'s arguments before its backends (--prefill/--decode, or --members) and the file's extra_args."""
+    assert dep.proxy is not None
+    return ["proxy", "--host", host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+
+
+def check_one_instance_per_table(dep: Deployment) -> None:
+    """`pdkv up` starts each [[prefill]]/[[decode]] table once; `replicas` above 1 is Kubernetes' (pdkv k8s render)."""
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas != 1:
+                raise ConfigError(
+                    f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
+                    hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
+                )
+
+
 def engine_spec(
     dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
     host_ip: str | None = None,
@@ -297,6 +326,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
     In a fleet each part listens on `dep.host` and is reached at, and advertises (VLLM_HOST_IP, bootstrap
     URLs), its host's address; `Part.host` names the host.
     """
+    check_one_instance_per_table(dep)
     parts: list[Part] = []
     prefills: list[Part] = []
     boot = dep.bootstrap
@@ -315,7 +345,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
             url = http_url(boot_at or advertised, port)
             plan = LaunchPlan(
                 name=f"bootstrap-{i}",
-                argv=_pdkv_argv("bootstrap", "--host", dep.host, "--port", str(port)),
+                argv=_pdkv_argv(*bootstrap_args(dep.host, port)),
                 env={},
                 url=http_url(boot_at or connect, port),
             )
@@ -345,7 +375,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         decodes = [_joins(d, members) for d in decodes]
     parts += prefills + decodes
     if dep.proxy is not None:
-        argv = ["proxy", "--host", dep.host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+        argv = proxy_args(dep, dep.host)
         if members:
             argv += ["--members", members]
         for p in prefills:

@@ -1,0 +1,116 @@
+"""The deployment file's `[kubernetes]` table: what only `pdkv k8s render` reads.
+
+    [kubernetes]
+    name = "qwen3"                      # prefix of every object's name, app.kubernetes.io/instance
+    namespace = "serving"               # --namespace overrides it
+    image = "registry.example/pdkv-vllm:0.1.0"
+    gpus_per_node = 4                   # TP above it spans nodes: a LeaderWorkerSet
+    rdma_resource = "rdma/rdma_shared_device_a"
+    anti_affinity = "preferred"         # keep P and D pods off one node
+    token_secret = "pdkv-token"         # the bootstrap token, from this Secret's key `token`
+
+`pdkv up -f` accepts the table and ignores it; unknown keys are refused by
+both. Checking a value (names Kubernetes would refuse) is `check_kubernetes`:
+pure, one ConfigError line naming the key.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+from pdkv.errors import ConfigError
+
+AntiAffinity = Literal["none", "preferred", "required"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+# Kubernetes' own forms (apimachinery's validation): a DNS-1123 label, a DNS-1123 subdomain, a qualified name.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+# The longest suffix pdkv adds to `name` ("-decode-12"), and LWS's pod names on top ("-<group>-<index>").
+MAX_NAME = 40
+
+
+class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One `[kubernetes]` table; every key has a default, so the table itself may be left out."""
+
+    name: str = "pdkv"
+    namespace: str = "default"
+    image: str = "pdkv-vllm:latest"  # vLLM (with CUDA) and pdkv in one image: docs/k8s.md builds it
+    service_image: str | None = None  # bootstrap and proxy (pdkv alone suffices); default: image
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    gpus_per_node: int = 8
+    gpu_resource: str = "nvidia.com/gpu"
+    rdma_resource: str = "rdma/ib"  # the RDMA device plugin's name: rdma/ib, rdma/rdma_shared_device_a, ...
+    rdma_per_pod: int = 1
+    shm_size: str = "16Gi"  # /dev/shm (a memory emptyDir): NCCL and vLLM's shared-memory broadcast
+    anti_affinity: AntiAffinity = "none"
+    doctor: bool = True  # `pdkv doctor` as an init container of every engine pod
+    grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
+    mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
+    master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
+    proxy_replicas: int = 1
+    proxy_service_type: ServiceType = "ClusterIP"
+    token_secret: str | None = None  # a Secret holding the bootstrap token (created by the operator)
+    token_key: str = "token"
+    model_pvc: str | None = None  # a PersistentVolumeClaim holding the weights, mounted read-only at model_mount
+    model_mount: str = "/models"
+    node_selector: dict[str, str] = {}
+    service_account: str | None = None
+
+
+MOONCAKE_PORTS_PER_GPU = 4  # Mooncake takes two per TransferEngine (RPC, tcp data) at random in its range: room to retry
+
+
+def check_resource_name(value: str, key: str, *, source: str) -> None:
+    """An extended resource name as Kubernetes accepts it: `prefix/name` (e.g. nvidia.com/gpu, rdma/ib)."""
+    prefix, slash, name = value.partition("/")
+    ok = bool(slash) and len(prefix) <= 253 and bool(_DNS_SUBDOMAIN.match(prefix)) and len(name) <= 63 and bool(
+        _QUALIFIED_NAME.match(name)
+    )
+    if not ok:
+        raise ConfigError(
+            f"{source}: [kubernetes] {key} = {value!r} is not a Kubernetes resource name",
+            hint="write DOMAIN/NAME as the device plugin advertises it, e.g. nvidia.com/gpu or rdma/rdma_shared_device_a",
+        )
+
+
+def check_dns_label(value: str, key: str, *, source: str, max_len: int = 63) -> None:
+    if len(value) > max_len or not _DNS_LABEL.match(value):
+        raise ConfigError(
+            f"{source}: {key} = {value!r} is not a Kubernetes name (lower-case letters, digits and '-', at most {max_len})",
+            hint="e.g. qwen3-8b",
+        )
+
+
+def check_kubernetes(k: KubernetesEntry, *, source: str) -> None:
+    """Raise ConfigError (one line) for a `[kubernetes]` value Kubernetes would refuse."""
+    check_dns_label(k.name, "[kubernetes] name", source=source, max_len=MAX_NAME)
+    check_dns_label(k.namespace, "[kubernetes] namespace", source=source)
+    check_resource_name(k.gpu_resource, "gpu_resource", source=source)
+    check_resource_name(k.rdma_resource, "rdma_resource", source=source)
+    if k.token_secret is not None:
+        check_dns_label(k.token_secret, "[kubernetes] token_secret", source=source, max_len=253)
+    if k.model_pvc is not None:
+        check_dns_label(k.model_pvc, "[kubernetes] model_pvc", source=source, max_len=253)
+    if not k.model_mount.startswith("/") or k.model_mount.rstrip("/") in ("", "/dev", "/dev/shm"):
+        raise ConfigError(f"{source}: [kubernetes] model_mount = {k.model_mount!r} is not a folder a volume can go on",
+                          hint='an absolute path such as "/models"')
+    if k.service_account is not None:
+        check_dns_label(k.service_account, "[kubernetes] service_account", source=source, max_len=253)
+    if not _QUANTITY.match(k.shm_size):
+        raise ConfigError(f"{source}: [kubernetes] shm_size = {k.shm_size!r} is not a Kubernetes quantity", hint='e.g. "16Gi"')
+    for key, value, low in (("gpus_per_node", k.gpus_per_node, 1), ("rdma_per_pod", k.rdma_per_pod, 1),
+                            ("proxy_replicas", k.proxy_replicas, 0), ("grace_period_s", k.grace_period_s, 0)):
+        if value < low:
+            raise ConfigError(f"{source}: [kubernetes] {key} must be at least {low}, got {value}")
+    for key, port in (("mooncake_port", k.mooncake_port), ("master_port", k.master_port)):
+        if not 0 < port < 65536 - 64:
+            raise ConfigError(f"{source}: [kubernetes] {key} {port} is out of range", hint="pick a port below 65000")
+    if not k.image.strip() or (k.service_image is not None and not k.service_image.strip()):
+        raise ConfigError(f"{source}: [kubernetes] image is empty", hint="name the image with vLLM and pdkv, see docs/k8s.md")
