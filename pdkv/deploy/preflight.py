@@ -121,11 +121,11 @@ def check_engines(parts: list[Part]) -> list[Problem]:
             problems.append(Problem(part.plan.name, "protocol cma moves KV in host memory, and this engine keeps it on a GPU", "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma"))
     for d in (p for p in engines if p.kind == "decode"):
         for p in (p for p in engines if p.kind == "prefill"):
-            problems += _disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))
+            problems += pd_disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))
     return problems
 
 
-def _disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> list[Problem]:
+def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> list[Problem]:
     ps, ds = p.spec, d.spec
     assert ps is not None and ds is not None
     pair = f"{p.plan.name}/{d.plan.name}"
