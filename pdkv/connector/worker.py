@@ -70,7 +70,7 @@ class ConnectorWorker:
         )
         device = getattr(kv_caches[layer_order[0]], "device", None)
         self.transport = open_transport(
-            self.config.mooncake_protocol, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
+            self.config.transport, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
             writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
         )
         self.transport.register(memory_ranges(regions))
