@@ -266,6 +266,7 @@ class CudaIpcTransport:
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
+        self._watched.check(peer, self.disconnect)  # a dead D fails at once, not after the writes ahead in _lock
         with self._lock:
             self._write(peer, descriptors)
 
@@ -284,6 +285,7 @@ class CudaIpcTransport:
         local region inside registered memory, each remote region inside the
         peer's exported memory, equal block lengths. Safe to call from several threads.
         """
+        self._watched.check(peer, self.disconnect)  # a dead D fails at once, not after the writes ahead in _lock
         with self._lock:
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 

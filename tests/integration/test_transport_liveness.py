@@ -20,12 +20,22 @@ from pdkv.errors import TransferError
 from pdkv.transport.host import PeerProcess, WatchedPeers, ipc_session, ipc_session_process, process_start_time
 
 
+SLEEPER = "import time; time.sleep(120)"
+# The main thread exits while another thread lives on: the process has begun to exit (its leader is a zombie
+# with PF_EXITING set) and its pidfd stays silent until the last thread ends, as while a killed process that
+# held a CUDA context is torn down.
+HALF_EXITED = (
+    "import ctypes, threading, time; threading.Thread(target=time.sleep, args=(120,)).start(); "
+    "print('up', flush=True); time.sleep(0.2); ctypes.CDLL(None).pthread_exit(None)"
+)
+
+
 @pytest.fixture
 def spawn():
     procs: list[subprocess.Popen] = []
 
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    def start(code: str = SLEEPER) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         procs.append(proc)
         return proc
 
@@ -33,6 +43,7 @@ def spawn():
     for proc in procs:
         proc.kill()
         proc.wait(10)
+        proc.stdout.close()
 
 
 def _dead_within(process: PeerProcess, bound_s: float = 2.0) -> float:
@@ -64,6 +75,20 @@ def test_a_pid_with_another_start_time_or_no_process_is_refused(spawn):
     child.wait(10)
     with pytest.raises(TransferError, match="does not exist"):
         PeerProcess(child.pid, 0)
+
+
+def test_a_process_that_has_begun_to_exit_counts_as_dead_with_exiting(spawn):
+    child = spawn(HALF_EXITED)
+    assert child.stdout.readline() == b"up\n"
+    start = process_start_time(child.pid)
+    pidfd_only, exiting = PeerProcess(child.pid, start), PeerProcess(child.pid, start, exiting=True)
+    _dead_within(exiting)
+    assert pidfd_only.alive(), "the pidfd is silent while a thread of the process lives on"
+    child.kill()
+    child.wait(10)
+    _dead_within(pidfd_only)
+    for process in (pidfd_only, exiting):
+        process.close()
 
 
 def test_closed_peer_reads_as_dead(spawn):
