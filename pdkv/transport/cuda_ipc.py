@@ -266,8 +266,7 @@ class CudaIpcTransport:
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
-        self._watched.check(peer, self.disconnect)  # a dead D fails at once, not after the writes ahead in _lock
-        with self._lock:
+        with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
     def _write(self, peer: str, descriptors: list[Descriptor]) -> None:
@@ -285,8 +284,7 @@ class CudaIpcTransport:
         local region inside registered memory, each remote region inside the
         peer's exported memory, equal block lengths. Safe to call from several threads.
         """
-        self._watched.check(peer, self.disconnect)  # a dead D fails at once, not after the writes ahead in _lock
-        with self._lock:
+        with self._watched.holding(self._lock, peer, self._disconnect):
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 
     def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:

@@ -8,13 +8,14 @@ error, and a recycled pid names another process).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import select
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pdkv.errors import TransferError
@@ -142,8 +143,8 @@ def ipc_session_process(peer: str) -> tuple[int, int] | None:
 class WatchedPeers:
     """Peer name -> its PeerProcess, and why writes to peers whose process exited fail.
 
-    Safe from any thread (`_lock`), so a write may ask before it waits for its transport's lock; the `close`
-    callbacks run outside `_lock`. At most `max_dead` exited peers are remembered; older ones then read as unknown.
+    Safe from any thread (`_lock`); the `close` callbacks run outside `_lock`. `holding` is how a write takes
+    its transport's lock. At most `max_dead` exited peers are remembered; older ones then read as unknown.
     """
 
     def __init__(self, what: str = "decode process", max_dead: int = 256) -> None:
@@ -152,6 +153,7 @@ class WatchedPeers:
         self._lock = threading.RLock()
         self._live: dict[str, PeerProcess] = {}  # guarded by _lock, as is _dead
         self._dead: dict[str, str] = {}
+        self._unclosed: set[str] = set()  # exited peers whose handles no one has closed yet
 
     def watch(self, peer: str, pid: int, named: tuple[int, int] | None = None) -> None:
         """Watch process `pid` as `peer` (`named`: the pid and start time its address names, else read now).
@@ -186,6 +188,7 @@ class WatchedPeers:
             while len(self._dead) >= self.max_dead:
                 self._dead.pop(next(iter(self._dead)))
             why = self._dead[peer] = f"{self.what} {process.pid} ({peer}) exited; its CUDA IPC handles are closed"
+            self._unclosed.add(peer)
         log.warning("ipc: %s", why)
         return why
 
@@ -204,8 +207,29 @@ class WatchedPeers:
         """Stop watching `peer` (its handles were closed); what is known about an exited one is kept."""
         with self._lock:
             process = self._live.pop(peer, None)
+            self._unclosed.discard(peer)
         if process is not None:
             process.close()
+
+    @contextlib.contextmanager
+    def holding(self, lock: threading.RLock, peer: str, close: Callable[[str], None], poll_s: float = 0.005) -> Iterator[None]:
+        """Hold `lock` (a transport's, which `close` takes too) for a write to `peer`.
+
+        Waits for it end in TransferError as soon as `peer` is seen to have exited (checked every `poll_s`):
+        lock waits are not first come, first served, and writes to other peers can hold one back for seconds.
+        The holder first closes the handles of exited peers that no one has closed yet.
+        """
+        while not lock.acquire(timeout=poll_s):
+            if (why := self.exited(peer)) is not None:
+                raise TransferError(why, hint="D died; its request fails there")
+        try:
+            with self._lock:
+                unclosed = list(self._unclosed)
+            for dead in unclosed:
+                close(dead)
+            yield
+        finally:
+            lock.release()
 
     def names(self) -> list[str]:
         with self._lock:

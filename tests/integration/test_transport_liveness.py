@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -157,3 +158,53 @@ def test_an_ipc_session_address_names_its_process(spawn):
     child = spawn()
     with pytest.raises(TransferError, match="names process"):
         WatchedPeers().watch(session, child.pid, ipc_session_process(session))
+
+
+def test_a_write_waiting_for_a_held_lock_fails_once_its_peer_dies_and_the_next_holder_closes_it(spawn):
+    d1, d2 = spawn(), spawn()
+    watched = WatchedPeers()
+    watched.watch("d1", d1.pid)
+    watched.watch("d2", d2.pid)
+    closed: list[str] = []
+
+    def close(peer: str) -> None:  # as the transport's _disconnect: close the handles, stop watching
+        closed.append(peer)
+        watched.forget(peer)
+
+    lock = threading.RLock()
+    release, held = threading.Event(), threading.Event()
+
+    def hog() -> None:  # a write to another peer that holds the lock all along
+        with watched.holding(lock, "d2", close):
+            held.set()
+            release.wait(30)
+
+    outcome: list[object] = []
+
+    def waiter() -> None:
+        try:
+            with watched.holding(lock, "d1", close):
+                outcome.append("got the lock")
+        except TransferError as exc:
+            outcome.append((time.monotonic(), exc))
+
+    hogger = threading.Thread(target=hog)
+    hogger.start()
+    assert held.wait(10)
+    waiting = threading.Thread(target=waiter)
+    waiting.start()
+    time.sleep(0.05)
+    assert outcome == []  # still waiting: d1 lives
+    os.kill(d1.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    waiting.join(5)
+    assert len(outcome) == 1 and not isinstance(outcome[0], str), outcome
+    at, exc = outcome[0]
+    assert at - killed < 2.0 and f"decode process {d1.pid} (d1) exited" in exc.message
+    assert closed == []  # the waiter never held the lock
+    release.set()
+    hogger.join(10)
+    with watched.holding(lock, "d2", close):  # the next holder closes the dead peer's handles
+        assert closed == ["d1"]
+    with watched.holding(lock, "d2", close):
+        assert closed == ["d1"]  # once
