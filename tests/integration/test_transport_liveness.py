@@ -20,7 +20,6 @@ import pytest
 from pdkv.errors import TransferError
 from pdkv.transport.host import PeerProcess, WatchedPeers, ipc_session, ipc_session_process, process_start_time
 
-
 SLEEPER = "import time; time.sleep(120)"
 # The main thread exits while another thread lives on: the process has begun to exit (its leader is a zombie
 # with PF_EXITING set) and its pidfd stays silent until the last thread ends, as while a killed process that
