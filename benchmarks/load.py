@@ -247,8 +247,10 @@ def run_deployment(label: str, model: str, concurrencies: list[int], args: argpa
         block_size=32, max_model_len=1024, host_ip="127.0.0.1", connector=connector, extra_env=env,
         connector_extra=dict(extra) if connector == "pdkv" else {},
     )
-    p = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common), name=f"p-{slug}"), logs / f"p-{slug}.log")
-    d = ManagedProcess(engine_plan(EngineSpec(port=free_port(), role="decode", omp_bind="1", **common), name=f"d-{slug}"), logs / f"d-{slug}.log")
+    p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
+    d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
+    p = ManagedProcess(engine_plan(p_spec, name=f"p-{slug}"), logs / f"p-{slug}.log")
+    d = ManagedProcess(engine_plan(d_spec, name=f"d-{slug}"), logs / f"d-{slug}.log")
     rows: list[dict] = []
 
     def say(msg: str) -> None:
@@ -300,7 +302,10 @@ def fmt(x: float | int | None, spec: str = ".2f") -> str:
 
 
 def render(results: list[dict]) -> str:
-    head = "| deployment | conc | prompts | served by | req/s | TTFT p50 | TTFT p99 | TPOT p50 | completed | failed | req/s vs P alone | TTFT p50 vs P alone | P prefix hits | others' CPU (cores) |"
+    head = (
+        "| deployment | conc | prompts | served by | req/s | TTFT p50 | TTFT p99 | TPOT p50 | completed | failed "
+        "| req/s vs P alone | TTFT p50 vs P alone | P prefix hits | others' CPU (cores) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     notes = []
     for dep in results:
@@ -368,9 +373,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_deployment(dep, model, concurrencies, args_i, logs, extra, prompts))
     report = {
         "command": [sys.executable, *sys.argv] if argv is None else ["load.py", *argv],
-        "workload": {"prompts": "uniformly random tokens, first blocks distinct", "input_len": args.input_len, "output_len": args.output_len, "ignore_eos": True,
-                     "num_prompts": {c: max(args.min_prompts, args.prompts_per_concurrency * c) for c in concurrencies},
-                     "block_size": 32, "max_model_len": 1024, "prefix_caching": "vLLM default (on)"},
+        "workload": {
+            "prompts": "uniformly random tokens, first blocks distinct", "input_len": args.input_len, "output_len": args.output_len,
+            "ignore_eos": True,
+            "num_prompts": {c: max(args.min_prompts, args.prompts_per_concurrency * c) for c in concurrencies},
+            "block_size": 32, "max_model_len": 1024, "prefix_caching": "vLLM default (on)",
+        },
         "results": results,
         "wall_s": round(time.time() - started, 1),
         "logs": str(logs),

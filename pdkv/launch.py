@@ -18,10 +18,13 @@ import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT  # noqa: F401 - pdkv.launch's name for it
 from pdkv.errors import StartError, UsageError
+from pdkv.transport import TransportName
 
 Role = Literal["prefill", "decode", "none"]
 Connector = Literal["pdkv", "mooncake"]
-Protocol = Literal["rdma", "tcp", "ipc", "cma"]
+# The deployment file's `protocol` key is typed with this name (pdkv.deploy.topology imports it); it is
+# pdkv.transport.TransportName, and not typing.Protocol.
+Protocol = TransportName
 Platform = Literal["gpu", "cpu"]
 LoadFailure = Literal["recompute", "fail"]
 Launcher = Literal["auto", "serve", "module"]
@@ -40,7 +43,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     `host_ip` is what the engine advertises to its peers (VLLM_HOST_IP); None
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
-    first worker runs one on `bootstrap_port`.
+    first worker runs one on `bootstrap_port`. `protocol` is the transport (read it as `spec.transport`):
+    the field keeps the deployment file's and the CLI's name, which build it.
     """
 
     model: str
@@ -48,7 +52,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     role: Role = "none"
     connector: Connector = "pdkv"
-    protocol: Protocol = "rdma"
+    protocol: TransportName = "rdma"
     device: str = ""
     platform: Platform = "gpu"
     gpu: str | None = None
@@ -69,6 +73,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # What D does when its KV does not come (vLLM's kv_load_failure_policy); None: recompute with pdkv's
     # connector (D computes the missing blocks itself), vLLM's default (fail) with vLLM's.
     load_failure: LoadFailure | None = None
+
+    @property
+    def transport(self) -> TransportName:
+        """How this engine's KV moves (pdkv.transport.TransportName)."""
+        return self.protocol
 
 
 class LaunchPlan(msgspec.Struct, frozen=True):
@@ -149,12 +158,14 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for `spec`, or None for a colocated engine."""
     if spec.role == "none":
         return None
-    if spec.protocol in ("ipc", "cma") and spec.connector != "pdkv":
+    transport = spec.transport
+    if transport in ("ipc", "cma") and spec.connector != "pdkv":
         raise UsageError(
-            f"protocol {spec.protocol} is pdkv's own transport",
+            f"protocol {transport} is pdkv's own transport",
             hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector",
         )
-    extra: dict[str, Any] = {"mooncake_protocol": spec.protocol}
+    # vLLM's key, which both connectors read (pdkv's also reads `transport`)
+    extra: dict[str, Any] = {"mooncake_protocol": transport}
     if spec.device:
         extra["device_name"] = spec.device
     if spec.bootstrap_url and spec.role == "prefill":

@@ -55,8 +55,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="op", frozen=True):
     session: str
     regions: list[Region]
     device: str
-    protocol: str
-    ipc: IpcExport | None = None  # protocol ipc: the CUDA IPC handles of `regions`
+    transport: str = msgspec.field(name="protocol")  # the wire name, which older peers read
+    ipc: IpcExport | None = None  # transport ipc: the CUDA IPC handles of `regions`
 
 
 class Digest(msgspec.Struct, tag="digest", tag_field="op", frozen=True):
@@ -87,7 +87,7 @@ class BenchTarget:
         port: int = 0,
         *,
         advertise: str | None = None,
-        protocol: str = "tcp",
+        transport: str = "tcp",
         device_name: str = "",
         dst: str = "cpu",
         settings: Mapping[str, str] | None = None,
@@ -99,11 +99,11 @@ class BenchTarget:
         from pdkv.transport import open_transport
 
         self.dst = parse_device(dst)
-        if protocol == "ipc" and not self.dst.startswith("cuda:"):
-            raise StartError("protocol ipc needs GPU memory on the decode side", hint="pass --dst cuda:N")
-        if protocol == "cma" and self.dst != "cpu":
-            raise StartError("protocol cma moves host memory", hint="pass --dst cpu")
-        self.protocol = protocol
+        if transport == "ipc" and not self.dst.startswith("cuda:"):
+            raise StartError("transport ipc needs GPU memory on the decode side", hint="pass --dst cuda:N")
+        if transport == "cma" and self.dst != "cpu":
+            raise StartError("transport cma moves host memory", hint="pass --dst cpu")
+        self.transport_name = transport
         bind_host = host or "0.0.0.0"
         # Mooncake needs a concrete address to advertise: the one we bind, or the caller's choice.
         self.advertise = advertise or (bind_host if bind_host not in ("0.0.0.0", "::") else _primary_address())
@@ -122,7 +122,7 @@ class BenchTarget:
             raise StartError(f"cannot listen on {bind_host}:{port}: {exc}", hint="pick another --port") from None
         self.address = f"{self.advertise}:{bound}"
         gpu = int(self.dst[5:]) if self.dst.startswith("cuda:") else None
-        self.transport = open_transport(protocol, self.advertise, device_name, gpu=gpu, settings=settings)
+        self.transport = open_transport(transport, self.advertise, device_name, gpu=gpu, settings=settings)
         self.memory: Any = None
         self.requests = 0
 
@@ -137,7 +137,7 @@ class BenchTarget:
                 self.memory.fill(req.seed)
                 self.transport.register(self.memory.spans)
                 export = self.transport.hello()
-                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.protocol, export)
+                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.transport_name, export)
             if self.memory is None:
                 return Failed("no Setup received yet")
             if isinstance(req, Refill):

@@ -77,7 +77,7 @@ def spec_from_options(
         block_size=block_size,
         blocks=swept.get("blocks", [blocks]),
         layouts=swept.get("layout", expand_layouts(layout)),
-        protocol=protocol,
+        transport=protocol,
         device=device,
         hostname=hostname or (address_towards(target) if target else "127.0.0.1"),
         src=src,

@@ -40,7 +40,7 @@ class BenchSpec(msgspec.Struct, frozen=True):
     block_size: int = 16
     blocks: list[int] = msgspec.field(default_factory=lambda: [63])
     layouts: list[str] = msgspec.field(default_factory=lambda: ["contiguous"])
-    protocol: str = "tcp"
+    transport: str = "tcp"
     device: str = ""
     hostname: str = "127.0.0.1"
     src: str = "cpu"
@@ -82,7 +82,7 @@ class BenchReport(msgspec.Struct, frozen=True):
     geometry: KVGeometry
     block_size: int
     block_len: int
-    protocol: str
+    transport: str = msgspec.field(name="protocol")  # the JSON key of `pdkv bench --json`
     device: str
     src: str
     dst: str
@@ -122,24 +122,24 @@ def check_spec(spec: BenchSpec) -> None:
     from pdkv.transport.mooncake import check_protocol
 
     src, dst = parse_device(spec.src), parse_device(spec.dst)
-    if spec.protocol == "ipc":
+    if spec.transport == "ipc":
         if not (src.startswith("cuda:") and dst.startswith("cuda:")):
             raise UsageError("--protocol ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
         return
-    if spec.protocol == "cma":
+    if spec.transport == "cma":
         if (src, dst) != ("cpu", "cpu"):
             raise UsageError(
                 "--protocol cma moves host memory between processes of this host",
                 hint="use --src cpu --dst cpu, or --protocol ipc for GPUs",
             )
         return
-    # Before any process starts: a wrong protocol or a missing RDMA device fails here, in seconds.
-    check_protocol(spec.protocol, spec.device)
+    # Before any process starts: a wrong transport or a missing RDMA device fails here, in seconds.
+    check_protocol(spec.transport, spec.device)
 
 
-def resolve_protocol(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
+def resolve_transport(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
     """For ipc, fall back to Mooncake tcp (with the reason, also logged) when the two GPUs cannot reach each other."""
-    if spec.protocol != "ipc" or spec.target is not None:
+    if spec.transport != "ipc" or spec.target is not None:
         return spec, None
     from pdkv.transport.cuda_kernels import ipc_reachable
 
@@ -148,14 +148,14 @@ def resolve_protocol(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
         return spec, None
     note = f"ipc unavailable ({reason}); fell back to Mooncake tcp"
     log.warning(note)
-    return msgspec.structs.replace(spec, protocol="tcp"), note
+    return msgspec.structs.replace(spec, transport="tcp"), note
 
 
-def _local_target_main(conn, protocol: str, device: str, dst: str, settings: dict[str, str]) -> None:
+def _local_target_main(conn, transport: str, device: str, dst: str, settings: dict[str, str]) -> None:
     from pdkv.bench.control import BenchTarget
 
     try:
-        target = BenchTarget("127.0.0.1", 0, protocol=protocol, device_name=device, dst=dst, settings=settings)
+        target = BenchTarget("127.0.0.1", 0, transport=transport, device_name=device, dst=dst, settings=settings)
     except PdkvError as exc:
         conn.send(("error", exc.message, exc.hint))
         return
@@ -172,7 +172,7 @@ def local_target(spec: BenchSpec, timeout_s: float = TARGET_START_TIMEOUT_S) -> 
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=_local_target_main,
-        args=(writer, spec.protocol, spec.device, spec.dst, dict(spec.settings)),
+        args=(writer, spec.transport, spec.device, spec.dst, dict(spec.settings)),
         name="pdkv-bench-target",
         daemon=True,
     )
@@ -215,7 +215,7 @@ def verify_transfer(client, memory, descriptors: list[Descriptor], what: str) ->
 def run_bench(spec: BenchSpec, on_progress: Progress | None = None) -> BenchReport:
     """Run every case of `spec` and return the report; TransferError if any transfer fails or arrives corrupted."""
     check_spec(spec)
-    spec, note = resolve_protocol(spec)
+    spec, note = resolve_transport(spec)
     link_gbps, link_source = link_rate(spec)
     with contextlib.ExitStack() as stack:
         address = spec.target or stack.enter_context(local_target(spec))
@@ -235,7 +235,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
     client = stack.enter_context(TargetClient(address))
     gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
-    transport = stack.enter_context(open_transport(spec.protocol, spec.hostname, spec.device, gpu=gpu, settings=spec.settings))
+    transport = stack.enter_context(open_transport(spec.transport, spec.hostname, spec.device, gpu=gpu, settings=spec.settings))
     memory = KVMemory(spec.src, g.layers, block_len, num_blocks)
     stack.callback(memory.close)
     memory.fill(spec.seed)
@@ -284,7 +284,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         geometry=g,
         block_size=spec.block_size,
         block_len=block_len,
-        protocol=spec.protocol,
+        transport=spec.transport,
         device=spec.device,
         src=memory.device,
         dst=ready.device,
@@ -308,14 +308,14 @@ def _writer(transport, peer: str, descriptors, local_ids, remote_ids, local_regi
 
 
 def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):
-    """The baseline write for this protocol and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
+    """The baseline write for this transport and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
     or (cma) plain memmove calls."""
-    if spec.protocol == "ipc":
+    if spec.transport == "ipc":
         from pdkv.bench.baseline import CopyBaseline
 
         copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
         return copier.write_ms, copier.close
-    if spec.protocol == "cma":
+    if spec.transport == "cma":
         from pdkv.bench.baseline import MemmoveBaseline
 
         mover = MemmoveBaseline(memory, descriptors, remote_regions)
@@ -358,9 +358,9 @@ def _baseline(
     bare_timing = summarize(bare, nbytes, link_gbps)
     teb_gbps = teb_ratio = None
     note: str | None = None
-    if spec.protocol == "ipc":
+    if spec.transport == "ipc":
         note = "baseline: plain copy_ calls, one per descriptor, inside one process"
-    elif spec.protocol == "cma":
+    elif spec.transport == "cma":
         note = "baseline: plain memmove calls, one per descriptor, inside one process"
     elif not spec.transfer_engine_bench:
         note = "not asked for"
@@ -374,7 +374,7 @@ def _baseline(
             teb = run_transfer_engine_bench(
                 block_size=max(lengths),
                 batch_size=min(len(descriptors), max_batch),
-                protocol=spec.protocol,
+                protocol=spec.transport,
                 device_name=spec.device,
                 hostname=spec.hostname,
             )

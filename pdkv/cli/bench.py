@@ -128,7 +128,7 @@ def _render(report) -> None:
     g = report.geometry
     console.print(
         f"[bold]pdkv bench[/]: {g.layers} layers x {g.kv_heads} KV heads x {g.head_dim} x {g.dtype_bytes} B, "
-        f"{report.block_size}-token blocks ({report.block_len:,} B per layer), {report.protocol} {report.src} -> {report.dst} "
+        f"{report.block_size}-token blocks ({report.block_len:,} B per layer), {report.transport} {report.src} -> {report.dst} "
         f"via {report.peer}, link {report.link_gbps:g} Gb/s ({report.link_source})"
     )
     moved = _table("what moves", ("layout", "blocks", "bytes", "descriptors", "plan ms", "cold ms", "verified"))
@@ -137,7 +137,7 @@ def _render(report) -> None:
         ("layout", "blocks", "min", "p50", "p90", "p99", "max"),
     )
     rate = _table(f"rate (link {report.link_gbps:g} Gb/s)", ("layout", "blocks", "GB/s at p50", "GB/s over the run", "% of link at p50"))
-    bare_name = {"ipc": "copy_ p50", "cma": "memmove p50"}.get(report.protocol, "bare p50")
+    bare_name = {"ipc": "copy_ p50", "cma": "memmove p50"}.get(report.transport, "bare p50")
     base = _table("baseline (same descriptors)", ("layout", "blocks", "pdkv p50", bare_name, "pdkv/baseline", "teb GB/s", "pdkv/teb"))
     for c in report.cases:
         t, key = c.timing, (c.layout, str(c.blocks))
@@ -158,7 +158,7 @@ def _render(report) -> None:
         console.print(base)
         notes = sorted({f"{c.layout}: {c.baseline.teb_note}" for c in report.cases if c.baseline and c.baseline.teb_note})
         for note in notes:
-            console.print(f"[dim]{note}[/]" if report.protocol in ("ipc", "cma") else f"[dim]transfer_engine_bench {note}[/]")
+            console.print(f"[dim]{note}[/]" if report.transport in ("ipc", "cma") else f"[dim]transfer_engine_bench {note}[/]")
     if report.note:
         console.print(f"[yellow]{report.note}[/]")
 
@@ -187,7 +187,7 @@ def _write_csv(path: Path, report) -> None:
                         "bare_p50_ms": f"{b.bare.p50_ms:.4f}" if b else "", "p50_ratio": f"{b.p50_ratio:.4f}" if b else "",
                         "teb_gbps": b.teb_gbps if b and b.teb_gbps is not None else "",
                         "teb_ratio": f"{b.teb_ratio:.4f}" if b and b.teb_ratio is not None else "",
-                        "verified": c.verified, "protocol": report.protocol, "src": report.src, "dst": report.dst,
+                        "verified": c.verified, "protocol": report.transport, "src": report.src, "dst": report.dst,
                         "link_gbps": report.link_gbps,
                     }
                 )  # fmt: skip
@@ -213,7 +213,7 @@ def serve(
     from pdkv.bench.runner import settings_from_env
 
     with BenchTarget(
-        host, port, advertise=advertise, protocol=protocol, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
+        host, port, advertise=advertise, transport=protocol, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
     ) as target:
         if json_out:
             print_json({"address": target.address, "session": target.transport.session_address, "protocol": protocol, "dst": target.dst})

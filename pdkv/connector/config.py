@@ -2,7 +2,9 @@
 
 Pure: no vLLM import. Keys that vLLM's MooncakeConnector also reads keep its
 names (`mooncake_protocol`, `device_name`, `bootstrap_server_address`), so a
-deployment switches connectors by name alone.
+deployment switches connectors by name alone. pdkv calls what `mooncake_protocol`
+selects the transport (it also selects ipc and cma, which are not Mooncake) and
+accepts `transport` as its own name for the same key.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ import msgspec
 from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.protocol import DecodeParams, PrefillParams
+from pdkv.transport import TRANSPORTS, TransportName
+
+# kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
+TRANSPORT_KEYS = ("mooncake_protocol", "transport")
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,7 +28,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     # tcp/rdma over Mooncake; ipc: CUDA IPC between GPUs of one host; cma: process_vm_writev between
     # processes of one host, KV in host memory (ipc and cma are pdkv's own; vLLM's connector has neither).
-    mooncake_protocol: Literal["tcp", "rdma", "ipc", "cma"] = "tcp"
+    # Read from `mooncake_protocol` (vLLM's key) or `transport` (load_config).
+    transport: TransportName = "tcp"
     device_name: str = ""
     # "host:port" of a standalone bootstrap server; unset: P's TP0 worker runs one.
     bootstrap_server_address: str | None = None
@@ -83,9 +90,23 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
-    """Validate kv_connector_extra_config; raise ConfigError naming the bad key."""
+    """Validate kv_connector_extra_config; raise ConfigError naming the bad key.
+
+    The transport comes from `mooncake_protocol` or `transport`; both set to different values is an error.
+    """
+    fields = dict(extra or {})
+    given = {key: fields.pop(key) for key in TRANSPORT_KEYS if key in fields}
+    if len(set(map(str, given.values()))) > 1:
+        raise ConfigError(
+            f"kv_connector_extra_config sets mooncake_protocol={given['mooncake_protocol']!r} and transport={given['transport']!r}",
+            hint="set one of them (they name the same thing)",
+        )
+    for key, value in given.items():
+        if value not in TRANSPORTS:
+            raise ConfigError(f"invalid kv_connector_extra_config: {key} must be one of {', '.join(TRANSPORTS)}, got {value!r}")
+        fields["transport"] = value
     try:
-        return msgspec.convert(extra or {}, ConnectorConfig, strict=False)
+        return msgspec.convert(fields, ConnectorConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
 

@@ -83,7 +83,7 @@ class ConnectorWorker:
         )
         device = getattr(kv_caches[layer_order[0]], "device", None)
         self.transport = open_transport(
-            self.config.mooncake_protocol, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
+            self.config.transport, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
             writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
         )
         self.transport.register(memory_ranges(regions))
@@ -139,7 +139,7 @@ class ConnectorWorker:
             bootstrap_url=bootstrap_url(self.config, self.host) if self.is_producer else None,
             dp_rank=self.dp_rank, dp_size=max(self.identity.dp_size, self.dp_rank + 1), tp_size=self.tp_size,
             model=self.identity.model, block_size=self.identity.block_size, connector="pdkv",
-            transport=self.config.mooncake_protocol, ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
+            transport=self.config.transport, ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
         )
         self.member = StandingRegistration(
             members_url, lambda bs: bs.join(record), f"member {self.engine_id}", interval, required=False,

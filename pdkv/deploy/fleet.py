@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pdkv.deploy.topology import Deployment, Part
 
 # pdkv's own transports move KV inside one host (process memory, CUDA IPC).
-ONE_HOST_PROTOCOLS = ("cma", "ipc")
+ONE_HOST_TRANSPORTS = ("cma", "ipc")
 
 
 class HostEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,7 +89,7 @@ def check_hosts(dep: Deployment, *, source: str = "deployment") -> None:
         if host not in names:
             raise ConfigError(f"{source}: {label} names host {host!r}, which is not among the [[hosts]] ({', '.join(sorted(names))})",
                               hint="add that [[hosts]] table or correct the name")
-    if dep.protocol in ONE_HOST_PROTOCOLS:
+    if dep.protocol in ONE_HOST_TRANSPORTS:
         engines = {e.host for e in (*dep.prefill, *dep.decode)}
         if len(engines) > 1:
             raise ConfigError(f"{source}: protocol {dep.protocol} moves KV inside one host, and the engines are on {len(engines)}",

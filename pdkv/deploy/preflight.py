@@ -55,7 +55,11 @@ def check_ports(parts: list[Part]) -> list[Problem]:
                 continue
             seen[port] = part.plan.name
             if not port_free(host, port):
-                problems.append(Problem(part.plan.name, f"port {port} on {host} is in use", f"stop what holds it (ss -ltnp 'sport = :{port}') or choose another port"))
+                problems.append(Problem(
+                    part.plan.name,
+                    f"port {port} on {host} is in use",
+                    f"stop what holds it (ss -ltnp 'sport = :{port}') or choose another port",
+                ))
     return problems
 
 
@@ -77,11 +81,15 @@ def _engine_facts(part: Part) -> tuple[dict[str, Any] | None, Problem | None]:
     if not path.exists():
         if "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
             return None, None  # a hub id: vLLM resolves it; nothing local to read
-        return None, Problem(part.plan.name, f"model {model} does not exist", "pass a model directory holding config.json (or `pdkv model tiny DIR`)")
+        return None, Problem(
+            part.plan.name, f"model {model} does not exist", "pass a model directory holding config.json (or `pdkv model tiny DIR`)"
+        )
     try:
         return load_config(path), None
     except ConfigError as exc:
-        return None, Problem(part.plan.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json")
+        return None, Problem(
+            part.plan.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json"
+        )
 
 
 def cpu_accelerator_shim(part: Part, environ: Mapping[str, str] | None = None) -> bool:
@@ -90,7 +98,9 @@ def cpu_accelerator_shim(part: Part, environ: Mapping[str, str] | None = None) -
     under which vLLM's MooncakeConnector does run on CPU, as the e2e tests and the handover benchmark run it."""
     env = os.environ if environ is None else environ
     path = part.plan.env.get("PYTHONPATH", env.get("PYTHONPATH", ""))
-    return any(Path(entry).name == SHIM_FOLDER and (Path(entry) / "sitecustomize.py").is_file() for entry in path.split(os.pathsep) if entry)
+    return any(
+        Path(entry).name == SHIM_FOLDER and (Path(entry) / "sitecustomize.py").is_file() for entry in path.split(os.pathsep) if entry
+    )
 
 
 def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None) -> list[Problem]:
@@ -99,8 +109,12 @@ def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None)
              and p.spec.role != "none" and not cpu_accelerator_shim(p, environ)]
     if not names:
         return []
-    return [Problem(", ".join(names), "vLLM's MooncakeConnector needs GPU KV caches; on a CPU host the engine dies with "
-                    "\"Cannot access accelerator device when none is available\"", "use --connector pdkv (connector = \"pdkv\" in deploy.toml)")]
+    return [Problem(
+        ", ".join(names),
+        "vLLM's MooncakeConnector needs GPU KV caches; on a CPU host the engine dies with "
+        "\"Cannot access accelerator device when none is available\"",
+        "use --connector pdkv (connector = \"pdkv\" in deploy.toml)",
+    )]
 
 
 def check_engines(parts: list[Part]) -> list[Problem]:
@@ -116,9 +130,17 @@ def check_engines(parts: list[Part]) -> list[Problem]:
         spec = part.spec
         assert spec is not None
         if spec.platform == "cpu" and spec.block_size is not None and spec.block_size % CPU_BLOCK_MULTIPLE:
-            problems.append(Problem(part.plan.name, f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs", f"set block_size = {CPU_BLOCK_MULTIPLE}"))
-        if spec.protocol == "cma" and spec.platform != "cpu":
-            problems.append(Problem(part.plan.name, "protocol cma moves KV in host memory, and this engine keeps it on a GPU", "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma"))
+            problems.append(Problem(
+                part.plan.name,
+                f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs",
+                f"set block_size = {CPU_BLOCK_MULTIPLE}",
+            ))
+        if spec.transport == "cma" and spec.platform != "cpu":
+            problems.append(Problem(
+                part.plan.name,
+                "protocol cma moves KV in host memory, and this engine keeps it on a GPU",
+                "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma",
+            ))
     for d in (p for p in engines if p.kind == "decode"):
         for p in (p for p in engines if p.kind == "prefill"):
             problems += pd_disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))
@@ -132,21 +154,37 @@ def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config
     out: list[Problem] = []
     same_model = Path(ps.model).expanduser().resolve() == Path(ds.model).expanduser().resolve() or ps.model == ds.model
     if not same_model and (p_config is None or d_config is None or p_config != d_config):
-        out.append(Problem(pair, f"P serves {ps.model} but D serves {ds.model}", "serve the same model on both (model = ... in deploy.toml)"))
+        out.append(Problem(
+            pair,
+            f"P serves {ps.model} but D serves {ds.model}",
+            "serve the same model on both (model = ... in deploy.toml)",
+        ))
     p_dtype = _canonical_dtype(ps.dtype if ps.dtype not in (None, "auto") else (p_config or {}).get("torch_dtype"))
     d_dtype = _canonical_dtype(ds.dtype if ds.dtype not in (None, "auto") else (d_config or {}).get("torch_dtype"))
     if p_dtype != d_dtype:
-        out.append(Problem(pair, f"P's dtype {p_dtype} differs from D's {d_dtype}: the KV bytes would not match", "set the same dtype on both"))
+        out.append(Problem(
+            pair,
+            f"P's dtype {p_dtype} differs from D's {d_dtype}: the KV bytes would not match",
+            "set the same dtype on both",
+        ))
     if ps.block_size != ds.block_size:
         def show(b: int | None) -> str:
             return "vLLM's default" if b is None else str(b)
 
-        out.append(Problem(pair, f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}", "set the same block_size on both"))
+        out.append(Problem(
+            pair,
+            f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}",
+            "set the same block_size on both",
+        ))
     if ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
         out.append(Problem(pair, f"TP sizes differ: P {ps.tp}, D {ds.tp}; pdkv's connector moves KV between equal TP ranks only",
                            "set the same tp on both, or connector = \"mooncake\" (vLLM's connector maps unequal TP)"))
     elif max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
-        out.append(Problem(pair, f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped", "use TP sizes where one divides the other"))
+        out.append(Problem(
+            pair,
+            f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped",
+            "use TP sizes where one divides the other",
+        ))
     return out
 
 
@@ -161,15 +199,23 @@ def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
             r = httpx.get(base.rstrip("/") + "/query", timeout=timeout)
             r.raise_for_status()
         except httpx.HTTPStatusError as exc:
-            problems.append(Problem("bootstrap", f"{base} answered {exc.response.status_code} to GET /query", "point at a Mooncake bootstrap server (pdkv bootstrap)"))
+            problems.append(Problem(
+                "bootstrap",
+                f"{base} answered {exc.response.status_code} to GET /query",
+                "point at a Mooncake bootstrap server (pdkv bootstrap)",
+            ))
         except httpx.HTTPError as exc:
-            problems.append(Problem("bootstrap", f"{base} is unreachable ({type(exc).__name__})", "start it (pdkv bootstrap --port PORT) or fix the bootstrap URL"))
+            problems.append(Problem(
+                "bootstrap",
+                f"{base} is unreachable ({type(exc).__name__})",
+                "start it (pdkv bootstrap --port PORT) or fix the bootstrap URL",
+            ))
     return problems
 
 
 def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0) -> list[Problem]:
     """With protocol cma, one live probe that a process of this host may write into another's memory."""
-    if not any(p.spec is not None and p.spec.protocol == "cma" and p.spec.platform == "cpu" for p in parts):
+    if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
     from pdkv.doctor.cma import cma_verdict
     from pdkv.transport.cma import ptrace_scope

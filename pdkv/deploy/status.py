@@ -47,21 +47,18 @@ class StatusReport(msgspec.Struct, frozen=True):
 
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample in Prometheus text exposition."""
-    import re
+    """(name, labels, value) of every sample in Prometheus text exposition, by prometheus_client's parser.
 
-    sample = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)')
-    label = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-    out = []
-    for line in text.splitlines():
-        m = sample.match(line)
-        if not m or line.startswith("#"):
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(label.findall(m.group(2) or "")), value))
+    Text the parser cannot read ends the list there: the metric families before it are kept.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: list[tuple[str, dict[str, str], float]] = []
+    try:
+        for family in text_string_to_metric_families(text):
+            out.extend((s.name, dict(s.labels), float(s.value)) for s in family.samples)
+    except ValueError:
+        pass
     return out
 
 

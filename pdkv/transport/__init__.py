@@ -10,32 +10,37 @@ between processes of one host with process_vm_writev (cma).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pdkv.errors import StartError
 from pdkv.transport.base import Transport
 
+# How KV moves: "tcp"/"rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (process_vm_writev). The connector reads it
+# from kv_connector_extra_config's `mooncake_protocol` (vLLM's key) or `transport`.
+TransportName = Literal["tcp", "rdma", "ipc", "cma"]
+TRANSPORTS: tuple[TransportName, ...] = get_args(TransportName)
+
 
 def open_transport(
-    protocol: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,
+    transport: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,
     **options: Any,
 ) -> Transport:
     """The one place a transport is chosen: "tcp" or "rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (host memory
     of processes on this host), for KV on CUDA device `gpu` (None: in host memory).
 
-    Raises StartError for a protocol that cannot move KV where it lives (ipc needs GPU memory, cma host
+    Raises StartError for a transport that cannot move KV where it lives (ipc needs GPU memory, cma host
     memory). `writable`: peers will write into this process (cma's D; P passes False). `options` go to
     MooncakeTransport (settings, write_timeout_s). Mooncake, torch and Triton are imported here, not when
     pdkv.transport is imported.
     """
-    if protocol == "ipc":
+    if transport == "ipc":
         if gpu is None:
             raise StartError("the ipc transport moves KV between GPUs, and this KV cache is in host memory",
                              hint="use cma (one host) or tcp/rdma on CPU hosts")
         from pdkv.transport.cuda_ipc import CudaIpcTransport
 
         return CudaIpcTransport(gpu)
-    if protocol == "cma":
+    if transport == "cma":
         if gpu is not None:
             raise StartError("the cma transport moves KV in host memory, and this KV cache is on a GPU",
                              hint="use ipc between GPUs of one host")
@@ -44,4 +49,4 @@ def open_transport(
         return CmaTransport(writable=writable)
     from pdkv.transport.mooncake import MooncakeTransport
 
-    return MooncakeTransport(hostname, protocol, device, **options)
+    return MooncakeTransport(hostname, transport, device, **options)

@@ -27,7 +27,6 @@ import ctypes
 import errno as errno_mod
 import logging
 import os
-import select
 import threading
 from array import array
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from pathlib import Path
 
 from pdkv.errors import StartError, TransferError
 from pdkv.transport.base import Descriptor
-from pdkv.transport.host import read_boot_id
+from pdkv.transport.host import PeerProcess, process_start_time, read_boot_id
 from pdkv.transport.planned import PlannedWrites
 
 __all__ = ["CmaTransport", "CmaPeer", "parse_session", "ptrace_scope", "process_start_time"]
@@ -61,13 +60,6 @@ def ptrace_scope(proc_root: str | Path = "/proc") -> int | None:
         return int(Path(proc_root, "sys/kernel/yama/ptrace_scope").read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def process_start_time(pid: int, proc_root: str | Path = "/proc") -> int:
-    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since boot. Raises OSError."""
-    stat = Path(proc_root, str(pid), "stat").read_text()
-    # The command name (field 2) may hold spaces and parentheses: split after its closing one.
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def parse_session(session: str) -> tuple[str, int, int]:
@@ -97,12 +89,9 @@ def _libc_writev():
 
 
 class CmaPeer:
-    """One process this transport writes into: its pid, held open as a pidfd so its exit is seen.
+    """One process this transport writes into: its pid, watched through a pidfd (host.PeerProcess) so its exit is seen.
 
-    Any number of transfer threads share one peer. The pidfd is guarded by
-    `_lock`: `alive()` polls it with a poll object of its own call, and
-    `close()` never closes it while another thread polls it, so a closed fd
-    number reused by the process is never polled in its place.
+    Any number of transfer threads share one peer (PeerProcess guards its pidfd).
     """
 
     def __init__(self, session: str, own_boot: str) -> None:
@@ -112,41 +101,15 @@ class CmaPeer:
                 f"decode process {pid} is on another host (boot id {boot[:8]}...)",
                 hint="cma moves KV between processes of one host; use tcp or rdma across hosts",
             )
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            raise TransferError(f"decode process {pid} does not exist (it exited, or lives in another pid namespace)") from None
-        except OSError as exc:
-            raise TransferError(f"cannot open decode process {pid}: {exc}") from None
-        try:
-            actual = process_start_time(pid)
-        except (OSError, ValueError, IndexError):
-            actual = -1
-        if actual != start:
-            os.close(pidfd)
-            raise TransferError(
-                f"pid {pid} is not the decode process that sent this address (it exited and the pid was reused, "
-                "or it lives in another pid namespace)",
-                hint="cma needs P and D in one pid namespace; use tcp otherwise",
-            )
         self.pid = pid
-        self._lock = threading.Lock()
-        self._pidfd: int | None = pidfd  # guarded by _lock; None once closed
+        self._process = PeerProcess(pid, start, hint="cma needs P and D in one pid namespace; use tcp otherwise")
 
     def alive(self) -> bool:
         """False once the process has exited or this peer was closed."""
-        with self._lock:
-            if self._pidfd is None:
-                return False
-            poller = select.poll()
-            poller.register(self._pidfd, select.POLLIN)
-            return not poller.poll(0)
+        return self._process.alive()
 
     def close(self) -> None:
-        with self._lock:
-            fd, self._pidfd = self._pidfd, None
-        if fd is not None:
-            os.close(fd)
+        self._process.close()
 
 
 class CmaTransport(PlannedWrites):

@@ -6,7 +6,7 @@ blocks with a single kernel launch that streams every descriptor over
 NVLink/P2P, so 2,268 per-block descriptors cost about what 36 coalesced ones
 do. Every descriptor is checked against the registered local regions and the
 exported remote regions before anything is copied; nothing outside D's
-exported KV regions is ever written.
+exported KV regions is ever written, nor a dead D's (host.WatchedPeers: checked before and after each copy).
 
 Needs torch with CUDA and Triton (both come with vLLM on GPU hosts). The
 handle protocol and descriptor translation are pure and run anywhere.
@@ -26,7 +26,7 @@ from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
-from pdkv.transport.host import host_id
+from pdkv.transport.host import WatchedPeers, host_id, ipc_session, ipc_session_process
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
@@ -92,6 +92,7 @@ class CudaIpcTransport:
         self._local_map = SpanMap([])
         self._peers: dict[str, _Peer] = {}  # guarded by _lock, as is every field below
         self._exports: dict[str, IpcExport] = {}  # peer -> the export its open handles came from
+        self._watched = WatchedPeers()  # the processes of _peers, and why writes to exited ones fail
         self._streams: dict[int, Any] = {}
         self._staging: dict[int, tuple[Any, Any]] = {}  # device -> (pinned host, device) int64 tables
         self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
@@ -101,7 +102,13 @@ class CudaIpcTransport:
 
     @property
     def session_address(self) -> str:
-        return f"ipc://{host_id()}/{os.getpid()}/{self.device}"
+        return ipc_session(os.getpid(), self.device)
+
+    @property
+    def peers(self) -> list[str]:
+        """The peers whose handles are open."""
+        with self._lock:
+            return list(self._peers)
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         self._local.extend(regions)
@@ -147,16 +154,9 @@ class CudaIpcTransport:
         with self._lock:
             if self._exports.get(peer) == hello:
                 return
-            self._forget_dead_peers()
+            self._watched.sweep(self._disconnect)  # a restarted D exports anew: the dead one's handles close
             self._connect(peer, hello)
             self._exports[peer] = hello
-
-    def _forget_dead_peers(self) -> None:
-        import psutil
-
-        for peer, export in list(self._exports.items()):
-            if not psutil.pid_exists(export.pid):
-                self._disconnect(peer)
 
     def _connect(self, peer: str, export: IpcExport) -> None:
         self._bind_thread()
@@ -165,6 +165,7 @@ class CudaIpcTransport:
         if export.pid == os.getpid():
             raise TransferError("CUDA IPC cannot open handles exported by the same process")
         self._disconnect(peer)
+        self._watched.watch(peer, export.pid, ipc_session_process(peer))
         opened: list[int] = []
         try:
             for alloc in export.allocations:
@@ -181,6 +182,7 @@ class CudaIpcTransport:
         except TransferError:
             for ptr in opened:
                 self.driver.ipc_close(ptr)
+            self._watched.forget(peer)
             raise
         self._peers[peer] = _Peer(SpanMap(spans), opened, peer_device)
         self._warm_up(self._launch_device(peer))
@@ -264,7 +266,7 @@ class CudaIpcTransport:
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
     def write(self, peer: str, descriptors: list[Descriptor]) -> None:
-        with self._lock:
+        with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
     def _write(self, peer: str, descriptors: list[Descriptor]) -> None:
@@ -273,6 +275,7 @@ class CudaIpcTransport:
         chunks = plan_chunks(descriptors, self._local_map, entry.spans, self.chunk_bytes)
         if len(chunks):
             self._launch_chunks(self._launch_device(peer), chunks)
+            self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
 
     def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
         """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
@@ -281,7 +284,7 @@ class CudaIpcTransport:
         local region inside registered memory, each remote region inside the
         peer's exported memory, equal block lengths. Safe to call from several threads.
         """
-        with self._lock:
+        with self._watched.holding(self._lock, peer, self._disconnect):
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 
     def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
@@ -306,6 +309,7 @@ class CudaIpcTransport:
         graph = self._block_graph(device, nr, padded, block_len)
         graph.host.numpy()[:] = np.concatenate([layout.bases, lblk, rblk])
         self._run(device, graph.graph.replay)
+        self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
         return Written(nr * nb * block_len, nr * nb)
 
     def _region_layout(self, peer: str, local_regions: Sequence[Region], remote_regions: Sequence[Region]) -> _RegionLayout:
@@ -351,6 +355,7 @@ class CudaIpcTransport:
         return layout
 
     def _require(self, peer: str) -> _Peer:
+        self._watched.check(peer, self._disconnect)
         try:
             return self._peers[peer]
         except KeyError:
@@ -372,6 +377,7 @@ class CudaIpcTransport:
         self._bind_thread()
         self._exports.pop(peer, None)
         entry = self._peers.pop(peer, None)
+        self._watched.forget(peer)
         if entry is not None:
             for stream in self._streams.values():
                 stream.synchronize()

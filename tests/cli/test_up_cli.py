@@ -60,7 +60,9 @@ def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> Non
 
 def test_dry_run_cpu_role_sets_cpu_env(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "cpu", "--omp-bind", "1", "--host-ip", "127.0.0.1")
-    assert part["env"] == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", **LOGGING}
+    assert part["env"] == {
+        "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", **LOGGING
+    }
     assert part["argv"][part["argv"].index("--block-size") + 1] == "32"
 
 
@@ -158,7 +160,8 @@ def test_ipc_needs_gpus_and_pdkvs_connector(capsys):
 
     assert run(["up", "--protocol", "ipc", "--platform", "cpu", "--dry-run"]) == 2
     assert "between GPUs" in capsys.readouterr().err
-    assert run(["up", "--role", "prefill", "--model", "m", "--platform", "gpu", "--protocol", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
+    role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
+    assert run([*role, "--protocol", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
@@ -167,7 +170,8 @@ def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
 
     from pdkv.cli import run
 
-    code = run(["up", "--role", "prefill", "--model", "m", "--platform", "gpu", "--protocol", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
+    role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
+    code = run([*role, "--protocol", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
     assert code == 0
     part = json.loads(capsys.readouterr().out)["parts"][0]
     config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
@@ -180,7 +184,8 @@ def test_cma_needs_host_memory_and_pdkvs_connector(capsys):
 
     assert run(["up", "--protocol", "cma", "--platform", "gpu", "--dry-run"]) == 2
     assert "host memory" in capsys.readouterr().err
-    assert run(["up", "--role", "decode", "--model", "m", "--platform", "cpu", "--protocol", "cma", "--connector", "mooncake", "--dry-run"]) == 2
+    role = ["up", "--role", "decode", "--model", "m", "--platform", "cpu"]
+    assert run([*role, "--protocol", "cma", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
@@ -225,7 +230,8 @@ def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: P
         '[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\nrestart = "on-failure"\n[proxy]\nport = 8000\n'
     )
     parts = dry_run(capsys, "-f", str(deploy))
-    assert {p["name"]: p["restart"] for p in parts} == {"bootstrap-0": "on-failure", "prefill-0": "no", "decode-0": "on-failure", "proxy": "no"}
+    restarts = {p["name"]: p["restart"] for p in parts}
+    assert restarts == {"bootstrap-0": "on-failure", "prefill-0": "no", "decode-0": "on-failure", "proxy": "no"}
     parts = dry_run(capsys, "-f", str(deploy), "--restart", "on-failure")
     assert {p["restart"] for p in parts} == {"on-failure"}
     assert {p["restart"] for p in dry_run(capsys, "--platform", "cpu")} == {"on-failure"}  # the default

@@ -17,10 +17,10 @@ def test_bench_ipc_all_layouts_verified():
         pytest.skip("needs two GPUs")
     spec = BenchSpec(
         dense_geometry(4, 8, 128, "bfloat16"),
-        blocks=[7], layouts=["contiguous", "per-block", "scattered"], protocol="ipc",
+        blocks=[7], layouts=["contiguous", "per-block", "scattered"], transport="ipc",
         src="cuda:0", dst="cuda:1", iters=3, warmup=1, baseline=True,
     )
     report = run_bench(spec)
-    assert report.protocol == "ipc" and report.note is None
+    assert report.transport == "ipc" and report.note is None
     assert [c.verified for c in report.cases] == [True, True, True]
     assert all(c.baseline is not None and c.baseline.bare.p50_ms > 0 for c in report.cases)

@@ -144,7 +144,7 @@ def test_unanswering_target_is_bounded():
 def test_rdma_without_a_device_fails_before_any_process_starts():
     # This host has no RDMA device: the child refuses rdma instead of silently using tcp.
     with pytest.raises(StartError, match="RDMA"):
-        run_bench(spec(protocol="rdma", device="mlx5_0"))
+        run_bench(spec(transport="rdma", device="mlx5_0"))
 
 
 @pytest.mark.skipif(

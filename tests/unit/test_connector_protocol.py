@@ -121,8 +121,19 @@ def test_decode_params_need_an_http_bootstrap():
 
 def test_config_defaults_and_validation():
     c = load_config({"mooncake_protocol": "tcp", "device_name": "", "unknown_wait_s": "3", "vllm_key": 1})
-    assert c.unknown_wait_s == 3.0 and c.mooncake_protocol == "tcp"
-    with pytest.raises(ConfigError):
+    assert c.unknown_wait_s == 3.0 and c.transport == "tcp"
+    with pytest.raises(ConfigError, match="mooncake_protocol must be one of"):
         load_config({"mooncake_protocol": "carrier-pigeon"})
+
+
+def test_config_transport_is_read_from_either_key():
+    assert load_config({}).transport == "tcp"
+    assert load_config({"mooncake_protocol": "cma"}).transport == "cma"
+    assert load_config({"transport": "ipc"}).transport == "ipc"
+    assert load_config({"transport": "rdma", "mooncake_protocol": "rdma"}).transport == "rdma"
+    with pytest.raises(ConfigError, match="mooncake_protocol='tcp' and transport='ipc'"):
+        load_config({"mooncake_protocol": "tcp", "transport": "ipc"})
+    with pytest.raises(ConfigError, match="transport must be one of"):
+        load_config({"transport": "carrier-pigeon"})
     with pytest.raises(ConfigError, match="heartbeat_s"):
         load_config({"heartbeat_s": 5, "liveness_s": 2})

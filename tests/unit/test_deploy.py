@@ -263,3 +263,17 @@ def test_parse_prometheus_reads_the_proxys_metrics() -> None:
     samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in parse_prometheus(text)}
     assert samples[("pdkv_proxy_outstanding", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
     assert samples[("pdkv_proxy_backend_up", '[["role","decode"],["url","http://127.0.0.1:8200"]]')] == 0
+
+
+def test_parse_prometheus_reads_escaped_labels_and_stops_at_unreadable_text() -> None:
+    text = (
+        '# TYPE pdkv_proxy_errors_total counter\n'
+        'pdkv_proxy_errors_total{cause="said \\"no\\""} 2.0\n'
+        '# TYPE up gauge\n'
+        'up 1\n'
+        'this is not exposition text\n'
+    )
+    samples = parse_prometheus(text)
+    assert ("pdkv_proxy_errors_total", {"cause": 'said "no"'}, 2.0) in samples
+    assert not any(name == "this" for name, _, _ in samples)
+    assert parse_prometheus("") == []
