@@ -9,6 +9,7 @@ messages between D's and P's workers; the proxy's per-request record.
 
 from __future__ import annotations
 
+import secrets
 from enum import IntEnum
 from typing import Annotated
 
@@ -43,6 +44,7 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # bytes, descriptors, 
 UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=UNIX_TIME_LIMIT)]
 WaitSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
 HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=999)]  # any three-digit code a backend may send
+Binding = Annotated[str, msgspec.Meta(max_length=64, pattern="^[0-9a-f]*$")]  # hex of a binding secret or commitment
 
 
 def check_span(what: str, base: int, length: int) -> None:
@@ -205,6 +207,8 @@ class PrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     do_remote_prefill: bool = False
     # D requests that will pull this KV: the client's `n` (D samples each choice as a request of its own).
     pulls: Annotated[int, msgspec.Meta(ge=1, le=MAX_N_SEQUENCES)] = 1
+    # SHA-256 (hex) of the binding secret the proxy gave the chosen D: P serves only pulls that carry the secret.
+    decode_binding: Binding = ""
 
 
 class DecodeParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,10 +219,13 @@ class DecodeParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: EngineId
     do_remote_decode: bool = False
     do_remote_prefill: bool = True
+    # The transfer's binding secret (hex), which this D shows P in its pull (see PrefillParams.decode_binding).
+    binding: Binding = ""
 
 
-def transfer_id_for(request_id: str) -> TransferId:
-    return f"xfer-{request_id}"
+def new_transfer_id() -> TransferId:
+    """A transfer id no one can guess: 128 random bits. Never derived from what a client sends."""
+    return f"xfer-{secrets.token_hex(16)}"
 
 
 # --- side channel (D's worker <-> P's worker, ZMQ DEALER -> ROUTER) ----------
@@ -230,8 +237,12 @@ def transfer_id_for(request_id: str) -> TransferId:
 # the transfer logic.
 
 
-class RegionSpec(msgspec.Struct, frozen=True, array_like=True):
-    """One registered KV region as a peer describes it: block b lies at base + b * block_len."""
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """One registered KV region: `num_blocks` blocks of `block_len` bytes each, starting at `base`.
+
+    The one type for a region, in a transport's hands and on the wire alike: one layer's cache, or one of
+    its K and V halves. Block `b` occupies [base + b * block_len, base + (b + 1) * block_len).
+    """
 
     base: Address
     block_len: Length
@@ -239,6 +250,10 @@ class RegionSpec(msgspec.Struct, frozen=True, array_like=True):
 
     def __post_init__(self) -> None:
         check_span("region", self.base, self.block_len * self.num_blocks)
+
+    @property
+    def size(self) -> int:
+        return self.block_len * self.num_blocks
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
@@ -254,11 +269,13 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
     session: str  # D's transfer-engine address ("host:port"), where P writes
     tp_rank: Rank
     tp_size: RankCount
-    regions: list[RegionSpec]
+    regions: list[Region]
     block_ids: list[BlockId]
     first_block: BlockId = 0
     # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
     ipc: IpcExport | None = None
+    # The transfer's binding secret, as the proxy gave it to this D (DecodeParams.binding); P holds its SHA-256.
+    binding: Binding = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):
@@ -267,6 +284,7 @@ class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):
     transfer_id: TransferId
     d_req_id: str
     reason: str = ""
+    binding: Binding = ""  # the transfer's binding secret, as in PullRequest: a release must prove it too
 
 
 class TraceReport(msgspec.Struct, frozen=True, tag="trace", kw_only=True):

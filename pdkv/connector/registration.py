@@ -6,7 +6,6 @@ one is logged at most once a minute and tried again at the next interval."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
@@ -22,10 +21,10 @@ class StandingRegistration:
     """Registers `req` at the bootstrap server `url` now (StartError if it cannot), then every `interval_s`."""
 
     def __init__(self, url: str, req: RegisterRequest, interval_s: float) -> None:
-        from pdkv.bootstrap import TOKEN_ENV
+        from pdkv.auth import token_from_env
 
         self.url, self.req, self.interval_s = url, req, interval_s
-        self._token = os.environ.get(TOKEN_ENV) or None
+        self._token = token_from_env()
         self._stop = threading.Event()
         self._complained = 0.0  # the renewal thread's: when it last logged a failure
         try:

@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 from pdkv.connector.checks import check_pull
 from pdkv.connector.state import Free, Reply, SendLimits, SendTable, StartSend
@@ -67,7 +68,9 @@ class KVSender:
         trace: TraceLog | None = None,
         port: int = 0,
         wait_write_s: float = 0.0,
+        sealer: FrameSealer | None = None,
     ) -> None:
+        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed."""
         self._closed = False  # set under _table_lock: no send starts once it is
         self.transport = transport
         self.regions = list(regions)
@@ -87,7 +90,7 @@ class KVSender:
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
         self._loop = EventLoopThread("pdkv-sender")
-        self.server = SideChannelServer(self._loop, host, self._handle, port=port)
+        self.server = SideChannelServer(self._loop, host, self._handle, port=port, sealer=sealer, on_refused=self.trace.auth_refused)
         self._ticker = self._loop.submit(self._tick_forever())
 
     @property
@@ -104,10 +107,17 @@ class KVSender:
         ready_at: dict[str, float] | None = None,
         scheduled_at: float = 0.0,
         fanout: dict[str, int] | None = None,
+        bindings: dict[str, str] | None = None,
     ) -> None:
         """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
         finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV;
-        `fanout`: {transfer_id: how many D requests pull it}, where more than one."""
+        `fanout`: {transfer_id: how many D requests pull it}, where more than one; `bindings`: {transfer_id:
+        commitment to the binding secret of the D that may pull it}, recorded before this returns, so no pull
+        can be served unchecked in between."""
+        if bindings:
+            with self._table_lock:
+                for tid, commitment in bindings.items():
+                    self.table.bind(tid, commitment)
         if registered or ready or cancelled:
             now = time.time()
             self._loop.call_soon(
@@ -215,7 +225,7 @@ class KVSender:
             self._run(actions)
         elif isinstance(msg, Release):
             with self._table_lock:
-                actions = self.table.released(msg.transfer_id, now, msg.d_req_id)
+                actions = self.table.released(msg.transfer_id, now, msg.d_req_id, proof=msg)
             self._run(actions)
         elif isinstance(msg, TraceReport):
             self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
@@ -276,12 +286,11 @@ class KVSender:
                     f"decode asks for blocks {req.first_block}..{req.first_block + want - 1} of a prompt P holds in {len(a.blocks)}"
                 )
             local = a.blocks[req.first_block : req.first_block + want]
-            remote_regions = [Region(r.base, r.block_len, r.num_blocks) for r in req.regions]
             self.trace.event(a.transfer_id, "transfer_start", session=req.session)
             if fence is not None:
                 fence.synchronize()
             self.transport.connect(req.session, req.ipc)
-            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, remote_regions)
+            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, req.regions)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
             return str(exc), 0, 0

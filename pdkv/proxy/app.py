@@ -31,7 +31,8 @@ from typing import Any
 
 import msgspec
 
-from pdkv.protocol import CompletionFields, ProxyTiming, transfer_id_for
+from pdkv.auth import new_binding
+from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
@@ -128,10 +129,13 @@ class ProxyApp:
 
     async def proxy(self, req: Request, conn: ServerConnection, endpoint: str) -> None:
         received = time.time()
+        # The client's X-Request-Id names the request in logs and traces only; the transfer id is the proxy's own.
         request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
-        transfer_id = transfer_id_for(request_id)
+        transfer_id = new_transfer_id()
         t = ProxyTiming(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint, received=received)
-        self.timings.add(t)
+        if not self.timings.add(t):  # 128 random bits repeated: refused rather than two requests racing for one KV
+            self._finish_error(conn, t, 409, "bad_request", "transfer id collision; retry the request")
+            return
         try:
             body = _json_decode(req.body)
         except msgspec.DecodeError as exc:
@@ -173,8 +177,11 @@ class ProxyApp:
         headers = prefill_headers(request_id, target)
         if auth:
             headers.append(("Authorization", auth))
-        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(prefill_request(body, transfer_id)), headers)
-        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target)), d_headers)
+        # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
+        secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
+        p_body = prefill_request(body, transfer_id, commitment)
+        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
+        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target, secret)), d_headers)
 
         flight = Flight(asyncio.get_running_loop(), t)
         p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
@@ -197,7 +204,7 @@ class ProxyApp:
             if t.error is not None or fallback is not None:
                 # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
                 # P closed the transfer and the release is a no-op): P may free its blocks now.
-                self._release_at_prefill(p_state, t, fields.n or 1)
+                self._release_at_prefill(p_state, t, fields.n or 1, secret)
             if fallback is not None:
                 await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
@@ -308,7 +315,7 @@ class ProxyApp:
                 return None
             await flight.wait()
 
-    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int) -> None:
+    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int, binding: str) -> None:
         """Tell P's connector (one Release per D request that would have pulled) that nobody will pull this
         transfer, off the loop, so that P frees its blocks now instead of after its expiry. vLLM's connector
         would not understand it: only with pdkv's."""
@@ -318,7 +325,8 @@ class ProxyApp:
         addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
         if self.config.connector is not KvConnector.PDKV or not addrs:
             return
-        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left") for _ in range(pulls)]
+        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left", binding=binding)
+                for _ in range(pulls)]
         loop = asyncio.get_running_loop()
         for addr in addrs:
             loop.run_in_executor(None, send_once, addr, msgs)

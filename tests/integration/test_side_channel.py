@@ -17,8 +17,7 @@ import zmq
 from pdkv.connector.sender import KVSender
 from pdkv.connector.side_channel import decode_reply, encode
 from pdkv.connector.state import SendLimits
-from pdkv.protocol import ErrorReply, PullReply, PullRequest, PullStatus, RegionSpec, StatsQuery, StatsReply
-from pdkv.transport.base import Region
+from pdkv.protocol import ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
 from pdkv.transport.mooncake import MooncakeTransport
 
 BLOCKS, BLOCK_LEN = 8, 256
@@ -32,7 +31,7 @@ def world() -> Iterator[dict]:
         pt.register([(p_mem.ctypes.data, p_mem.nbytes)])
         dt.register([(d_mem.ctypes.data, d_mem.nbytes)])
         p_regions = [Region(p_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
-        d_regions = [RegionSpec(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
+        d_regions = [Region(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
         with KVSender(pt, p_regions, host="127.0.0.1", engine_id="e", limits=SendLimits(unknown_wait_s=0.5), heartbeat_s=0.1) as sender:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
@@ -100,7 +99,7 @@ def test_out_of_range_block_ids_are_refused_and_nothing_is_written(world):
     assert isinstance(reply, PullReply) and reply.status == PullStatus.ERROR and "outside" in reply.error
     # A region claiming more blocks than the peer registered cannot stretch the write either:
     # its length must match P's block length, and P checks its own ids too.
-    doubled = [RegionSpec(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]]
+    doubled = [Region(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]]
     world["sock"].send(encode(pull(world, "x1", [0], regions=doubled)))
     reply = recv_final(world["sock"])
     assert reply.status == PullStatus.ERROR and "block is" in reply.error

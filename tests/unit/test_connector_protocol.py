@@ -9,7 +9,7 @@ from pdkv.connector.config import ParamsError, check_decode_params, classify_par
 from pdkv.connector.checks import check_pull
 from pdkv.connector.side_channel import decode_reply, decode_request, encode
 from pdkv.errors import ConfigError
-from pdkv.protocol import PullReply, PullRequest, PullStatus, RegionSpec, Release, StatsQuery
+from pdkv.protocol import PullReply, PullRequest, PullStatus, Region, Release, StatsQuery
 from pdkv.transport.base import Region
 
 
@@ -20,7 +20,7 @@ def pull(**kw) -> PullRequest:
         session="127.0.0.1:1234",
         tp_rank=0,
         tp_size=1,
-        regions=[RegionSpec(4096, 256, 10), RegionSpec(8192, 256, 10)],
+        regions=[Region(4096, 256, 10), Region(8192, 256, 10)],
         block_ids=[0, 1, 2],
     )
     base.update(kw)
@@ -70,8 +70,8 @@ def test_check_pull_accepts_matching_geometry():
         (dict(block_ids=[1, 1]), "repeat"),
         (dict(tp_size=2), "unequal TP"),
         (dict(tp_rank=1), "TP rank"),
-        (dict(regions=[RegionSpec(0, 256, 10)]), "regions"),
-        (dict(regions=[RegionSpec(0, 128, 10), RegionSpec(0, 128, 10)]), "block is 128 B"),
+        (dict(regions=[Region(0, 256, 10)]), "regions"),
+        (dict(regions=[Region(0, 128, 10), Region(0, 128, 10)]), "block is 128 B"),
     ],
 )
 def test_check_pull_refuses_what_would_write_outside_or_mismatch(kw, needle):

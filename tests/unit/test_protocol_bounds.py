@@ -24,7 +24,7 @@ from pdkv.protocol import (
     PullReply,
     PullRequest,
     PullStatus,
-    RegionSpec,
+    Region,
     RegisterRequest,
     StatsQuery,
     StatsReply,
@@ -80,7 +80,7 @@ def test_bootstrap_answers_refuse_negative_counts():
 
 PULL = PullRequest(
     transfer_id="xfer-1", d_req_id="d1", session="127.0.0.1:1234", tp_rank=0, tp_size=1,
-    regions=[RegionSpec(4096, 256, 10)], block_ids=[0, 1, 2],
+    regions=[Region(4096, 256, 10)], block_ids=[0, 1, 2],
 )
 
 
@@ -118,7 +118,7 @@ def test_pull_requests_out_of_range_fail_decoding(changes, needle):
 def test_pull_request_edges_decode():
     msg = decode_request(pull_frame(tp_rank=MAX_RANK - 1, tp_size=MAX_RANK, block_ids=[2**31 - 1], first_block=2**31 - 1,
                                     regions=[[TOP - 512, 256, 2]]))
-    assert msg.tp_rank == MAX_RANK - 1 and msg.regions == [RegionSpec(TOP - 512, 256, 2)]
+    assert msg.tp_rank == MAX_RANK - 1 and msg.regions == [Region(TOP - 512, 256, 2)]
 
 
 @pytest.mark.parametrize(
@@ -233,8 +233,8 @@ def test_bench_ready_reply_regions_are_bounded():
     ready = Ready("127.0.0.1:1", [Region(4096, 256, 4)], "cpu", "tcp")
     body = raw(ready)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=Reply) == ready
-    body["regions"] = [{"base": 4096, "block_len": 256, "num_blocks": 0}]
-    refused(lambda b: msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=Reply), body, "$.regions[0].num_blocks")
+    body["regions"] = [[4096, 256, 0]]
+    refused(lambda b: msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=Reply), body, "$.regions[0][2]")
 
 
 # --- proxy --------------------------------------------------------------------
