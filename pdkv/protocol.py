@@ -1,6 +1,6 @@
 """Everything that crosses a process boundary in pdkv, as msgspec Structs.
 
-In the order of this file: the bounds every decoded number carries; bootstrap
+In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap
 payloads (wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC
 exports (what D announces to P on one GPU host); kv_transfer_params, the only
 protocol between the proxy and a connector; the connector's side-channel
@@ -19,42 +19,27 @@ EngineId = str
 TransferId = str
 WorkerAddr = str  # "tcp://host:port", a ZMQ side-channel address
 
-# --- bounds ------------------------------------------------------------------
-# Every number on every wire pdkv decodes has one of these types, so a frame
-# or body with an out-of-range value fails decoding (msgspec names the field)
-# before any state is touched. msgspec checks integer bounds only within int64.
-
-MAX_RANK = 65536  # dp/tp/pp ranks lie in [0, MAX_RANK); the largest deployments use a few hundred
-BLOCK_LIMIT = 2**31  # block ids and counts: vLLM's block tables are int32
-ADDRESS_LIMIT = 2**64  # a region or range must end at or below this (see check_span)
-INT64_MAX = 2**63 - 1
-UNIX_TIME_LIMIT = 2.0**34  # unix seconds (the year 2514): rejects NaN, inf and garbage timestamps
-MAX_WAIT_S = 7 * 86_400.0  # any wait bound P reports; P's own expiries are minutes
-MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES, the most choices it samples per request
-
-Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
-RankCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_RANK)]
-BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_LIMIT)]
-BlockCount = Annotated[int, msgspec.Meta(gt=0, le=BLOCK_LIMIT)]
-# Addresses travel only in msgpack frames, which cannot carry an integer past 2**64 - 1: that is
-# their upper bound, and check_span bounds where a region ends.
-Address = Annotated[int, msgspec.Meta(ge=0)]
-Length = Annotated[int, msgspec.Meta(gt=0)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # bytes, descriptors, tokens, entries
-UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=UNIX_TIME_LIMIT)]
-WaitSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
-HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=999)]  # any three-digit code a backend may send
-Binding = Annotated[str, msgspec.Meta(max_length=64, pattern="^[0-9a-f]*$")]  # hex of a binding secret or commitment
-
-
-def check_span(what: str, base: int, length: int) -> None:
-    """Raise ValueError naming `what` when [base, base + length) runs past the 64-bit address space.
-
-    Called from __post_init__, so msgspec turns it into a ValidationError while decoding.
-    """
-    if base + length > ADDRESS_LIMIT:
-        raise ValueError(f"{what} ends past 2**64 (base {base:#x}, {length} bytes)")
-
+from pdkv.bounds import (  # noqa: F401 - re-exported: the wire types' bounds, named where the messages are
+    ADDRESS_LIMIT,
+    BLOCK_LIMIT,
+    INT64_MAX,
+    MAX_N_SEQUENCES,
+    MAX_RANK,
+    MAX_WAIT_S,
+    UNIX_TIME_LIMIT,
+    Address,
+    Binding,
+    BlockCount,
+    BlockId,
+    Count,
+    HttpStatus,
+    Length,
+    Rank,
+    RankCount,
+    UnixTime,
+    WaitSeconds,
+    check_span,
+)
 
 # --- bootstrap -------------------------------------------------------------
 # vLLM's MooncakeBootstrapServer speaks: POST /register (RegisterRequest),
@@ -256,6 +241,20 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
         return self.block_len * self.num_blocks
 
 
+class Announce(msgspec.Struct, frozen=True, tag="announce", kw_only=True):
+    """D -> P, once per connection, before its first pull: the KV regions D registered at `session`.
+
+    P writes only inside the regions the latest announcement for a session names; a pull names blocks only.
+    """
+
+    session: str  # D's transfer-engine address ("host:port"; cma: its process), where P writes
+    tp_rank: Rank
+    tp_size: RankCount
+    regions: list[Region]
+    # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
+    ipc: IpcExport | None = None
+
+
 class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
     """D -> P: write the prompt blocks of `transfer_id` into these blocks of mine.
 
@@ -266,14 +265,11 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
 
     transfer_id: TransferId
     d_req_id: str
-    session: str  # D's transfer-engine address ("host:port"), where P writes
+    session: str  # which announcement (Announce.session) holds the regions `block_ids` index
     tp_rank: Rank
     tp_size: RankCount
-    regions: list[Region]
     block_ids: list[BlockId]
     first_block: BlockId = 0
-    # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
-    ipc: IpcExport | None = None
     # The transfer's binding secret, as the proxy gave it to this D (DecodeParams.binding); P holds its SHA-256.
     binding: Binding = ""
 
@@ -302,7 +298,7 @@ class StatsQuery(msgspec.Struct, frozen=True, tag="stats", kw_only=True):
     limit: Annotated[int, msgspec.Meta(gt=0, le=100_000)] = 1000
 
 
-SideChannelRequest = PullRequest | Release | TraceReport | StatsQuery
+SideChannelRequest = Announce | PullRequest | Release | TraceReport | StatsQuery
 
 
 class PullStatus(IntEnum):

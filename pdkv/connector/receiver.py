@@ -21,7 +21,7 @@ from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
 from pdkv.connector.state import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError
-from pdkv.protocol import ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
+from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 
 log = logging.getLogger("pdkv.connector")
 
@@ -55,6 +55,9 @@ class KVReceiver:
         self.sealer = sealer
         self.regions = list(regions)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Sent on each connection to a P before its first pull: P writes only inside these regions.
+        self.announcement = Announce(session=session, tp_rank=tp_rank, tp_size=tp_size, regions=self.regions, ipc=ipc)
+        self._announced_to: set[str] = set()  # P addresses told since the connection was last lost; loop thread
         self.tracker = PullTracker(liveness_s)
         self.trace = trace or TraceLog("decode", tp_rank=tp_rank)
         self.bootstrap_timeout = bootstrap_timeout
@@ -210,12 +213,13 @@ class KVReceiver:
             session=self.session,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            regions=self.regions,
             block_ids=list(spec.block_ids),
             first_block=spec.first_block,
-            ipc=self.ipc,
             binding=spec.binding,
         )
+        if addr not in self._announced_to:  # one socket, in order: P has the regions before the pull
+            self._announced_to.add(addr)
+            await peer.send(self.announcement)
         self.trace.event(spec.transfer_id, "pull_sent")
         await peer.send(req)
 
@@ -240,7 +244,9 @@ class KVReceiver:
             self._conclude(self.tracker.finished(msg.d_req_id, msg.error or "prefill side reported an error"))
 
     def _on_lost(self, addr: str) -> None:
-        """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it)."""
+        """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it),
+        and the next pull there announces D's regions again."""
+        self._announced_to.discard(addr)
         lost = [rid for rid, a in self._peer_of.items() if a == addr and rid in self.tracker.entries]
         for rid in lost:
             self._conclude(self.tracker.finished(rid, f"lost the connection to the prefill side channel {addr}"))
