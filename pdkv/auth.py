@@ -186,8 +186,8 @@ class RefusalLog:
             if len(self._last) >= self.MAX_PEERS:
                 self._last.clear()
             self._last[peer] = now
-        log.warning("%s: dropped a %s frame from %s (the deployment key is set; logged once a minute per peer)",
-                    self.where, reason, peer or "an unknown peer")
+        log.warning("%s: dropped a frame from %s: %s (the deployment key is set; logged once a minute per peer)",
+                    self.where, peer or "an unknown peer", reason)
 
 
 def sealer_from_env() -> FrameSealer | None:
