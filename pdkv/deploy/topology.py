@@ -114,6 +114,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     extra_args: list[str] = []
     env: dict[str, str] = {}
     hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
+    # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
+    # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
+    token: str | None = None
 
 
 class Part(msgspec.Struct, frozen=True):

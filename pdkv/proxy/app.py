@@ -19,6 +19,9 @@ cancels both. A transfer no D request will take is released at P. A body whose o
 reads (CompletionFields) do not decode is a 400 before any backend sees it.
 Error messages name the failed stage, never a backend's address (see
 pdkv.proxy.errors); the addresses go to the log and the request's record.
+With API keys or an admin key set (pdkv.proxy.guard) a request without the
+right one is a 401 before anything else. Transfer ids are minted here (128
+random bits); the client's X-Request-Id only names the request.
 """
 
 from __future__ import annotations
@@ -36,18 +39,12 @@ from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
+from pdkv.proxy.guard import HttpGuard
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
-from pdkv.proxy.http import Request, ServerConnection, UpstreamError, fetch
+from pdkv.proxy.http import UpstreamError, fetch
+from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import (
-    KvConnector,
-    ProxyConfig,
-    decode_request,
-    local_request,
-    prefill_headers,
-    prefill_request,
-    unsupported_field,
-)
+from pdkv.proxy.routing import KvConnector, ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -62,14 +59,19 @@ FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
 class ProxyApp:
     """The request handlers over a `Backends` view; `handle` is the server's one entry point."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, guard: HttpGuard | None = None) -> None:
         self.config = config
+        self.guard = guard or HttpGuard()
         self.backends = Backends(config)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
+        refused = self.guard.refusal(path, req.headers.get("authorization"))
+        if refused is not None:
+            conn.respond(401, error_body(401, refused, "unauthorized"), headers=[("www-authenticate", "Bearer")])
+            return
         if path in COMPLETION_PATHS:
             if method != "POST":
                 conn.respond(405, error_body(405, f"{path} takes POST", "bad_request"))

@@ -126,7 +126,9 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "
 class Deployment:
     """Stub P(s) and D(s), one real bootstrap server per P, and a proxy in front."""
 
-    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, **config: Any) -> None:
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, *, guard: Any = None,
+                 ssl: Any = None, **config: Any) -> None:
+        self.guard, self.ssl = guard, ssl
         self.prefills = [Stub(f"p{i}") for i in range(n_prefill)]
         self.decodes = [Stub(f"d{i}") for i in range(n_decode)]
         self.engines = {0: "engine-a"} if engines is None else engines
@@ -159,7 +161,7 @@ class Deployment:
             port=0,
             **self.config_overrides,
         )
-        self.proxy = BackgroundProxy(cfg).start()
+        self.proxy = BackgroundProxy(cfg, guard=self.guard, ssl=self.ssl).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
