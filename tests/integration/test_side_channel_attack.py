@@ -100,7 +100,7 @@ def stranger(addr: str, tid: str, mode: str, tmp_path: Path | None = None, frame
         f = tmp_path / "frames.hex"
         f.write_text("\n".join(x.hex() for x in frames))
         args.append(str(f))
-    out = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT,
+    out = subprocess.run(args, check=False, capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **(env or {})})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
