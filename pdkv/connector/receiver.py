@@ -236,6 +236,9 @@ class KVReceiver:
         if msg.status == PullStatus.PENDING:
             self.tracker.heard(msg.d_req_id, now)
             return
+        if msg.status == PullStatus.ERROR and "announced" in msg.error:
+            # P forgot or refused D's regions (restarted, evicted, or told otherwise): announce again next time.
+            self._announced_to.discard(self._peer_of.get(msg.d_req_id, ""))
         if msg.status == PullStatus.DONE:
             self.trace.event(msg.transfer_id, "notified", now, bytes=msg.bytes, descriptors=msg.descriptors)
             self._conclude(self.tracker.finished(msg.d_req_id, None))

@@ -230,6 +230,8 @@ class KVSender:
         elif isinstance(msg, PullRequest):
             self.trace.event(msg.transfer_id, "pull_received", now, d_req_id=msg.d_req_id)
             announced = self._announced.get(msg.session)
+            if announced is not None:
+                self._announced.move_to_end(msg.session)  # in use: the last to be forgotten
             if isinstance(announced, str):
                 why: str | None = f"decode at {msg.session}: {announced}"
             else:
