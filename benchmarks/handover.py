@@ -9,10 +9,14 @@ P's processes bound to core 0 and D's to core 1, prefix caching off (so P
 alone and P/D both compute the whole prompt), requests through pdkv's proxy,
 one at a time. pdkv runs twice: `pdkv/cma`, the transport `pdkv up` picks for
 a 1P1D on one CPU host (P writes into D's memory with process_vm_writev), and
-`pdkv/tcp`, Mooncake tcp on loopback like vLLM's connector.
+`pdkv/tcp`, Mooncake tcp on loopback like vLLM's connector. A `+key` suffix
+(`pdkv/cma+key`) runs that pair with the deployment key set (every side-channel
+frame sealed, docs/security.md); beside the same run without it, the verdict
+says what the key costs.
 
     flock /tmp/pdkv-vllm.lock python benchmarks/handover.py --prompts 40 --tokens 850
     python benchmarks/handover.py --connectors pdkv/tcp,mooncake --json
+    flock /tmp/pdkv-vllm.lock python benchmarks/handover.py --connectors pdkv/cma,pdkv/cma+key,pdkv/cma,pdkv/cma+key
 
 Prints median and p99 handover per connector, how many P/D answers equal
 P alone's (greedy, so all of them when the KV arrived whole), and the target check
@@ -124,11 +128,15 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
     from pdkv.proxy.routing import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
+    label, plus, _ = label.partition("+key")
+    keyed = bool(plus)
     connector, _, protocol = label.partition("/")
+    if keyed and connector != "pdkv":
+        raise SystemExit("+key goes with pdkv's connector")
     if connector not in ("pdkv", "mooncake") or protocol not in ("", "tcp", "cma") or (connector == "mooncake" and protocol == "cma"):
         raise SystemExit(f"unknown connector {label!r}: use pdkv/cma, pdkv/tcp or mooncake")
     protocol = protocol or ("cma" if connector == "pdkv" else "tcp")
-    label = f"{connector}/{protocol}" if connector == "pdkv" else connector
+    label = (f"{connector}/{protocol}" if connector == "pdkv" else connector) + ("+key" if keyed else "")
 
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
@@ -137,10 +145,16 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
         connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )
+    if keyed:  # the engines and this process (the proxy's releases, the connector records) share the key
+        import secrets
+
+        common["extra_env"] = {**env, "PDKV_TOKEN": secrets.token_hex(32)}
+        os.environ["PDKV_TOKEN"] = common["extra_env"]["PDKV_TOKEN"]
     p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
     d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}-{protocol}"), logs / f"p-{connector}-{protocol}.log")
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}-{protocol}"), logs / f"d-{connector}-{protocol}.log")
+    tag = f"{connector}-{protocol}{'-key' if keyed else ''}-{time.time_ns()}"
+    p = ManagedProcess(engine_plan(p_spec, name=f"p-{tag}"), logs / f"p-{tag}.log")
+    d = ManagedProcess(engine_plan(d_spec, name=f"d-{tag}"), logs / f"d-{tag}.log")
     p.start()  # the launcher binds every process of P to core 0, of D to core 1
     d.start()
     try:
@@ -178,14 +192,14 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
                 gc.enable()
             split = {}
             if connector == "pdkv":
-                from pdkv.protocol import transfer_id_for
-
                 records = connector_records(burl)
                 seen = httpx.get(f"{proxy.url}/pdkv/requests", params={"limit": 10_000}, timeout=10).json()
+                tids = {}  # the proxy mints transfer ids: its records map the request ids to them
                 for t in seen:
                     if t["request_id"] in client:
                         client[t["request_id"]]["proxy_received"] = t["received"]
-                split = {rid: phases_of({**records.get(transfer_id_for(rid), {}), **client[rid]}) for rid in rids}
+                        tids[t["request_id"]] = t["transfer_id"]
+                split = {rid: phases_of({**records.get(tids.get(rid, ""), {}), **client[rid]}) for rid in rids}
         by_phase: dict[str, list[float]] = {}
         for ph in split.values():
             for k, v in ph.items():
@@ -212,6 +226,35 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
     finally:
         p.stop(grace=15)
         d.stop(grace=15)
+        if keyed:
+            os.environ.pop("PDKV_TOKEN", None)
+
+
+def key_cost_us(n: int = 20_000) -> dict[str, float]:
+    """What the deployment key adds to one handover's critical path, timed in this process: D seals its pull
+    and P opens it, P seals its DONE reply and D opens it (pdkv's own messages, 63 blocks as in the seed).
+    Interleaved with the same encoding without the key, so that both see the same machine; microseconds."""
+    from pdkv.auth import FrameSealer, new_binding
+    from pdkv.connector.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
+    from pdkv.protocol import PullReply, PullRequest, PullStatus
+
+    pull = PullRequest(transfer_id=f"xfer-{'ab' * 16}", d_req_id="cmpl-" + "c" * 40, session="127.0.0.1:15000", tp_rank=0,
+                       tp_size=1, block_ids=list(range(100, 163)), binding=new_binding()[0])
+    done = PullReply(transfer_id=pull.transfer_id, d_req_id=pull.d_req_id, status=PullStatus.DONE, bytes=148_635_648, descriptors=36)
+    d_side, p_side = FrameSealer("k" * 64), FrameSealer("k" * 64)
+    on, off = [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        decode_request(p_side.open(d_side.seal(encode(pull), TO_P), TO_P)[0])
+        decode_reply(d_side.open(p_side.seal(encode(done), TO_D), TO_D)[0])
+        t1 = time.perf_counter_ns()
+        decode_request(encode(pull))
+        decode_reply(encode(done))
+        t2 = time.perf_counter_ns()
+        on.append(t1 - t0)
+        off.append(t2 - t1)
+    return {"with_key_us": statistics.median(on) / 1000, "without_key_us": statistics.median(off) / 1000,
+            "added_us": (statistics.median(on) - statistics.median(off)) / 1000}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,10 +280,26 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[int(x) for x in rng.integers(100, VOCAB_HIGH, size=args.tokens)] for _ in range(args.prompts)]
     extra = {k: json.loads(v) for k, _, v in (kv.partition("=") for kv in args.set)}
     results = [run_pair(c.strip(), model, prompts, args.warmup, work, extra) for c in args.connectors.split(",") if c.strip()]
-    by = {r["connector"]: r for r in results}
+    by: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
+    for r in results:  # a label given more than once: its runs, pooled by median of medians
+        runs.setdefault(r["connector"], []).append(r)
+        by[r["connector"]] = r
     verdict = {}
+    if any(name.endswith("+key") for name in runs):
+        cost = key_cost_us()
+        verdict["key_critical_path_added_us"] = round(cost["added_us"], 2)
+        verdict["key_critical_path_at_most_0.1_ms"] = cost["added_us"] <= 100
+    for name in runs:
+        if name.endswith("+key") and name[:-4] in runs:
+            on = statistics.median(r["handover_ms_median"] for r in runs[name])
+            off = statistics.median(r["handover_ms_median"] for r in runs[name[:-4]])
+            verdict[f"{name}_median_ms_over_unkeyed"] = round(on - off, 3)
+            verdict[f"{name}_run_medians_ms"] = [round(r["handover_ms_median"], 2) for r in runs[name]]
+            verdict[f"{name[:-4]}_run_medians_ms"] = [round(r["handover_ms_median"], 2) for r in runs[name[:-4]]]
+            verdict[f"{name}_costs_at_most_0.1_ms"] = on - off <= 0.1
     for name, r in by.items():
-        if not name.startswith("pdkv"):
+        if not name.startswith("pdkv") or name.endswith("+key"):
             continue
         verdict[f"{name}_p99_under_3x_median"] = r["handover_ms_p99"] < 3 * r["handover_ms_median"]
         if "mooncake" in by:

@@ -112,6 +112,9 @@ complete -c pdkv -n '__fish_seen_subcommand_from plan' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l output-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l prompt-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l tp
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l admin-key
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l api-key
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l api-key-file
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l config
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l connect-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l connector
@@ -127,12 +130,16 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill-timeout
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-certfile
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-keyfile
+complete -c pdkv -n '__fish_seen_subcommand_from status' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l interval
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l proxy
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l watch
+complete -c pdkv -n '__fish_seen_subcommand_from trace' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l bootstrap
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l html
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l json

@@ -1,6 +1,6 @@
 """Everything that crosses a process boundary in pdkv, as msgspec Structs.
 
-In the order of this file: the bounds every decoded number carries; bootstrap
+In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap
 payloads (wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC
 exports (what D announces to P on one GPU host); kv_transfer_params, the only
 protocol between the proxy and a connector; the connector's side-channel
@@ -9,6 +9,7 @@ messages between D's and P's workers; the proxy's per-request record.
 
 from __future__ import annotations
 
+import secrets
 from enum import IntEnum
 from typing import Annotated
 
@@ -18,41 +19,27 @@ EngineId = str
 TransferId = str
 WorkerAddr = str  # "tcp://host:port", a ZMQ side-channel address
 
-# --- bounds ------------------------------------------------------------------
-# Every number on every wire pdkv decodes has one of these types, so a frame
-# or body with an out-of-range value fails decoding (msgspec names the field)
-# before any state is touched. msgspec checks integer bounds only within int64.
-
-MAX_RANK = 65536  # dp/tp/pp ranks lie in [0, MAX_RANK); the largest deployments use a few hundred
-BLOCK_LIMIT = 2**31  # block ids and counts: vLLM's block tables are int32
-ADDRESS_LIMIT = 2**64  # a region or range must end at or below this (see check_span)
-INT64_MAX = 2**63 - 1
-UNIX_TIME_LIMIT = 2.0**34  # unix seconds (the year 2514): rejects NaN, inf and garbage timestamps
-MAX_WAIT_S = 7 * 86_400.0  # any wait bound P reports; P's own expiries are minutes
-MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES, the most choices it samples per request
-
-Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
-RankCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_RANK)]
-BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_LIMIT)]
-BlockCount = Annotated[int, msgspec.Meta(gt=0, le=BLOCK_LIMIT)]
-# Addresses travel only in msgpack frames, which cannot carry an integer past 2**64 - 1: that is
-# their upper bound, and check_span bounds where a region ends.
-Address = Annotated[int, msgspec.Meta(ge=0)]
-Length = Annotated[int, msgspec.Meta(gt=0)]
-Count = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]  # bytes, descriptors, tokens, entries
-UnixTime = Annotated[float, msgspec.Meta(ge=0.0, lt=UNIX_TIME_LIMIT)]
-WaitSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_WAIT_S)]
-HttpStatus = Annotated[int, msgspec.Meta(ge=100, le=999)]  # any three-digit code a backend may send
-
-
-def check_span(what: str, base: int, length: int) -> None:
-    """Raise ValueError naming `what` when [base, base + length) runs past the 64-bit address space.
-
-    Called from __post_init__, so msgspec turns it into a ValidationError while decoding.
-    """
-    if base + length > ADDRESS_LIMIT:
-        raise ValueError(f"{what} ends past 2**64 (base {base:#x}, {length} bytes)")
-
+from pdkv.bounds import (  # noqa: F401 - re-exported: the wire types' bounds, named where the messages are
+    ADDRESS_LIMIT,
+    BLOCK_LIMIT,
+    INT64_MAX,
+    MAX_N_SEQUENCES,
+    MAX_RANK,
+    MAX_WAIT_S,
+    UNIX_TIME_LIMIT,
+    Address,
+    Binding,
+    BlockCount,
+    BlockId,
+    Count,
+    HttpStatus,
+    Length,
+    Rank,
+    RankCount,
+    UnixTime,
+    WaitSeconds,
+    check_span,
+)
 
 # --- bootstrap -------------------------------------------------------------
 # vLLM's MooncakeBootstrapServer speaks: POST /register (RegisterRequest),
@@ -205,6 +192,8 @@ class PrefillParams(msgspec.Struct, frozen=True, kw_only=True):
     do_remote_prefill: bool = False
     # D requests that will pull this KV: the client's `n` (D samples each choice as a request of its own).
     pulls: Annotated[int, msgspec.Meta(ge=1, le=MAX_N_SEQUENCES)] = 1
+    # SHA-256 (hex) of the binding secret the proxy gave the chosen D: P serves only pulls that carry the secret.
+    decode_binding: Binding = ""
 
 
 class DecodeParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,10 +204,13 @@ class DecodeParams(msgspec.Struct, frozen=True, kw_only=True):
     remote_engine_id: EngineId
     do_remote_decode: bool = False
     do_remote_prefill: bool = True
+    # The transfer's binding secret (hex), which this D shows P in its pull (see PrefillParams.decode_binding).
+    binding: Binding = ""
 
 
-def transfer_id_for(request_id: str) -> TransferId:
-    return f"xfer-{request_id}"
+def new_transfer_id() -> TransferId:
+    """A transfer id no one can guess: 128 random bits. Never derived from what a client sends."""
+    return f"xfer-{secrets.token_hex(16)}"
 
 
 # --- side channel (D's worker <-> P's worker, ZMQ DEALER -> ROUTER) ----------
@@ -230,8 +222,12 @@ def transfer_id_for(request_id: str) -> TransferId:
 # the transfer logic.
 
 
-class RegionSpec(msgspec.Struct, frozen=True, array_like=True):
-    """One registered KV region as a peer describes it: block b lies at base + b * block_len."""
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """One registered KV region: `num_blocks` blocks of `block_len` bytes each, starting at `base`.
+
+    The one type for a region, in a transport's hands and on the wire alike: one layer's cache, or one of
+    its K and V halves. Block `b` occupies [base + b * block_len, base + (b + 1) * block_len).
+    """
 
     base: Address
     block_len: Length
@@ -239,6 +235,24 @@ class RegionSpec(msgspec.Struct, frozen=True, array_like=True):
 
     def __post_init__(self) -> None:
         check_span("region", self.base, self.block_len * self.num_blocks)
+
+    @property
+    def size(self) -> int:
+        return self.block_len * self.num_blocks
+
+
+class Announce(msgspec.Struct, frozen=True, tag="announce", kw_only=True):
+    """D -> P, once per connection, before its first pull: the KV regions D registered at `session`.
+
+    P writes only inside the regions the latest announcement for a session names; a pull names blocks only.
+    """
+
+    session: str  # D's transfer-engine address ("host:port"; cma: its process), where P writes
+    tp_rank: Rank
+    tp_size: RankCount
+    regions: list[Region]
+    # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
+    ipc: IpcExport | None = None
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
@@ -251,14 +265,13 @@ class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
 
     transfer_id: TransferId
     d_req_id: str
-    session: str  # D's transfer-engine address ("host:port"), where P writes
+    session: str  # which announcement (Announce.session) holds the regions `block_ids` index
     tp_rank: Rank
     tp_size: RankCount
-    regions: list[RegionSpec]
     block_ids: list[BlockId]
     first_block: BlockId = 0
-    # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
-    ipc: IpcExport | None = None
+    # The transfer's binding secret, as the proxy gave it to this D (DecodeParams.binding); P holds its SHA-256.
+    binding: Binding = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):
@@ -267,6 +280,7 @@ class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):
     transfer_id: TransferId
     d_req_id: str
     reason: str = ""
+    binding: Binding = ""  # the transfer's binding secret, as in PullRequest: a release must prove it too
 
 
 class TraceReport(msgspec.Struct, frozen=True, tag="trace", kw_only=True):
@@ -284,7 +298,7 @@ class StatsQuery(msgspec.Struct, frozen=True, tag="stats", kw_only=True):
     limit: Annotated[int, msgspec.Meta(gt=0, le=100_000)] = 1000
 
 
-SideChannelRequest = PullRequest | Release | TraceReport | StatsQuery
+SideChannelRequest = Announce | PullRequest | Release | TraceReport | StatsQuery
 
 
 class PullStatus(IntEnum):

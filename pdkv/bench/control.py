@@ -91,7 +91,10 @@ class BenchTarget:
         device_name: str = "",
         dst: str = "cpu",
         settings: Mapping[str, str] | None = None,
+        max_bytes: int | None = None,
     ) -> None:
+        """`max_bytes`: the most KV memory one Setup may ask for (default: half the host memory available now,
+        for host memory), so that whoever reaches the control port cannot exhaust the host."""
         import zmq
 
         from pdkv.bench.memory import parse_device
@@ -125,6 +128,7 @@ class BenchTarget:
         self.transport = open_transport(transport, self.advertise, device_name, gpu=gpu, settings=settings)
         self.memory: Any = None
         self.requests = 0
+        self.max_bytes = max_bytes if max_bytes is not None else (_available_bytes() // 2 if self.dst == "cpu" else None)
 
     def handle(self, req: Request) -> Reply:
         """Answer one request; errors become Failed replies so the prefill side can report them."""
@@ -132,6 +136,9 @@ class BenchTarget:
 
         try:
             if isinstance(req, Setup):
+                want = req.layers * req.block_len * req.num_blocks
+                if self.max_bytes is not None and want > self.max_bytes:
+                    return Failed(f"Setup asks for {want} B of KV memory; this target serves at most {self.max_bytes} B")
                 self._free()
                 self.memory = KVMemory(self.dst, req.layers, req.block_len, req.num_blocks)
                 self.memory.fill(req.seed)
@@ -253,3 +260,9 @@ def _primary_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _available_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -10,4 +10,7 @@ Importing this package imports neither aiohttp nor httpx.
 
 DEFAULT_PORT = 8998  # vLLM's default for VLLM_MOONCAKE_BOOTSTRAP_PORT
 PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
-TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"
+# The deployment key (pdkv.auth) guards the write endpoints; PDKV_BOOTSTRAP_TOKEN is its older name, still read.
+from pdkv.auth import LEGACY_TOKEN_ENV, TOKEN_ENV  # noqa: E402
+
+__all__ = ["DEFAULT_PORT", "LEGACY_TOKEN_ENV", "PORT_ENV", "TOKEN_ENV"]

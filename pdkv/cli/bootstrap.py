@@ -9,7 +9,7 @@ import sys
 import typer
 from rich.table import Table
 
-from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV, TOKEN_ENV
+from pdkv.bootstrap import DEFAULT_PORT, LEGACY_TOKEN_ENV, PORT_ENV, TOKEN_ENV
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
 
@@ -19,7 +19,8 @@ MooncakeBootstrapServer protocol; point vLLM at it with
 kv_connector_extra_config.bootstrap_server_address = "HOST:PORT".
 
 The port defaults to ${PORT_ENV}, else {DEFAULT_PORT}. With --token (or
-${TOKEN_ENV}) only callers with the token may register or deregister.
+${TOKEN_ENV}, the deployment key; ${LEGACY_TOKEN_ENV} is its older name) only callers
+with the key may register or deregister.
 
 Examples:
 
@@ -27,7 +28,7 @@ Examples:
 
   pdkv bootstrap --port 0 --json
 
-  PDKV_BOOTSTRAP_TOKEN=s3cret pdkv bootstrap --host 10.0.0.2
+  PDKV_TOKEN=s3cret pdkv bootstrap --host 10.0.0.2
 
   pdkv bootstrap query http://10.0.0.2:8998
 
@@ -54,7 +55,10 @@ Examples:
 
 bootstrap_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
 
-TokenOpt = typer.Option(None, "--token", envvar=TOKEN_ENV, help="Shared token for /register and /deregister.", show_envvar=True)
+TokenOpt = typer.Option(
+    None, "--token", envvar=[TOKEN_ENV, LEGACY_TOKEN_ENV], help="The deployment key: needed on every write endpoint.",
+    show_envvar=True,
+)
 
 
 def _default_url() -> str:

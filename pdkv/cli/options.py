@@ -6,6 +6,10 @@ from typing import Annotated
 
 import typer
 
+AdminKeyOpt = Annotated[
+    str | None,
+    typer.Option("--admin-key", envvar="PDKV_ADMIN_KEY", show_envvar=True, help="The proxy's admin key, for its /pdkv/* and /metrics."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for scripts instead of tables.")]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model directory or its config.json.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Number of attention layers (instead of --model).")]

@@ -37,6 +37,14 @@ Examples:
   pdkv proxy --members http://10.0.0.1:8998   # route to whatever engines join that bootstrap's registry
 
   pdkv proxy --config proxy.toml --port 9000 --json
+
+  PDKV_API_KEY=sk-1 PDKV_ADMIN_KEY=adm pdkv proxy -p http://p1:8100 -d http://d1:8200 --host 0.0.0.0
+
+  pdkv proxy -p http://p1:8100 -d http://d1:8200 --ssl-certfile cert.pem --ssl-keyfile key.pem
+
+With --api-key (or --api-key-file, or $PDKV_API_KEY) /v1/* needs `Authorization:
+Bearer KEY`, as vLLM's --api-key; with --admin-key (or $PDKV_ADMIN_KEY) /pdkv/* and
+/metrics need the admin key. Bodies over 64 MiB answer 413, oversized headers 431.
 """
 
 
@@ -110,10 +118,23 @@ def proxy(
         float | None, typer.Option("--decode-first-byte-timeout", help="Seconds until D's first byte. [default: 180]")
     ] = None,
     health_interval: Annotated[float | None, typer.Option("--health-interval", help="Seconds between health rounds. [default: 5]")] = None,
+    api_key: Annotated[
+        list[str] | None, typer.Option("--api-key", help="An API key clients must present on /v1/*; repeatable. Env: PDKV_API_KEY.")
+    ] = None,
+    api_key_file: Annotated[Path | None, typer.Option("--api-key-file", help="File of API keys, one a line.")] = None,
+    admin_key: Annotated[
+        str | None, typer.Option("--admin-key", help="Key for /pdkv/* and /metrics. Env: PDKV_ADMIN_KEY.", show_default=False)
+    ] = None,
+    ssl_certfile: Annotated[Path | None, typer.Option("--ssl-certfile", help="Serve TLS with this certificate (PEM).")] = None,
+    ssl_keyfile: Annotated[Path | None, typer.Option("--ssl-keyfile", help="The certificate's private key (PEM).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
+    from pdkv.proxy.guard import load_guard, server_ssl
     from pdkv.proxy.routing import build_config
     from pdkv.proxy.server import serve
+
+    guard = load_guard(api_key, api_key_file, admin_key)
+    ssl_ctx = server_ssl(ssl_certfile, ssl_keyfile)
 
     cfg = build_config(
         prefill or [],
@@ -135,8 +156,8 @@ def proxy(
 
     def on_ready(server) -> None:  # noqa: ANN001 - ProxyServer, imported lazily
         ready, reason = server.app.backends.readiness()
-        url = f"http://{cfg.host}:{server.port}"
-        backends = server.app.backend_report()
+        url = f"{'https' if ssl_ctx is not None else 'http'}://{cfg.host}:{server.port}"
+        backends = server.app.backends.report()
         if json_out:
             import msgspec
 
@@ -159,7 +180,7 @@ def proxy(
         else:
             err_console.print(f"[yellow]not ready yet[/]: {reason} (GET /health answers 503 until it is)")
 
-    serve(cfg, on_ready=on_ready)
+    serve(cfg, on_ready=on_ready, guard=guard, ssl=ssl_ctx)
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.cli.options import JsonOpt
+from pdkv.cli.options import AdminKeyOpt, JsonOpt
 from pdkv.cli.output import console, print_json, to_builtins
 
 HELP = """Show the health of each part, the bootstrap registrations, and the proxy's in-flight requests and errors.
@@ -67,6 +67,7 @@ def status(
     watch: Annotated[bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option("--interval", help="Seconds between refreshes with --watch.")] = 2.0,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each probe may take.")] = 2.0,
+    admin_key: AdminKeyOpt = None,
     json_out: JsonOpt = False,
 ) -> int:
     from pdkv.deploy import collect_status, load_deployment, status_targets
@@ -93,7 +94,8 @@ def status(
         proxy_url = next(p.plan.url for p in parts if p.kind == "proxy")
 
     def poll() -> Any:
-        return collect_status(proxy_url=proxy_url, targets=targets, bootstraps=boots, timeout=timeout, hosts=hosts)
+        return collect_status(proxy_url=proxy_url, targets=targets, bootstraps=boots, timeout=timeout, hosts=hosts,
+                              admin_key=admin_key)
 
     if not watch:
         report = poll()

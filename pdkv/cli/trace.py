@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.cli.options import JsonOpt, LinkGbpsOpt
+from pdkv.cli.options import AdminKeyOpt, JsonOpt, LinkGbpsOpt
 from pdkv.cli.output import console, err_console, print_json
 
 HELP = """Trace one request through a running P/D deployment: where its time to first token went.
@@ -100,6 +100,7 @@ def trace(
     ] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 300.0,
     link_gbps: LinkGbpsOpt = 400.0,
+    admin_key: AdminKeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.trace.collect import run_traces
@@ -107,7 +108,7 @@ def trace(
 
     with err_console.status("tracing") as status:
         result = run_traces(proxy, repeat=repeat, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens,
-                            link_gbps=link_gbps, bootstrap_url=bootstrap, timeout=timeout,
+                            link_gbps=link_gbps, bootstrap_url=bootstrap, timeout=timeout, admin_key=admin_key,
                             progress=lambda msg: status.update(f"tracing: {msg}"))
     if html is not None:
         html.write_text(render_html(result.traces, result.summary), encoding="utf-8")

@@ -288,8 +288,10 @@ def up(
         raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU", hint="use --protocol ipc between GPUs of this host")
     served: str | None = None
     uses_tiny = model is None and file is None
+    token: str | None = None
     if file is not None:
         dep = load_deployment(file)
+        token = dep.token
         if extra:
             dep = _with_extra(dep, list(extra))
         # A fleet file: the parts of this host (--host NAME, else the hosts with one of this machine's addresses).
@@ -331,6 +333,7 @@ def up(
             dep = _with_extra(dep, list(extra))
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
     parts = with_vllm_logging(parts, log_dir)
+    _hand_out_key(token, parts, json_out)
 
     if dry_run:
         docs = [_part_doc(p, restart) for p in parts]
@@ -348,6 +351,23 @@ def up(
     raise_problems(preflight(parts, boots))
     write_logging_config(parts, log_dir)
     _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once, restart=restart)
+
+
+def _hand_out_key(token: str | None, parts: list[Any], json_out: bool) -> str | None:
+    """Put the deployment key (the file's, else PDKV_TOKEN's) in the environment every part inherits; warn about
+    side channels and bootstraps beyond loopback without one."""
+    from pdkv.auth import TOKEN_ENV, token_from_env
+    from pdkv.deploy.exposure import exposure_warnings
+
+    token = token or token_from_env()
+    if token:
+        os.environ[TOKEN_ENV] = token  # never in a plan's env: plans are printed (--dry-run)
+    for line in exposure_warnings(parts, keyed=bool(token)):
+        if json_out:
+            sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
+        else:
+            err_console.print(Text(f"pdkv up: warning: {line} (set {TOKEN_ENV}; docs/security.md)", style="yellow"), soft_wrap=True)
+    return token
 
 
 def _with_cores(dep: Any, p_cores: str, d_cores: str) -> Any:

@@ -16,12 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
 from pdkv.connector.state import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError
-from pdkv.protocol import ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, RegionSpec, Release, TraceReport
-from pdkv.transport.base import Region
+from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 
 log = logging.getLogger("pdkv.connector")
 
@@ -48,10 +48,16 @@ class KVReceiver:
         trace: TraceLog | None = None,
         bootstrap_timeout: float = 2.0,
         ipc: IpcExport | None = None,
+        sealer: FrameSealer | None = None,
     ) -> None:
+        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed."""
         self.session = session
-        self.regions = [RegionSpec(r.base, r.block_len, r.num_blocks) for r in regions]
+        self.sealer = sealer
+        self.regions = list(regions)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        # Sent on each connection to a P before its first pull: P writes only inside these regions.
+        self.announcement = Announce(session=session, tp_rank=tp_rank, tp_size=tp_size, regions=self.regions, ipc=ipc)
+        self._announced_to: set[str] = set()  # P addresses told since the connection was last lost; loop thread
         self.tracker = PullTracker(liveness_s)
         self.trace = trace or TraceLog("decode", tp_rank=tp_rank)
         self.bootstrap_timeout = bootstrap_timeout
@@ -63,6 +69,7 @@ class KVReceiver:
         self._peers: dict[str, SideChannelPeer] = {}
         self._addr_cache: dict[tuple[str, str], str] = {}
         self._peer_of: dict[str, str] = {}  # d_req_id -> P address
+        self._binding: dict[str, str] = {}  # d_req_id -> its transfer's binding secret, while its pull is live
         self._done_tid: dict[str, str] = {}  # d_req_id -> transfer_id, KV arrived, first token pending
         self._ctx: Any = None
         self._closed = False
@@ -106,6 +113,8 @@ class KVReceiver:
         for spec in pulls:
             self.trace.event(spec.transfer_id, "pull_scheduled", now, d_req_id=spec.d_req_id)
             self.tracker.started(spec.d_req_id, spec.transfer_id, now, tuple(spec.block_ids))
+            if spec.binding:
+                self._binding[spec.d_req_id] = spec.binding
             if spec.error is not None:
                 self._conclude(self.tracker.finished(spec.d_req_id, spec.error))
                 continue
@@ -114,7 +123,8 @@ class KVReceiver:
             entry = self.tracker.abort(rid)
             addr = self._peer_of.get(rid)
             if entry is not None and addr in self._peers:
-                release = Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended")
+                release = Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended",
+                                  binding=self._binding.get(rid, ""))
                 loop.create_task(self._peers[addr].send(release))
             elif entry is not None:
                 self._conclude(self.tracker.finished(rid, "aborted by the decode side"))
@@ -158,7 +168,9 @@ class KVReceiver:
         """Tell P that D will never pull `spec`'s KV, so that P frees its blocks now rather than at expiry."""
         try:
             addr = await self._resolve(spec.bootstrap_addr, spec.engine_id)
-            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull"))
+            await self._peer(addr).send(
+                Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding)
+            )
         except Exception as exc:  # noqa: BLE001 - P's expiry frees the blocks anyway
             log.warning("pdkv: could not release transfer %s at the prefill side: %s", spec.transfer_id, exc)
 
@@ -169,7 +181,9 @@ class KVReceiver:
 
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
-            peer = self._peers[addr] = SideChannelPeer(self._ctx, addr, self._on_reply, self._on_lost)
+            peer = self._peers[addr] = SideChannelPeer(
+                self._ctx, addr, self._on_reply, self._on_lost, sealer=self.sealer, on_refused=self.trace.auth_refused
+            )
         return peer
 
     async def _start(self, spec: PullSpec) -> None:
@@ -190,7 +204,8 @@ class KVReceiver:
             self._conclude(self.tracker.finished(spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost)"))
             return
         if entry.aborted:
-            await peer.send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended"))
+            await peer.send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
+                                    binding=spec.binding))
             return
         req = PullRequest(
             transfer_id=spec.transfer_id,
@@ -198,11 +213,13 @@ class KVReceiver:
             session=self.session,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            regions=self.regions,
             block_ids=list(spec.block_ids),
             first_block=spec.first_block,
-            ipc=self.ipc,
+            binding=spec.binding,
         )
+        if addr not in self._announced_to:  # one socket, in order: P has the regions before the pull
+            self._announced_to.add(addr)
+            await peer.send(self.announcement)
         self.trace.event(spec.transfer_id, "pull_sent")
         await peer.send(req)
 
@@ -219,6 +236,9 @@ class KVReceiver:
         if msg.status == PullStatus.PENDING:
             self.tracker.heard(msg.d_req_id, now)
             return
+        if msg.status == PullStatus.ERROR and "announced" in msg.error:
+            # P forgot or refused D's regions (restarted, evicted, or told otherwise): announce again next time.
+            self._announced_to.discard(self._peer_of.get(msg.d_req_id, ""))
         if msg.status == PullStatus.DONE:
             self.trace.event(msg.transfer_id, "notified", now, bytes=msg.bytes, descriptors=msg.descriptors)
             self._conclude(self.tracker.finished(msg.d_req_id, None))
@@ -227,7 +247,9 @@ class KVReceiver:
             self._conclude(self.tracker.finished(msg.d_req_id, msg.error or "prefill side reported an error"))
 
     def _on_lost(self, addr: str) -> None:
-        """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it)."""
+        """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it),
+        and the next pull there announces D's regions again."""
+        self._announced_to.discard(addr)
         lost = [rid for rid, a in self._peer_of.items() if a == addr and rid in self.tracker.entries]
         for rid in lost:
             self._conclude(self.tracker.finished(rid, f"lost the connection to the prefill side channel {addr}"))
@@ -235,6 +257,7 @@ class KVReceiver:
     def _conclude(self, outcome: PullOutcome | None) -> None:
         if outcome is None:
             return
+        self._binding.pop(outcome.d_req_id, None)
         if outcome.error is None:
             self._done_tid[outcome.d_req_id] = outcome.transfer_id
             self.trace.event(outcome.transfer_id, "concluded", status="sent")

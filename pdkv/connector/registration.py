@@ -11,7 +11,6 @@ registry; a refused or failed one is logged at most once a minute and tried agai
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,11 +34,11 @@ class StandingRegistration:
 
     def __init__(self, url: str, action: Action, what: str, interval_s: float, *, required: bool = True,
                  on_close: Action | None = None) -> None:
-        from pdkv.bootstrap import TOKEN_ENV
+        from pdkv.auth import token_from_env
 
         self.url, self.what, self.interval_s = url, what, interval_s
         self._action, self._on_close = action, on_close
-        self._token = os.environ.get(TOKEN_ENV) or None
+        self._token = token_from_env()
         self._stop = threading.Event()
         self._complained = 0.0  # when a failure was last logged
         try:

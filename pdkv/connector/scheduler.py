@@ -40,6 +40,7 @@ class StepMeta:
     """What the scheduler tells every worker in one step."""
 
     registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
+    bindings: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> commitment to its D's binding secret
     fanout: dict[str, int] = field(default_factory=dict)  # P: transfer_id -> D requests pulling it, where more than one
     computed: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: prompt complete after this step's forward
     ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
@@ -54,7 +55,7 @@ class StepMeta:
 
     def empty(self) -> bool:
         return not (
-            self.registered or self.computed or self.ready or self.cancelled or self.pulls or self.aborts
+            self.registered or self.bindings or self.computed or self.ready or self.cancelled or self.pulls or self.aborts
             or self.releases or self.first_tokens
         )
 
@@ -77,14 +78,15 @@ def _max_tokens(request: Any) -> int | None:
     return n if isinstance(n, int) else None
 
 
-def _pulls_of(rid: str, params: dict[str, Any]) -> int:
-    """How many D requests will pull this P request's KV (the client's `n`); 1 when the params say nothing valid."""
+def _pulls_of(rid: str, params: dict[str, Any]) -> tuple[int, str]:
+    """(how many D requests will pull this P request's KV (the client's `n`), the commitment binding it to its D);
+    (1, "") when the params say nothing valid."""
     try:
         _, p = classify_params({k: v for k, v in params.items() if not k.startswith("_pdkv")})
     except ParamsError as exc:
         log.error("pdkv: prefill request %s: %s; serving one pull", rid, exc)
-        return 1
-    return p.pulls if isinstance(p, PrefillParams) else 1
+        return 1, ""
+    return (p.pulls, p.decode_binding) if isinstance(p, PrefillParams) else (1, "")
 
 
 def _status_name(request: Any) -> str:
@@ -139,9 +141,11 @@ class ConnectorScheduler:
             if isinstance(tid, str) and tid:
                 params["_pdkv_registered"] = True
                 self._next.registered[rid] = tid
-                pulls = _pulls_of(rid, params)
+                pulls, commitment = _pulls_of(rid, params)
                 if pulls > 1:
                     self._next.fanout[tid] = pulls
+                if commitment:
+                    self._next.bindings[tid] = commitment
                 (ids, *_) = blocks.get_block_ids() or ([],)
                 self._prefills[rid] = _Prefill(tid, request, list(ids))
             else:
@@ -157,7 +161,9 @@ class ConnectorScheduler:
         except ParamsError:
             return
         log.info("pdkv: request %s releases transfer %s: %s", request.request_id, p.transfer_id, reason)
-        self._next.releases.append(PullSpec(request.request_id, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, []))
+        self._next.releases.append(
+            PullSpec(request.request_id, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, [], binding=p.binding)
+        )
 
     def _pull_spec(self, request: Any, blocks: Any, local_tokens: int) -> PullSpec:
         rid = request.request_id
@@ -174,7 +180,7 @@ class ConnectorScheduler:
         except ParamsError as exc:
             log.error("pdkv: request %s: %s", rid, exc)
             return PullSpec(rid, tid or f"invalid-{rid}", "", "", block_ids, first, error=str(exc))
-        return PullSpec(rid, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, block_ids, first)
+        return PullSpec(rid, p.transfer_id, p.remote_bootstrap_addr, p.remote_engine_id, block_ids, first, binding=p.binding)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Return (delay_free, params): P keeps the blocks of a request whose KV it will send."""

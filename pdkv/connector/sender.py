@@ -17,12 +17,15 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
-from pdkv.connector.checks import check_pull
+from pdkv.connector.checks import check_announce, check_pull
 from pdkv.connector.state import Free, Reply, SendLimits, SendTable, StartSend
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import (
+    Announce,
+    ErrorReply,
     PullReply,
     PullRequest,
     PullStatus,
@@ -32,22 +35,25 @@ from pdkv.protocol import (
     TraceReport,
 )
 from pdkv.transport.base import Region, Transport
+from pdkv.transport.planner import check_ranges
 
 log = logging.getLogger("pdkv.connector")
 
 # Writes to one D run on up to this many threads at once; each D has its own.
 WRITERS_PER_PEER = 4
 MAX_PEER_POOLS = 64
+MAX_ANNOUNCED = 1024  # D sessions whose regions P remembers; the least recently announced is forgotten first
 
 
 class _Parked:
-    """A pull waiting on P: who asked, and what."""
+    """A pull waiting on P: who asked, what, and the regions D announced for its session when it asked."""
 
-    __slots__ = ("identity", "request")
+    __slots__ = ("announced", "identity", "request")
 
-    def __init__(self, identity: bytes, request: PullRequest) -> None:
+    def __init__(self, identity: bytes, request: PullRequest, announced: Announce) -> None:
         self.identity = identity
         self.request = request
+        self.announced = announced
 
 
 class KVSender:
@@ -67,7 +73,9 @@ class KVSender:
         trace: TraceLog | None = None,
         port: int = 0,
         wait_write_s: float = 0.0,
+        sealer: FrameSealer | None = None,
     ) -> None:
+        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed."""
         self._closed = False  # set under _table_lock: no send starts once it is
         self.transport = transport
         self.regions = list(regions)
@@ -86,8 +94,10 @@ class KVSender:
         self._pools: OrderedDict[str, concurrent.futures.ThreadPoolExecutor] = OrderedDict()
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
+        # D session -> its latest accepted announcement, or why the latest was refused; owned by the loop thread
+        self._announced: OrderedDict[str, Announce | str] = OrderedDict()
         self._loop = EventLoopThread("pdkv-sender")
-        self.server = SideChannelServer(self._loop, host, self._handle, port=port)
+        self.server = SideChannelServer(self._loop, host, self._handle, port=port, sealer=sealer, on_refused=self.trace.auth_refused)
         self._ticker = self._loop.submit(self._tick_forever())
 
     @property
@@ -104,10 +114,17 @@ class KVSender:
         ready_at: dict[str, float] | None = None,
         scheduled_at: float = 0.0,
         fanout: dict[str, int] | None = None,
+        bindings: dict[str, str] | None = None,
     ) -> None:
         """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
         finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV;
-        `fanout`: {transfer_id: how many D requests pull it}, where more than one."""
+        `fanout`: {transfer_id: how many D requests pull it}, where more than one; `bindings`: {transfer_id:
+        commitment to the binding secret of the D that may pull it}, recorded before this returns, so no pull
+        can be served unchecked in between."""
+        if bindings:
+            with self._table_lock:
+                for tid, commitment in bindings.items():
+                    self.table.bind(tid, commitment)
         if registered or ready or cancelled:
             now = time.time()
             self._loop.call_soon(
@@ -200,9 +217,25 @@ class KVSender:
 
     async def _handle(self, identity: bytes, msg: Any) -> None:
         now = time.time()
-        if isinstance(msg, PullRequest):
+        if isinstance(msg, Announce):
+            why = check_announce(msg, self.regions, self.tp_rank, self.tp_size)
+            self._announced[msg.session] = msg if why is None else f"its announced regions were refused: {why}"
+            self._announced.move_to_end(msg.session)
+            while len(self._announced) > MAX_ANNOUNCED:
+                self._announced.popitem(last=False)
+            if why is not None:
+                self.trace.malformed()
+                log.warning("pdkv: refused the KV regions announced by decode at %s: %s", msg.session, why)
+                await self.server.send(identity, ErrorReply(error=f"announced regions refused: {why}"))
+        elif isinstance(msg, PullRequest):
             self.trace.event(msg.transfer_id, "pull_received", now, d_req_id=msg.d_req_id)
-            why = check_pull(msg, self.regions, self.tp_rank, self.tp_size)
+            announced = self._announced.get(msg.session)
+            if announced is not None:
+                self._announced.move_to_end(msg.session)  # in use: the last to be forgotten
+            if isinstance(announced, str):
+                why: str | None = f"decode at {msg.session}: {announced}"
+            else:
+                why = check_pull(msg, announced, self.tp_rank, self.tp_size)
             if why is not None:
                 self.trace.malformed()
                 log.warning("pdkv: refused pull %s from D request %s: %s", msg.transfer_id, msg.d_req_id, why)
@@ -211,11 +244,12 @@ class KVSender:
                 )
                 return
             with self._table_lock:
-                actions = self.table.pull(msg.transfer_id, _Parked(identity, msg), now)
+                assert isinstance(announced, Announce)
+                actions = self.table.pull(msg.transfer_id, _Parked(identity, msg, announced), now)
             self._run(actions)
         elif isinstance(msg, Release):
             with self._table_lock:
-                actions = self.table.released(msg.transfer_id, now, msg.d_req_id)
+                actions = self.table.released(msg.transfer_id, now, msg.d_req_id, proof=msg)
             self._run(actions)
         elif isinstance(msg, TraceReport):
             self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
@@ -276,12 +310,13 @@ class KVSender:
                     f"decode asks for blocks {req.first_block}..{req.first_block + want - 1} of a prompt P holds in {len(a.blocks)}"
                 )
             local = a.blocks[req.first_block : req.first_block + want]
-            remote_regions = [Region(r.base, r.block_len, r.num_blocks) for r in req.regions]
+            announced: Announce = a.pull.announced
+            check_ranges(local, req.block_ids, self.regions, announced.regions)  # before any byte moves
             self.trace.event(a.transfer_id, "transfer_start", session=req.session)
             if fence is not None:
                 fence.synchronize()
-            self.transport.connect(req.session, req.ipc)
-            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, remote_regions)
+            self.transport.connect(req.session, announced.ipc)
+            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, announced.regions)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
             return str(exc), 0, 0

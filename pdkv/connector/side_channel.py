@@ -2,9 +2,12 @@
 
 P binds a ROUTER (`SideChannelServer`); D keeps one DEALER per P worker
 (`SideChannelPeer`). Frames are single msgpack messages from
-pdkv.protocol's side-channel section. The server decodes strictly and
-answers an undecodable frame with an ErrorReply; an exception in a handler
-is logged and answered, so the listener never dies.
+pdkv.protocol's side-channel section. With the deployment key set (a
+`FrameSealer`, pdkv.auth) every frame both ways is sealed, and a frame that is
+unauthenticated, stale or replayed is dropped unanswered, counted and logged
+(once a minute per peer) before it is decoded. The server decodes strictly
+and answers an undecodable authentic frame with an ErrorReply; an exception
+in a handler is logged and answered, so the listener never dies.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from pdkv.auth import FrameSealer, RefusalLog, sealer_from_env
 from pdkv.errors import StartError
 from pdkv.protocol import ErrorReply, SideChannelReply, SideChannelRequest
 from pdkv.service import EventLoopThread  # the sender's and receiver's loop: one home, in pdkv.service
@@ -47,15 +51,38 @@ def decode_reply(frame: bytes) -> Any:
 
 
 Handler = Callable[[bytes, Any], Awaitable[None]]
+TO_P, TO_D = b"q", b"r"  # the sealed direction of a frame
+_FROM_ENV: Any = object()  # default of `sealer`: the deployment key from the environment, if set
+
+
+def _sealer(sealer: Any) -> FrameSealer | None:
+    return sealer_from_env() if sealer is _FROM_ENV else sealer
+
+
+def _peer_address(frame: Any) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except Exception:  # noqa: BLE001 - not every transport knows its peer
+        return ""
 
 
 class SideChannelServer:
-    """P's ROUTER socket. `handler(identity, message)` runs on the loop for every decoded frame."""
+    """P's ROUTER socket. `handler(identity, message)` runs on the loop for every decoded frame.
 
-    def __init__(self, loop: EventLoopThread, host: str, handler: Handler, port: int = 0) -> None:
+    `sealer`: the deployment key's frame sealer (None: frames travel unsealed, as without a key);
+    `on_refused(reason)` counts each frame dropped for its seal (unauthenticated, stale, replayed).
+    """
+
+    def __init__(
+        self, loop: EventLoopThread, host: str, handler: Handler, port: int = 0, *,
+        sealer: FrameSealer | None = None, on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self._loop = loop
         self._host = host
         self._handler = handler
+        self.sealer = sealer
+        self.refusals = RefusalLog(f"side channel on {host}")
+        self._on_refused = on_refused
         self.port = 0
         self._sock: Any = None
         self.dropped = 0
@@ -87,15 +114,18 @@ class SideChannelServer:
         return port
 
     async def send(self, identity: bytes, reply: Any) -> None:
+        body = encode(reply)
+        if self.sealer is not None:
+            body = self.sealer.seal(body, TO_D)
         try:
-            await self._sock.send_multipart((identity, encode(reply)), copy=False)
+            await self._sock.send_multipart((identity, body), copy=False)
         except Exception as exc:  # noqa: BLE001 - a vanished peer must not stop the server
             log.warning("side channel: reply to a peer failed: %s", exc)
 
     async def _serve(self) -> None:
         while True:
             try:
-                parts = await self._sock.recv_multipart()
+                parts = await self._sock.recv_multipart(copy=False)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep listening whatever a peer sends
@@ -106,7 +136,16 @@ class SideChannelServer:
                 self.dropped += 1
                 log.warning("side channel: dropped a message of %d frames (expected 1)", len(parts) - 1)
                 continue
-            identity, frame = parts
+            identity, frame = parts[0].bytes, parts[1].bytes
+            if self.sealer is not None:
+                body, why = self.sealer.open(frame, TO_P)
+                if body is None:
+                    self.dropped += 1
+                    self.refusals.refused(_peer_address(parts[1]), why)
+                    if self._on_refused is not None:
+                        self._on_refused(why)
+                    continue
+                frame = body
             try:
                 msg = decode_request(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -146,10 +185,16 @@ class SideChannelPeer:
     True from then until a connection to P is made again.
     """
 
-    def __init__(self, ctx: Any, address: str, on_reply: Callable[[Any], None], on_lost: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, ctx: Any, address: str, on_reply: Callable[[Any], None], on_lost: Callable[[str], None] | None = None, *,
+        sealer: FrameSealer | None = None, on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         import zmq
 
         self.address = address
+        self.sealer = sealer
+        self.refusals = RefusalLog(f"side channel to {address}")
+        self._on_refused = on_refused
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -168,7 +213,8 @@ class SideChannelPeer:
         self._task = loop.create_task(self._read())
 
     async def send(self, msg: Any) -> None:
-        await self._sock.send(encode(msg), copy=False)
+        body = encode(msg)
+        await self._sock.send(self.sealer.seal(body, TO_P) if self.sealer is not None else body, copy=False)
 
     async def _watch(self, monitor: Any) -> None:
         import zmq
@@ -191,6 +237,14 @@ class SideChannelPeer:
         while True:
             try:
                 frame = await self._sock.recv()
+                if self.sealer is not None:
+                    body, why = self.sealer.open(frame, TO_D)
+                    if body is None:
+                        self.refusals.refused(self.address, why)
+                        if self._on_refused is not None:
+                            self._on_refused(why)
+                        continue
+                    frame = body
                 msg = decode_reply(frame)
             except asyncio.CancelledError:
                 raise
@@ -216,34 +270,48 @@ class SideChannelPeer:
         self._sock.close(linger=0)
 
 
-async def request_once(address: str, msg: Any, timeout: float) -> Any:
-    """Send one message to a P worker and wait for one reply (for stats queries and probes)."""
+async def request_once(address: str, msg: Any, timeout: float, *, sealer: Any = _FROM_ENV) -> Any:
+    """Send one message to a P worker and wait for one reply (for stats queries and probes).
+
+    `sealer` defaults to the deployment key in the environment (pdkv.auth); a reply whose seal fails is
+    skipped, so the wait may run out (asyncio.TimeoutError)."""
     import zmq
     import zmq.asyncio
 
+    sealer = _sealer(sealer)
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        await sock.send(encode(msg))
-        frame = await asyncio.wait_for(sock.recv(), timeout)
-        return decode_reply(frame)
+        body = encode(msg)
+        await sock.send(sealer.seal(body, TO_P) if sealer is not None else body)
+        async with asyncio.timeout(timeout):
+            while True:
+                frame = await sock.recv()
+                if sealer is None:
+                    return decode_reply(frame)
+                body, _why = sealer.open(frame, TO_D)
+                if body is not None:
+                    return decode_reply(body)
     finally:
         sock.close(linger=0)
         ctx.term()
 
 
-def send_once(address: str, msgs: list[Any], linger_ms: int = 500) -> None:
-    """Send messages that want no reply to a P worker (blocking, at most about `linger_ms`): run it off the loop."""
+def send_once(address: str, msgs: list[Any], linger_ms: int = 500, *, sealer: Any = _FROM_ENV) -> None:
+    """Send messages that want no reply to a P worker (blocking, at most about `linger_ms`): run it off the loop.
+    `sealer` defaults to the deployment key in the environment."""
     import zmq
 
+    sealer = _sealer(sealer)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(address)
         for msg in msgs:
-            sock.send(encode(msg))
+            body = encode(msg)
+            sock.send(sealer.seal(body, TO_P) if sealer is not None else body)
     finally:
         sock.close(linger=linger_ms)
         ctx.term()

@@ -20,9 +20,12 @@ a `held` entry waits for `ready`.
 A CLOSED entry stays as a tombstone for `tombstone_s`, so a pull that
 arrives after a cancel or an expiry is answered at once, not after a wait.
 
-D side (`PullSpec`, what D's scheduler asks its workers to pull; `PullTracker`,
-keyed by D's request id): a pull is live while P keeps answering; silence
-longer than `liveness_s` fails it.
+A transfer may be bound to its D (`bind`: the SHA-256 of a secret the proxy
+gave only that D): a pull or release that does not carry the secret is
+refused and changes nothing, whatever the phase; pulls that arrive before the
+binding is known wait parked and are sifted when it comes.
+
+D side: pdkv.connector.pulls (`PullSpec`, `PullTracker`).
 """
 
 from __future__ import annotations
@@ -113,6 +116,31 @@ class SendTable:
     def __init__(self, limits: SendLimits | None = None) -> None:
         self.limits = limits or SendLimits()
         self.entries: dict[str, SendEntry] = {}
+        self.bindings: dict[str, str] = {}  # transfer_id -> commitment to its D's binding secret; dropped with the entry
+
+    def bind(self, transfer_id: str, commitment: str) -> None:
+        """Only a pull (or release) carrying the secret whose SHA-256 is `commitment` may take `transfer_id`."""
+        if commitment:
+            self.bindings[transfer_id] = commitment
+
+    def _bound_ok(self, transfer_id: str, pull: Any) -> bool | None:
+        """True/False: `pull` does/does not prove the binding; None: nothing to prove against yet (or ever)."""
+        commitment = self.bindings.get(transfer_id)
+        if commitment is None:
+            return None
+        from pdkv.auth import binding_matches
+
+        return binding_matches(_binding_of(pull), commitment)
+
+    def _sift(self, e: SendEntry) -> list[Action]:
+        """Refuse the parked pulls of `e` that do not prove its binding; the rest stay parked."""
+        if e.transfer_id not in self.bindings:
+            return []
+        kept, refused = [], []
+        for x in e.pulls:
+            (kept if self._bound_ok(e.transfer_id, x) else refused).append(x)
+        e.pulls = kept
+        return [Reply(e.transfer_id, x, _NOT_BOUND) for x in refused]
 
     def _close(self, e: SendEntry, now: float, outcome: str) -> None:
         e.phase = Phase.CLOSED
@@ -137,8 +165,9 @@ class SendTable:
                 e.expected = pulls  # `computed` came first (it runs on the model runner's thread)
             return []
         e.phase, e.p_req_id, e.deadline, e.expected = Phase.RUNNING, p_req_id, None, pulls
+        refused = self._sift(e)
         extra, e.pulls = e.pulls[pulls:], e.pulls[:pulls]
-        return [Reply(transfer_id, x, f"transfer {transfer_id} serves {pulls} pull(s) and already has them") for x in extra]
+        return refused + [Reply(transfer_id, x, f"transfer {transfer_id} serves {pulls} pull(s) and already has them") for x in extra]
 
     def _free(self, e: SendEntry, outcome: str) -> list[Action]:
         """Free `e`'s blocks now, or once P's request finishes if the scheduler still holds it."""
@@ -152,7 +181,8 @@ class SendTable:
         if e.served >= e.expected and not e.sending:
             self._close(e, now, "released")
             return self._free(e, "released")
-        starts: list[Action] = [StartSend(e.transfer_id, e.p_req_id, e.blocks or [], x) for x in e.pulls]
+        refused = self._sift(e)
+        starts: list[Action] = refused + [StartSend(e.transfer_id, e.p_req_id, e.blocks or [], x) for x in e.pulls]
         e.sending.update((_pull_id(x, i), x) for i, x in enumerate(e.pulls))
         e.pulls = []
         e.phase = Phase.SENDING if e.sending else Phase.READY
@@ -202,6 +232,8 @@ class SendTable:
 
     def pull(self, transfer_id: str, pull: Any, now: float) -> list[Action]:
         """D asked for the KV of `transfer_id` (`pull` names its D request, see _d_req_id)."""
+        if self._bound_ok(transfer_id, pull) is False:
+            return [Reply(transfer_id, pull, _NOT_BOUND)]
         e = self.entries.get(transfer_id)
         if e is None:
             self.entries[transfer_id] = SendEntry(
@@ -214,7 +246,8 @@ class SendTable:
         # Before registration the number of D requests is not known yet: park up to the bound.
         limit = self.limits.max_fanout if e.phase is Phase.UNSEEN else e.expected
         who = _pull_id(pull, e.claimed)
-        if e.claimed >= limit or who in e.sending or any(_pull_id(x, -1) == who for x in e.pulls):
+        # Parked pulls not yet sifted: one with another secret does not make this one a repeat.
+        if e.claimed >= limit or who in e.sending or any(_pull_id(x, -1) == who and _binding_of(x) == _binding_of(pull) for x in e.pulls):
             return [Reply(transfer_id, pull, f"transfer {transfer_id} already has a pull in progress")]
         if e.phase in (Phase.READY, Phase.SENDING):
             e.phase, e.deadline = Phase.SENDING, None
@@ -224,9 +257,11 @@ class SendTable:
         e.pulls.append(pull)
         return []
 
-    def released(self, transfer_id: str, now: float, d_req_id: str = "") -> list[Action]:
+    def released(self, transfer_id: str, now: float, d_req_id: str = "", proof: Any = None) -> list[Action]:
         """D request `d_req_id` no longer wants the KV (it ended first, or found the prompt cached; or the proxy
-        says no D request will pull it)."""
+        says no D request will pull it). `proof`: the release as sent, checked against the binding like a pull."""
+        if proof is not None and self._bound_ok(transfer_id, proof) is False:
+            return []
         e = self.entries.get(transfer_id)
         if e is None:  # before P saw it: remembered as a tombstone (bounded), so its blocks are freed once they come
             e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.UNSEEN, deadline=now + self.limits.unknown_wait_s)
@@ -283,6 +318,7 @@ class SendTable:
                 actions.extend(self._free(e, outcome))
             elif e.phase is Phase.CLOSED and not e.held:
                 del self.entries[tid]
+                self.bindings.pop(tid, None)
         return actions
 
     def parked_pulls(self) -> list[tuple[str, Any, float | None]]:
@@ -292,6 +328,15 @@ class SendTable:
     def holding(self) -> int:
         """How many transfers hold P's blocks right now."""
         return sum(1 for e in self.entries.values() if e.phase in (Phase.READY, Phase.SENDING))
+
+
+_NOT_BOUND = "this pull does not carry the transfer's binding: only the decode engine the proxy chose may take it"
+
+
+def _binding_of(msg: Any) -> str:
+    """The binding secret a parked pull (its request) or a release carries; "" for none."""
+    request = getattr(msg, "request", msg)
+    return str(getattr(request, "binding", "") or "")
 
 
 def _d_req_id(pull: Any) -> str:
@@ -304,76 +349,10 @@ def _pull_id(pull: Any, index: int) -> str:
     return _d_req_id(pull) or f"#{index}"
 
 
-# --- D side -----------------------------------------------------------------
+# D side: pdkv.connector.pulls, re-exported here for the callers that know both sides from one module.
+from pdkv.connector.pulls import PullEntry, PullOutcome, PullSpec, PullTracker  # noqa: E402
 
-
-@dataclass(frozen=True)
-class PullSpec:
-    """One pull the scheduler asked for. `error` set: fail it at once (invalid params)."""
-
-    d_req_id: str
-    transfer_id: str
-    bootstrap_addr: str
-    engine_id: str
-    block_ids: list[int]
-    first_block: int = 0
-    error: str | None = None
-
-
-@dataclass
-class PullEntry:
-    d_req_id: str
-    transfer_id: str
-    deadline: float
-    aborted: bool = False
-    blocks: tuple[int, ...] = ()  # D's blocks P writes into
-
-
-@dataclass
-class PullOutcome:
-    d_req_id: str
-    transfer_id: str
-    error: str | None  # None: the KV arrived
-    # D's blocks whose KV cannot be trusted: every block of a failed pull, since P may have written any part of
-    # any of them before it failed (one write moves them all); none when the KV arrived or D no longer wants it.
-    failed_blocks: tuple[int, ...] = ()
-
-
-@dataclass
-class PullTracker:
-    """D's pulls in flight. Silence from P longer than `liveness_s` fails a pull."""
-
-    liveness_s: float = 10.0
-    entries: dict[str, PullEntry] = field(default_factory=dict)
-
-    def started(self, d_req_id: str, transfer_id: str, now: float, blocks: tuple[int, ...] = ()) -> None:
-        self.entries[d_req_id] = PullEntry(d_req_id, transfer_id, now + self.liveness_s, blocks=tuple(blocks))
-
-    def heard(self, d_req_id: str, now: float) -> None:
-        """P said it is still working on this pull: it is alive, keep waiting."""
-        e = self.entries.get(d_req_id)
-        if e is not None:
-            e.deadline = now + self.liveness_s
-
-    def finished(self, d_req_id: str, error: str | None) -> PullOutcome | None:
-        e = self.entries.pop(d_req_id, None)
-        if e is None:
-            return None
-        if e.aborted:
-            return PullOutcome(d_req_id, e.transfer_id, error or "aborted by the decode side")
-        return PullOutcome(d_req_id, e.transfer_id, error, e.blocks if error is not None else ())
-
-    def abort(self, d_req_id: str) -> PullEntry | None:
-        e = self.entries.get(d_req_id)
-        if e is not None:
-            e.aborted = True
-        return e
-
-    def tick(self, now: float) -> list[PullOutcome]:
-        out = []
-        for rid, e in list(self.entries.items()):
-            if e.deadline <= now:
-                del self.entries[rid]
-                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s",
-                                       () if e.aborted else e.blocks))
-        return out
+__all__ = [
+    "Action", "Free", "Phase", "PullEntry", "PullOutcome", "PullSpec", "PullTracker", "Reply", "SendEntry", "SendLimits",
+    "SendTable", "StartSend",
+]

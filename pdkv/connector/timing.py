@@ -49,6 +49,10 @@ class TraceLog:
         self._malformed = Counter(
             "pdkv_connector_malformed_total", "Side-channel messages refused as malformed.", ["role"], registry=r
         ).labels(role)
+        self._auth_refused = Counter(
+            "pdkv_connector_auth_refused_total", "Side-channel frames dropped for their seal (deployment key set).",
+            ["role", "reason"], registry=r,
+        )
         self.transfer_s = histogram("pdkv_connector_transfer_seconds", "Duration of one KV write.", r, ["role"]).labels(role)
         self.handover_s = histogram(
             "pdkv_connector_handover_seconds", "P prefill done to D first token scheduled.", r, ["role"]
@@ -57,6 +61,13 @@ class TraceLog:
     def malformed(self) -> None:
         """Count one side-channel message refused as malformed."""
         self._malformed.inc()
+
+    def auth_refused(self, reason: str) -> None:
+        """Count one side-channel frame dropped as unauthenticated, stale or replayed."""
+        self._auth_refused.labels(self.role, reason).inc()
+
+    def auth_refused_total(self, reason: str) -> int:
+        return int(self.registry.get_sample_value("pdkv_connector_auth_refused_total", {"role": self.role, "reason": reason}) or 0)
 
     @property
     def malformed_total(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pdkv.auth import sealer_from_env, token_from_env
 from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url, membership
 from pdkv.connector.layout import TensorInfo, memory_ranges, regions_for_caches
 from pdkv.connector.receiver import KVReceiver, Results
@@ -93,7 +94,7 @@ class ConnectorWorker:
             self.receiver = KVReceiver(
                 self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size,
                 liveness_s=self.config.liveness_s, trace=trace,
-                ipc=self.transport.hello(),
+                ipc=self.transport.hello(), sealer=sealer_from_env(),
             )
             self._join_members()
             return
@@ -101,15 +102,13 @@ class ConnectorWorker:
             from pdkv.bootstrap.server import start_background
 
             host, port = bootstrap_bind(self.config)
-            from pdkv.bootstrap import TOKEN_ENV
-
-            self.bootstrap = start_background(host, port, token=os.environ.get(TOKEN_ENV) or None)
+            self.bootstrap = start_background(host, port, token=token_from_env())
             log.info("pdkv: bootstrap server listening on %s:%d", host, port)
         limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
         self.sender = KVSender(
             self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
             engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,
-            wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000,
+            wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000, sealer=sealer_from_env(),
         )
         self._register_with_bootstrap()
         self._join_members()
@@ -151,7 +150,7 @@ class ConnectorWorker:
         """Steps 14 and 19: hand the scheduler's news to the sender or receiver; never blocks."""
         if self.sender is not None:
             self.sender.apply_step(meta.registered, meta.ready, meta.cancelled, meta.ready_at, scheduled_at=meta.at,
-                                   fanout=meta.fanout)
+                                   fanout=meta.fanout, bindings=meta.bindings)
         if self.receiver is not None:
             self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens, meta.releases)
 

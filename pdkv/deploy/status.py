@@ -62,12 +62,12 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
-def _get(client: Any, url: str) -> tuple[int | None, Any, str]:
+def _get(client: Any, url: str, headers: dict[str, str] | None = None) -> tuple[int | None, Any, str]:
     """(status, parsed JSON or text, error) of GET url; status None when unreachable."""
     import httpx
 
     try:
-        r = client.get(url)
+        r = client.get(url, headers=headers)
     except httpx.HTTPError as exc:
         return None, None, f"unreachable ({type(exc).__name__})"
     try:
@@ -93,14 +93,18 @@ def part_hosts(dep: Deployment) -> dict[str, str]:
 
 def collect_status(
     *, proxy_url: str | None = None, targets: Sequence[tuple[str, str, str]] = (), bootstraps: Sequence[str] = (), timeout: float = 2.0,
-    hosts: dict[str, str] | None = None,
+    hosts: dict[str, str] | None = None, admin_key: str | None = None,
 ) -> StatusReport:
     """Poll every part's /health, each bootstrap's /query and the proxy's /metrics.
 
     Given only a proxy URL, the parts and bootstraps are those the proxy's
-    /health reports.
+    /health reports. `admin_key` (default: env PDKV_ADMIN_KEY) goes to the proxy's /metrics and /pdkv/* only.
     """
     import httpx
+
+    from pdkv.proxy.guard import admin_headers
+
+    admin = admin_headers(admin_key)
 
     targets, boots = list(targets), list(bootstraps)
     parts: list[PartHealth] = []
@@ -117,13 +121,13 @@ def collect_status(
                     targets.append((f"{b.get('role', '?')}-{i}", str(b.get("role", "?")), str(b.get("url", ""))))
                     if b.get("bootstrap"):
                         boots.append(str(b["bootstrap"]))
-            figures = _proxy_figures(client, proxy_url) if status is not None else None
+            figures = _proxy_figures(client, proxy_url, admin) if status is not None else None
         for name, kind, url in targets:
             status, body, err = _get(client, url.rstrip("/") + "/health")
             up = status is not None and 200 <= status < 300
             parts.append(PartHealth(name, kind, url, up, "" if up else err or f"answered {status}", host=(hosts or {}).get(name, "")))
             if kind == "proxy" and figures is None and status is not None:
-                figures = _proxy_figures(client, url)
+                figures = _proxy_figures(client, url, admin)
         registrations: list[Registration] = []
         for boot in sorted(set(boots)):
             status, body, _ = _get(client, boot.rstrip("/") + "/query")
@@ -135,8 +139,8 @@ def collect_status(
     return StatusReport(parts=parts, registrations=registrations, proxy=figures)
 
 
-def _proxy_figures(client: Any, url: str) -> ProxyFigures | None:
-    status, text, _ = _get(client, url.rstrip("/") + "/metrics")
+def _proxy_figures(client: Any, url: str, admin: dict[str, str] | None = None) -> ProxyFigures | None:
+    status, text, _ = _get(client, url.rstrip("/") + "/metrics", admin)
     if status != 200 or not isinstance(text, str):
         return None
     in_flight: dict[str, int] = {}
@@ -149,5 +153,5 @@ def _proxy_figures(client: Any, url: str) -> ProxyFigures | None:
             errors[labels.get("cause", "?")] = int(value)
         elif name == "pdkv_proxy_requests_total":
             requests += int(value)
-    status, recent, _ = _get(client, url.rstrip("/") + "/pdkv/requests?errors=1&limit=5")
+    status, recent, _ = _get(client, url.rstrip("/") + "/pdkv/requests?errors=1&limit=5", admin)
     return ProxyFigures(url, in_flight, requests, errors, recent if status == 200 and isinstance(recent, list) else [])

@@ -118,6 +118,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     env: dict[str, str] = {}
     hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
     kubernetes: KubernetesEntry = KubernetesEntry()  # read by `pdkv k8s render` only (pdkv.k8s)
+    # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
+    # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
+    token: str | None = None
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -316,10 +319,6 @@ def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
     return plan if address is None else msgspec.structs.replace(plan, url=http_url(address, port))
 
 
-def _joins(part: Part, members: str) -> Part:
-    return msgspec.structs.replace(part, plan=joining(part.plan, members))
-
-
 def deployment_parts(dep: Deployment) -> list[Part]:
     """Every process of `dep`, in start order, with its exact command and environment.
 
@@ -371,8 +370,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
     # pdkv's connector: every engine joins the first prefill's bootstrap's members registry, which the proxy follows.
     members = prefills[0].bootstrap_url if prefills and dep.connector == "pdkv" else None
     if members:
-        prefills = [_joins(p, members) for p in prefills]
-        decodes = [_joins(d, members) for d in decodes]
+        prefills, decodes = ([msgspec.structs.replace(p, plan=joining(p.plan, members)) for p in ps] for ps in (prefills, decodes))
     parts += prefills + decodes
     if dep.proxy is not None:
         argv = proxy_args(dep, dep.host)

@@ -65,3 +65,29 @@ def check_vllm_host_ip(host: Host, options: DoctorOptions) -> CheckResult:
             "export VLLM_HOST_IP=<this host's address on the network P and D share> before starting vLLM",
         )
     return CheckResult(name, Status.PASS, f"VLLM_HOST_IP unset; one candidate address: {listed}")
+
+
+def check_deployment_key(host: Host, options: DoctorOptions) -> CheckResult:
+    """Side channels and bootstraps beyond loopback want the deployment key (docs/security.md)."""
+    from pdkv.auth import LEGACY_TOKEN_ENV, TOKEN_ENV
+
+    name = "deployment_key"
+    if host.env.get(TOKEN_ENV) or host.env.get(LEGACY_TOKEN_ENV):
+        return CheckResult(name, Status.PASS, f"{TOKEN_ENV} is set: side-channel frames are sealed, bootstrap writes need it")
+    value = host.env.get("VLLM_HOST_IP", "").strip()
+    if value:
+        exposed = not (_parses(value) and ipaddress.ip_address(value).is_loopback)
+    else:  # vLLM advertises, and P's in-worker bootstrap listens on, the host's own addresses
+        try:
+            exposed = bool(advertised_candidates(host.net_addrs()))
+        except Exception:  # noqa: BLE001 - no address list: assume the host is on a network
+            exposed = True
+    if exposed:
+        where = f"VLLM_HOST_IP={value}" if value else "this host's network addresses"
+        return CheckResult(
+            name, Status.WARN,
+            f"no deployment key ({TOKEN_ENV}) while side channels and bootstraps listen on {where}: whoever reaches a P "
+            "side channel and learns a live transfer id can be sent that prompt's KV",
+            f"export {TOKEN_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))') on every part (see docs/security.md)",
+        )
+    return CheckResult(name, Status.PASS, f"no deployment key, and nothing listens beyond loopback ({TOKEN_ENV} unset)")

@@ -16,7 +16,7 @@ from pdkv.doctor.cma import check_cma
 from pdkv.doctor.gpu import check_gpu_nic_numa, check_gpudirect_rdma, check_gpus, cuda_dmabuf_probe, nvml_gpus, once
 from pdkv.doctor.host import check_alloc_conf, check_mc_env, check_memlock, check_ports
 from pdkv.doctor.model import STATUS_ORDER, Check, CheckResult, DoctorOptions, DoctorReport, Host, Status
-from pdkv.doctor.network import check_vllm_host_ip, local_addresses
+from pdkv.doctor.network import check_deployment_key, check_vllm_host_ip, local_addresses
 from pdkv.doctor.rdma import check_rdma_device, check_rdma_devices, check_roce_gid, check_uverbs
 from pdkv.doctor.software import check_mooncake, check_vllm
 from pdkv.doctor.sysroot import SysRoot
@@ -33,6 +33,7 @@ CHECKS: tuple[Check, ...] = (
     check_gpu_nic_numa,
     check_alloc_conf,
     check_vllm_host_ip,
+    check_deployment_key,
     check_mc_env,
     check_mooncake,
     check_cma,

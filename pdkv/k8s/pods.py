@@ -87,7 +87,7 @@ def pod_ip_env() -> dict[str, Any]:
 
 
 def token_env(k: KubernetesEntry) -> list[dict[str, Any]]:
-    """The bootstrap token from the operator's Secret, in the variable the bootstrap and connector read."""
+    """The deployment key from the operator's Secret, in the variable every pdkv part reads (docs/security.md)."""
     from pdkv.bootstrap import TOKEN_ENV
 
     if k.token_secret is None:

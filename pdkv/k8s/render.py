@@ -216,10 +216,9 @@ def _service_objects(dep: Deployment, role: Literal["bootstrap", "proxy"], ns: s
         # The proxy's /health is 503 while no P/D pair is routable: alive all the same, so liveness only asks for the socket.
         "livenessProbe": {"tcpSocket": {"port": port_name}, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
     }
-    if role == "bootstrap":
-        container["env"] = pods.token_env(k)
-        if not container["env"]:
-            del container["env"]
+    # The deployment key: the bootstrap guards its writes with it, the proxy seals what it tells P's side channel.
+    if env := pods.token_env(k):
+        container["env"] = env
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, ns, labels),
         "spec": {

@@ -19,6 +19,9 @@ cancels both. A transfer no D request will take is released at P. A body whose o
 reads (CompletionFields) do not decode is a 400 before any backend sees it.
 Error messages name the failed stage, never a backend's address (see
 pdkv.proxy.errors); the addresses go to the log and the request's record.
+With API keys or an admin key set (pdkv.proxy.guard) a request without the
+right one is a 401 before anything else. Transfer ids are minted here (128
+random bits); the client's X-Request-Id only names the request.
 """
 
 from __future__ import annotations
@@ -31,22 +34,17 @@ from typing import Any
 
 import msgspec
 
-from pdkv.protocol import CompletionFields, ProxyTiming, transfer_id_for
+from pdkv.auth import new_binding
+from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
+from pdkv.proxy.guard import HttpGuard
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
-from pdkv.proxy.http import Request, ServerConnection, UpstreamError, fetch
+from pdkv.proxy.http import UpstreamError, fetch
+from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import (
-    KvConnector,
-    ProxyConfig,
-    decode_request,
-    local_request,
-    prefill_headers,
-    prefill_request,
-    unsupported_field,
-)
+from pdkv.proxy.routing import KvConnector, ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -61,14 +59,19 @@ FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
 class ProxyApp:
     """The request handlers over a `Backends` view; `handle` is the server's one entry point."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, guard: HttpGuard | None = None) -> None:
         self.config = config
+        self.guard = guard or HttpGuard()
         self.backends = Backends(config)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
+        refused = self.guard.refusal(path, req.headers.get("authorization"))
+        if refused is not None:
+            conn.respond(401, error_body(401, refused, "unauthorized"), headers=[("www-authenticate", "Bearer")])
+            return
         if path in COMPLETION_PATHS:
             if method != "POST":
                 conn.respond(405, error_body(405, f"{path} takes POST", "bad_request"))
@@ -79,7 +82,7 @@ class ProxyApp:
             conn.respond(status, error_body(status, f"no route {method} {path}", "bad_request"))
         elif path == "/health":
             ready, reason = self.backends.readiness()
-            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backend_report(),
+            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backends.report(),
                     "notes": self.backends.notes}
             conn.respond(200 if ready else 503, _json_encode(body))
         elif path == "/metrics":
@@ -96,15 +99,6 @@ class ProxyApp:
                 conn.respond(200, _json_encode(timing))
         else:
             conn.respond(404, error_body(404, f"no route {method} {path}", "bad_request"))
-
-    def backend_report(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for p in self.backends.prefills:
-            out.append({"role": "prefill", "url": p.url, "up": p.up, "reason": p.reason, "bootstrap": p.bootstrap_url,
-                        "engines": {str(k): v for k, v in p.engines.items()}})
-        for d in self.backends.decodes:
-            out.append({"role": "decode", "url": d.url, "up": d.up, "reason": d.reason})
-        return out
 
     def recent(self, query: str) -> list[ProxyTiming]:
         params = dict(p.partition("=")[::2] for p in query.split("&") if p)
@@ -132,10 +126,13 @@ class ProxyApp:
 
     async def proxy(self, req: Request, conn: ServerConnection, endpoint: str) -> None:
         received = time.time()
+        # The client's X-Request-Id names the request in logs and traces only; the transfer id is the proxy's own.
         request_id = req.headers.get("x-request-id") or uuid.uuid4().hex
-        transfer_id = transfer_id_for(request_id)
+        transfer_id = new_transfer_id()
         t = ProxyTiming(request_id=request_id, transfer_id=transfer_id, endpoint=endpoint, received=received)
-        self.timings.add(t)
+        if not self.timings.add(t):  # 128 random bits repeated: refused rather than two requests racing for one KV
+            self._finish_error(conn, t, 409, "bad_request", "transfer id collision; retry the request")
+            return
         try:
             body = _json_decode(req.body)
         except msgspec.DecodeError as exc:
@@ -177,8 +174,11 @@ class ProxyApp:
         headers = prefill_headers(request_id, target)
         if auth:
             headers.append(("Authorization", auth))
-        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(prefill_request(body, transfer_id)), headers)
-        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target)), d_headers)
+        # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
+        secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
+        p_body = prefill_request(body, transfer_id, commitment)
+        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
+        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target, secret)), d_headers)
 
         flight = Flight(asyncio.get_running_loop(), t)
         p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
@@ -201,7 +201,7 @@ class ProxyApp:
             if t.error is not None or fallback is not None:
                 # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
                 # P closed the transfer and the release is a no-op): P may free its blocks now.
-                self._release_at_prefill(p_state, t, fields.n or 1)
+                self._release_at_prefill(p_state, t, fields.n or 1, secret)
             if fallback is not None:
                 await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
@@ -312,7 +312,7 @@ class ProxyApp:
                 return None
             await flight.wait()
 
-    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int) -> None:
+    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int, binding: str) -> None:
         """Tell P's connector (one Release per D request that would have pulled) that nobody will pull this
         transfer, off the loop, so that P frees its blocks now instead of after its expiry. vLLM's connector
         would not understand it: only with pdkv's."""
@@ -322,7 +322,8 @@ class ProxyApp:
         addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
         if self.config.connector is not KvConnector.PDKV or not addrs:
             return
-        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left") for _ in range(pulls)]
+        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left", binding=binding)
+                for _ in range(pulls)]
         loop = asyncio.get_running_loop()
         for addr in addrs:
             loop.run_in_executor(None, send_once, addr, msgs)

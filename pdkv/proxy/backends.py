@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from pdkv.errors import PdkvError
 from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
@@ -127,6 +128,16 @@ class Backends:
             detail = "; ".join(f"{d.url}: {d.reason}" for d in self.decodes) or "none known yet"
             return False, f"no decode server is ready ({detail})"
         return True, "ok"
+
+    def report(self) -> list[dict[str, Any]]:
+        """Every backend as /health lists it."""
+        out: list[dict[str, Any]] = []
+        for p in self.prefills:
+            out.append({"role": "prefill", "url": p.url, "up": p.up, "reason": p.reason, "bootstrap": p.bootstrap_url,
+                        "engines": {str(k): v for k, v in p.engines.items()}})
+        for d in self.decodes:
+            out.append({"role": "decode", "url": d.url, "up": d.up, "reason": d.reason})
+        return out
 
     def rows(self) -> list[tuple[str, str, bool, int]]:
         return [(b.role, b.url, b.up, b.outstanding) for b in (*self.prefills, *self.decodes)]

@@ -102,25 +102,32 @@ class ProxyMetrics:
 
 
 class TimingLog:
-    """The last `capacity` requests' timings, by request id, oldest dropped first."""
+    """The last `capacity` requests' timings, by request id (the client's correlation id) and by transfer id,
+    oldest dropped first. Owned by the proxy's event loop."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
         self._items: collections.OrderedDict[str, ProxyTiming] = collections.OrderedDict()
+        self._by_transfer: dict[str, ProxyTiming] = {}
 
-    def add(self, t: ProxyTiming) -> None:
+    def add(self, t: ProxyTiming) -> bool:
+        """Record `t`; False (and nothing recorded) if its transfer id is already in the log."""
+        if t.transfer_id in self._by_transfer:
+            return False
         items = self._items
+        old = items.pop(t.request_id, None)  # a client reusing its request id: the newer request keeps the name
+        if old is not None:
+            self._by_transfer.pop(old.transfer_id, None)
         items[t.request_id] = t
-        items.move_to_end(t.request_id)
+        self._by_transfer[t.transfer_id] = t
         if len(items) > self.capacity:
-            items.popitem(last=False)
+            _, dropped = items.popitem(last=False)
+            self._by_transfer.pop(dropped.transfer_id, None)
+        return True
 
     def get(self, key: str) -> ProxyTiming | None:
-        """By request id, or by transfer id (`xfer-<request id>`)."""
-        t = self._items.get(key)
-        if t is None and key.startswith("xfer-"):
-            t = self._items.get(key[5:])
-        return t
+        """By request id, or by transfer id."""
+        return self._items.get(key) or self._by_transfer.get(key)
 
     def recent(self, limit: int, keep: Callable[[ProxyTiming], bool] | None = None) -> list[ProxyTiming]:
         """Newest first."""

@@ -205,8 +205,10 @@ class Pairing(msgspec.Struct, frozen=True):
 # --- rewriting ---------------------------------------------------------------
 
 
-def prefill_request(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    """P's copy of a client's completions body: one token, by length, no stream, no stop conditions."""
+def prefill_request(body: dict[str, Any], transfer_id: str, decode_binding: str = "") -> dict[str, Any]:
+    """P's copy of a client's completions body: one token, by length, no stream, no stop conditions.
+
+    `decode_binding` (pdkv's connector only): the commitment to the binding secret only the chosen D gets."""
     p = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
     p["max_tokens"] = 1
     if "max_completion_tokens" in p:
@@ -216,9 +218,11 @@ def prefill_request(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     # One prefill whatever the client's n: D samples the n choices, each one pulling the same KV.
     n = body.get("n") or 1
     p["n"] = 1
-    params = msgspec.to_builtins(PrefillParams(transfer_id=transfer_id, pulls=n))
+    params = msgspec.to_builtins(PrefillParams(transfer_id=transfer_id, pulls=n, decode_binding=decode_binding))
     if n == 1:
         del params["pulls"]  # P's params stay exactly vLLM's contract where there is nothing to add
+    if not decode_binding:
+        del params["decode_binding"]
     p["kv_transfer_params"] = params
     return p
 
@@ -246,16 +250,21 @@ def local_request(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
-def decode_request(body: dict[str, Any], transfer_id: str, target: PrefillTarget) -> dict[str, Any]:
-    """D's copy: the client's own request, told where its KV comes from."""
+def decode_request(body: dict[str, Any], transfer_id: str, target: PrefillTarget, binding: str = "") -> dict[str, Any]:
+    """D's copy: the client's own request, told where its KV comes from; `binding`: the transfer's binding
+    secret (pdkv's connector only), which D shows P to prove it is the D this transfer is for."""
     d = dict(body)
-    d["kv_transfer_params"] = msgspec.to_builtins(
+    params = msgspec.to_builtins(
         DecodeParams(
             transfer_id=transfer_id,
             remote_bootstrap_addr=target.bootstrap_url,
             remote_engine_id=target.engine_id,
+            binding=binding,
         )
     )
+    if not binding:
+        del params["binding"]
+    d["kv_transfer_params"] = params
     return d
 
 

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pdkv.proxy.app import ProxyApp
-from pdkv.proxy.http import ServerConnection
+from pdkv.proxy.guard import HttpGuard
+from pdkv.proxy.listener import ServerConnection
 from pdkv.proxy.routing import ProxyConfig
 from pdkv.service import BackgroundLoop, listen, stop_on_signals
 
@@ -24,9 +25,12 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 class ProxyServer:
     """One proxy on one socket: `await start()`, then `await stop()`."""
 
-    def __init__(self, config: ProxyConfig, sock: socket.socket | None = None) -> None:
+    def __init__(self, config: ProxyConfig, sock: socket.socket | None = None, *, guard: HttpGuard | None = None,
+                 ssl: Any = None) -> None:
+        """`guard`: who may use which route (pdkv.proxy.guard); `ssl`: an SSLContext to serve TLS with."""
         self.config = config
-        self.app = ProxyApp(config)
+        self.ssl = ssl
+        self.app = ProxyApp(config, guard)
         self.sock = sock if sock is not None else listen(config.host, config.port, backlog=2048)
         self.port: int = self.sock.getsockname()[1]
         self._server: asyncio.AbstractServer | None = None
@@ -38,7 +42,7 @@ class ProxyServer:
         readiness is known."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: ServerConnection(self.app.handle, self._connections), sock=self.sock
+            lambda: ServerConnection(self.app.handle, self._connections), sock=self.sock, ssl=self.ssl
         )
         self._health = loop.create_task(self.app.backends.run_health())
         with contextlib.suppress(asyncio.TimeoutError):
@@ -70,9 +74,11 @@ def serve(
     *,
     on_ready: Callable[[ProxyServer], None] | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT,
+    guard: HttpGuard | None = None,
+    ssl: Any = None,
 ) -> None:
     """Serve until SIGINT or SIGTERM; `on_ready(server)` runs once the first health round is done."""
-    server = ProxyServer(config)
+    server = ProxyServer(config, guard=guard, ssl=ssl)
 
     async def main() -> None:
         with stop_on_signals() as stop:
@@ -104,16 +110,16 @@ def _loop_factory() -> Any:
 class BackgroundProxy(BackgroundLoop):
     """`with BackgroundProxy(config) as proxy: proxy.url` — a proxy on a daemon thread (port 0 picks one)."""
 
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, *, guard: HttpGuard | None = None, ssl: Any = None) -> None:
         super().__init__(shutdown_timeout=1.0)
         self.config = config
-        self.server = ProxyServer(config)
+        self.server = ProxyServer(config, guard=guard, ssl=ssl)
         self.port = self.server.port
         self.label = f"proxy on port {self.port}"
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        return f"{'https' if self.server.ssl is not None else 'http'}://{self.config.host}:{self.port}"
 
     @property
     def app(self) -> ProxyApp:

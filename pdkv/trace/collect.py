@@ -79,8 +79,14 @@ class TraceSession:
         timeout: float = 300.0,
         connector_wait_s: float = 5.0,
         progress: Progress | None = None,
+        admin_key: str | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """`admin_key` (default: env PDKV_ADMIN_KEY) for the proxy's /pdkv/*; `api_key` (default: the first
+        of env PDKV_API_KEY) for its /v1/*."""
         import httpx
+
+        from pdkv.proxy.guard import admin_headers, api_headers
 
         if prompt is None and prompt_tokens < 1:
             raise UsageError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
@@ -93,6 +99,7 @@ class TraceSession:
         self.connector_wait_s = connector_wait_s
         self.progress = progress or (lambda _msg: None)
         self.client = httpx.Client(base_url=self.proxy_url, timeout=10.0, trust_env=False)
+        self._admin, self._api = admin_headers(admin_key), api_headers(api_key)
         try:
             self.prefills, self.decodes = self._backends()
             self.bootstrap_override = bootstrap_url
@@ -109,8 +116,9 @@ class TraceSession:
     def _get(self, path: str, what: str) -> Any:
         import httpx
 
+        headers = self._admin if path.startswith(("/pdkv/", "/metrics")) else self._api if path.startswith("/v1/") else None
         try:
-            return self.client.get(path)
+            return self.client.get(path, headers=headers)
         except httpx.HTTPError as exc:
             raise UnreachableError(f"proxy {self.proxy_url} did not answer {what}: {exc}",
                                    hint="is `pdkv proxy` (or `pdkv up`) running there?") from None
@@ -182,7 +190,7 @@ class TraceSession:
         first: float | None = None
         usage: dict[str, Any] = {}
         try:
-            with self.client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": request_id},
+            with self.client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": request_id, **self._api},
                                     timeout=self.timeout) as r:
                 if r.status_code != 200:
                     r.read()

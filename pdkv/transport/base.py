@@ -6,30 +6,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-from pdkv.protocol import Address, BlockCount, Length, check_span
+from pdkv.protocol import Region
+
+__all__ = ["Descriptor", "Region", "Transport", "Written"]
 
 if TYPE_CHECKING:
     from pdkv.protocol import IpcExport
-
-
-class Region(msgspec.Struct, frozen=True):
-    """One registered KV region: `num_blocks` blocks of `block_len` bytes each, starting at `base`.
-
-    For a blocks-contiguous layout a region is one layer's cache; layouts that
-    keep K and V apart have two regions per layer. Block `b` occupies
-    [base + b * block_len, base + (b + 1) * block_len).
-    """
-
-    base: Address  # bounded so a peer's regions decode (bench's Ready) only when they make sense
-    block_len: Length
-    num_blocks: BlockCount
-
-    def __post_init__(self) -> None:
-        check_span("region", self.base, self.block_len * self.num_blocks)
-
-    @property
-    def size(self) -> int:
-        return self.block_len * self.num_blocks
 
 
 class Descriptor(msgspec.Struct, frozen=True, array_like=True):

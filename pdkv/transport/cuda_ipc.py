@@ -28,6 +28,7 @@ from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session, ipc_session_process
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
+from pdkv.transport.planner import check_ranges
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
 
@@ -292,8 +293,7 @@ class CudaIpcTransport:
 
         self._bind_thread()
 
-        if len(local_blocks) != len(remote_blocks):
-            raise TransferError(f"{len(local_blocks)} local blocks cannot pair with {len(remote_blocks)} remote blocks")
+        check_ranges(list(local_blocks), list(remote_blocks), local_regions, remote_regions)
         if not len(local_blocks) or not local_regions:
             return Written(0, 0)
         layout = self._region_layout(peer, local_regions, remote_regions)

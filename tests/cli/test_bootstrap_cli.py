@@ -131,7 +131,7 @@ def test_deregister_needs_the_token_and_frees_the_rank(capsys, monkeypatch):
             client.register(RegisterRequest("eng-a", 0, 0, 0, "tcp://127.0.0.1:6000"))
         assert run(["bootstrap", "deregister", "eng-a", "--url", svc.url]) == 1
         err = capsys.readouterr().err
-        assert "(401)" in err and "PDKV_BOOTSTRAP_TOKEN" in err
+        assert "(401)" in err and "PDKV_TOKEN" in err
         monkeypatch.setenv("PDKV_BOOTSTRAP_TOKEN", "s3cret")
         assert run(["bootstrap", "deregister", "eng-a", "--url", svc.url, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["removed"] == 1

@@ -106,7 +106,8 @@ def preflight_fails(capsys, *args: str) -> str:
     err = capsys.readouterr().err
     assert code == 3, err
     assert "pre-flight" in err
-    return err
+    # Without a deployment key `pdkv up` first warns of what listens beyond loopback (one JSON line each).
+    return "\n".join(line for line in err.splitlines() if not line.startswith('{"event": "warning"'))
 
 
 def test_preflight_port_taken(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
@@ -237,3 +238,31 @@ def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: P
     assert {p["restart"] for p in dry_run(capsys, "--platform", "cpu")} == {"on-failure"}  # the default
     assert run(["up", "--restart", "always", "--dry-run"]) == 2
     assert "--restart 'always' is not one of on-failure, no" in capsys.readouterr().err
+
+
+def _fleet_file(tmp_path: Path, token: str | None) -> Path:
+    f = tmp_path / "deploy.toml"
+    key = f'token = "{token}"\n' if token else ""
+    f.write_text(f'model = "m"\nplatform = "cpu"\nprotocol = "tcp"\nhost = "0.0.0.0"\nhost_ip = "10.0.0.5"\n{key}'
+                 "[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\n")
+    return f
+
+
+def test_up_warns_of_side_channels_and_bootstraps_beyond_loopback_without_a_key(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("PDKV_TOKEN", raising=False)
+    monkeypatch.delenv("PDKV_BOOTSTRAP_TOKEN", raising=False)
+    assert run(["up", "-f", str(_fleet_file(tmp_path, None)), "--dry-run", "--json"]) == 0
+    warnings = [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines() if '"warning"' in line]
+    assert any("bootstrap-0 listens on 0.0.0.0 with no deployment key" in w for w in warnings), warnings
+    assert any("prefill-0's KV side channel listens on 10.0.0.5 with no deployment key" in w for w in warnings), warnings
+
+
+def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints_it_nowhere(capsys, tmp_path: Path,
+                                                                                           monkeypatch) -> None:
+    monkeypatch.setenv("PDKV_TOKEN", "")  # so that monkeypatch puts it back as it was once the test is over
+    docs = dry_run(capsys, "-f", str(_fleet_file(tmp_path, "s3cret-key")))
+    import os
+
+    assert os.environ["PDKV_TOKEN"] == "s3cret-key"  # what every part inherits (ManagedProcess copies os.environ)
+    assert "s3cret-key" not in json.dumps(docs)
+    assert "warning" not in capsys.readouterr().err

@@ -185,7 +185,7 @@ def test_pd_answer_equals_colocated_and_d_computes_one_token(pair: Pair, prompts
     assert delta.get("local_cache_hit", 0) == 0
     assert delta.get("external_kv_transfer", 0) >= n - 1 and delta.get("local_compute", 0) <= 1, delta
     if pair.connector == "pdkv":
-        trace = p_trace(pair, f"xfer-{rid}")
+        trace = p_trace(pair, proxy_tid(pair, rid))
         plan = plan_transfer(geometry_from_model(pair.model), prompt_tokens=n, block_size=BLOCK)
         assert trace.bytes == plan.transfer_bytes
         assert trace.status == "sent"
@@ -193,8 +193,13 @@ def test_pd_answer_equals_colocated_and_d_computes_one_token(pair: Pair, prompts
         deadline = time.monotonic() + 5
         while trace.first_step_tokens == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
-            trace = p_trace(pair, f"xfer-{rid}")
+            trace = p_trace(pair, proxy_tid(pair, rid))
         assert trace.first_step_tokens == 1
+
+
+def proxy_tid(pair: Pair, rid: str) -> str:
+    """The transfer id the proxy minted for the request it knows as `rid` (the client's X-Request-Id)."""
+    return str(httpx.get(f"{pair.proxy_url}/pdkv/requests/{rid}", timeout=5).json()["transfer_id"])
 
 
 def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
@@ -348,7 +353,7 @@ def test_trace_holds_every_step_of_both_sides(pair: Pair, prompts, colocated) ->
     assert_same(answer(r), colocated[1000])
     deadline = time.monotonic() + 5
     while True:
-        t = p_trace(pair, f"xfer-{rid}")
+        t = p_trace(pair, proxy_tid(pair, rid))
         if "first_token_scheduled" in t.events or time.monotonic() > deadline:
             break
         time.sleep(0.1)

@@ -103,7 +103,8 @@ def test_proxy_serves_real_pd_and_never_hangs_on_stop_tokens(pd_pair, tiny_model
         timing = c.get("/pdkv/requests/e2e-plain").json()
         assert timing["status"] == 200 and timing["prefill_status"] == 200
         assert timing["received"] <= timing["prefill_responded"] <= timing["last_byte"]
-        assert c.get("/pdkv/requests/xfer-e2e-stop").json()["status"] == 200
+        stop_tid = c.get("/pdkv/requests/e2e-stop").json()["transfer_id"]
+        assert c.get(f"/pdkv/requests/{stop_tid}").json()["status"] == 200
         metrics = c.get("/metrics").text
         assert 'pdkv_proxy_requests_total{status="200"}' in metrics
         assert "pdkv_proxy_prefill_seconds_count" in metrics

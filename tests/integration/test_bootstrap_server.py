@@ -262,7 +262,7 @@ def test_token_guards_register_and_deregister_but_not_query():
             assert metric(http, 'pdkv_bootstrap_rejects_total{reason="unauthorized"}') == 3
         with pytest.raises(RemoteError) as info, BootstrapClient(svc.url) as anonymous:
             anonymous.register(RegisterRequest("eng-a", 0, 0, 0, a))
-        assert info.value.status == 401 and "PDKV_BOOTSTRAP_TOKEN" in (info.value.hint or "")
+        assert info.value.status == 401 and "PDKV_TOKEN" in (info.value.hint or "")
         with BootstrapClient(svc.url, token="s3cret") as client:
             client.register(RegisterRequest("eng-a", 0, 0, 0, a))
             with BootstrapClient(svc.url) as anonymous:

@@ -424,3 +424,22 @@ def test_a_pull_to_a_prefill_whose_side_channel_is_gone_fails_at_once(make_pair)
     res = wait_results(pair.receiver, {"d2"}, timeout=5)
     assert time.monotonic() - t0 < 1.0 and "gone" in res.failed["d2"]
     assert res.failed_blocks["d2"] == (1,)
+
+
+def test_a_p_that_forgot_ds_regions_refuses_the_pull_and_d_announces_again(make_pair):
+    pair = make_pair()
+    pair.sender.apply_step(registered={"p1": "x1", "p2": "x2", "p3": "x3"})
+    pair.sender.apply_step(ready={"p1": ("x1", [1]), "p2": ("x2", [2]), "p3": ("x3", [3])})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [4])])
+    assert wait_results(pair.receiver, {"d1"}).failed == {}
+    pair.sender._loop.submit(_forget(pair.sender)).result(5)  # as if P's table of announcements dropped D's
+    pair.receiver.apply_step(pulls=[pair.spec("d2", "x2", [5])])
+    assert "has not announced" in wait_results(pair.receiver, {"d2"}).failed["d2"]
+    pair.receiver.apply_step(pulls=[pair.spec("d3", "x3", [6])])
+    assert wait_results(pair.receiver, {"d3"}).failed == {}
+    assert_copied(pair, [1, 3], [4, 6])
+    assert_untouched(pair, [4, 6])
+
+
+async def _forget(sender: KVSender) -> None:
+    sender._announced.clear()

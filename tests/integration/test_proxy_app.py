@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from pdkv.auth import binding_matches
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
@@ -124,7 +126,9 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "
 class Deployment:
     """Stub P(s) and D(s), one real bootstrap server per P, and a proxy in front."""
 
-    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, **config: Any) -> None:
+    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, *, guard: Any = None,
+                 ssl: Any = None, **config: Any) -> None:
+        self.guard, self.ssl = guard, ssl
         self.prefills = [Stub(f"p{i}") for i in range(n_prefill)]
         self.decodes = [Stub(f"d{i}") for i in range(n_decode)]
         self.engines = {0: "engine-a"} if engines is None else engines
@@ -157,7 +161,7 @@ class Deployment:
             port=0,
             **self.config_overrides,
         )
-        self.proxy = BackgroundProxy(cfg).start()
+        self.proxy = BackgroundProxy(cfg, guard=self.guard, ssl=self.ssl).start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -200,11 +204,17 @@ def test_stream_is_forwarded_and_both_copies_rewritten(deployment: Deployment):
     (d_headers, d_body), = deployment.decodes[0].seen
     assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and p_body["stream"] is False
     assert "stop" not in p_body and "stop_token_ids" not in p_body
-    assert p_body["kv_transfer_params"] == {"transfer_id": "xfer-req-42", "do_remote_decode": True, "do_remote_prefill": False}
+    tid = p_body["kv_transfer_params"]["transfer_id"]
+    # Minted by the proxy (128 random bits), not taken from the client's X-Request-Id.
+    assert re.fullmatch(r"xfer-[0-9a-f]{32}", tid) and "req-42" not in tid
+    commitment = p_body["kv_transfer_params"].pop("decode_binding")
+    assert p_body["kv_transfer_params"] == {"transfer_id": tid, "do_remote_decode": True, "do_remote_prefill": False}
     assert p_headers["x-request-id"] == "req-42" and "x-data-parallel-rank" not in p_headers
     assert d_body["max_tokens"] == 16 and d_body["stream"] is True and d_body["stop"] == ["\n\n"]
+    # Only D gets the binding secret; P gets its SHA-256.
+    assert binding_matches(d_body["kv_transfer_params"].pop("binding"), commitment)
     assert d_body["kv_transfer_params"] == {
-        "transfer_id": "xfer-req-42",
+        "transfer_id": tid,
         "remote_bootstrap_addr": deployment.bootstraps[0].url,
         "remote_engine_id": "engine-a",
         "do_remote_decode": False,
@@ -217,7 +227,7 @@ def test_timings_are_recorded_per_request(deployment: Deployment):
     with deployment.client() as c:
         assert c.post("/v1/completions", json=REQUEST, headers={"X-Request-Id": "t-1"}).status_code == 200
         t = c.get("/pdkv/requests/t-1").json()
-        assert c.get("/pdkv/requests/xfer-t-1").json() == t
+        assert c.get(f"/pdkv/requests/{t['transfer_id']}").json() == t
         recent = c.get("/pdkv/requests", params={"limit": 5}).json()
         assert c.get("/pdkv/requests/nope").status_code == 404
     assert recent[0]["request_id"] == "t-1"
@@ -332,10 +342,10 @@ def test_decode_error_reaches_the_client_and_cancels_prefill(deployment: Deploym
 class FateServer:
     """A P worker's side channel that answers stats queries with one failed transfer, as pdkv's connector would."""
 
-    def __init__(self, transfer_id: str) -> None:
+    def __init__(self, transfer_id: Callable[[], str]) -> None:
         from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 
-        self.transfer_id = transfer_id
+        self.transfer_id = transfer_id  # asked when a query comes: the proxy mints transfer ids
         self.seen: list[Any] = []
         self.loop = EventLoopThread("fate")
         self.server = SideChannelServer(self.loop, "127.0.0.1", self.handle)
@@ -345,13 +355,18 @@ class FateServer:
 
         self.seen.append(msg)
         if isinstance(msg, StatsQuery):
-            trace = TransferTrace(transfer_id=self.transfer_id, status="cancelled",
+            trace = TransferTrace(transfer_id=self.transfer_id(), status="cancelled",
                                   error="prefill request p-1 finished as FINISHED_ABORTED", events={"registered": time.time()})
             await self.server.send(identity, StatsReply(engine_id="engine-a", tp_rank=0, traces=[trace], metrics=""))
 
     def close(self) -> None:
         self.server.close()
         self.loop.stop()
+
+
+def _p_transfer_id(dep: Deployment) -> str:
+    """The transfer id of the last request P saw (the proxy mints them)."""
+    return str(dep.prefills[0].seen[-1][1]["kv_transfer_params"]["transfer_id"])
 
 
 def _register_side_channel(dep: Deployment, addr: str) -> None:
@@ -365,7 +380,7 @@ def _register_side_channel(dep: Deployment, addr: str) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, stream: bool):
     # D (vLLM) only says "Internal server error"; P's connector knows the transfer was cancelled, and why.
-    fate = FateServer("xfer-req-fate")
+    fate = FateServer(lambda: _p_transfer_id(deployment))
     try:
         _register_side_channel(deployment, fate.server.address)
         if stream:
@@ -377,7 +392,7 @@ def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, str
             err = json.loads(_events(r.text)[0])["error"] if stream else r.json()["error"]
             assert err["cause"] == "decode_kv_transfer"
             assert "Internal server error" in err["message"]
-            assert "xfer-req-fate cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
+            assert f"{_p_transfer_id(deployment)} cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
             _assert_no_address(r.text)
             assert deployment.decodes[0].url in c.get("/pdkv/requests/req-fate").json()["detail"]
             assert c.get("/pdkv/requests").json()[0]["error"] == "decode_kv_transfer"
@@ -641,7 +656,7 @@ def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deploymen
     # No D request will pull this KV: P's connector is told at once (one Release per choice), not after its expiry.
     from pdkv.protocol import Release
 
-    fate = FateServer("unused")
+    fate = FateServer(lambda: "unused")
     try:
         _register_side_channel(deployment, fate.server.address)
         deployment.decodes[0].behaviour.update(status=400, body={"error": {"message": "bad"}})
@@ -650,7 +665,10 @@ def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deploymen
                        headers={"X-Request-Id": f"rel-{n}"})
         assert r.status_code == 400
         _wait_for(lambda: sum(isinstance(m, Release) for m in fate.seen) == n, what="the Releases at P")
-        assert all(m.transfer_id == "xfer-rel-" + str(n) for m in fate.seen if isinstance(m, Release))
+        assert all(m.transfer_id == _p_transfer_id(deployment) for m in fate.seen if isinstance(m, Release))
+        # The proxy's release proves the binding, as D's would.
+        commitment = deployment.prefills[0].seen[-1][1]["kv_transfer_params"]["decode_binding"]
+        assert all(binding_matches(m.binding, commitment) for m in fate.seen if isinstance(m, Release))
         deployment.decodes[0].behaviour.update(status=200)
         with deployment.client() as c:
             assert c.post("/v1/completions", json={**REQUEST, "stream": False}).status_code == 200

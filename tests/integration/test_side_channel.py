@@ -17,8 +17,7 @@ import zmq
 from pdkv.connector.sender import KVSender
 from pdkv.connector.side_channel import decode_reply, encode
 from pdkv.connector.state import SendLimits
-from pdkv.protocol import ErrorReply, PullReply, PullRequest, PullStatus, RegionSpec, StatsQuery, StatsReply
-from pdkv.transport.base import Region
+from pdkv.protocol import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
 from pdkv.transport.mooncake import MooncakeTransport
 
 BLOCKS, BLOCK_LEN = 8, 256
@@ -32,13 +31,14 @@ def world() -> Iterator[dict]:
         pt.register([(p_mem.ctypes.data, p_mem.nbytes)])
         dt.register([(d_mem.ctypes.data, d_mem.nbytes)])
         p_regions = [Region(p_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
-        d_regions = [RegionSpec(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
+        d_regions = [Region(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
         with KVSender(pt, p_regions, host="127.0.0.1", engine_id="e", limits=SendLimits(unknown_wait_s=0.5), heartbeat_s=0.1) as sender:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, 3000)
             sock.connect(sender.address)
+            sock.send(encode(Announce(session=dt.session_address, tp_rank=0, tp_size=1, regions=d_regions)))
             try:
                 yield {"sender": sender, "sock": sock, "d_mem": d_mem, "d_regions": d_regions, "session": dt.session_address}
             finally:
@@ -47,10 +47,11 @@ def world() -> Iterator[dict]:
 
 
 def pull(w: dict, tid: str, blocks: list[int], **kw) -> PullRequest:
-    return PullRequest(
-        transfer_id=tid, d_req_id="d-" + tid, session=w["session"], tp_rank=0, tp_size=1,
-        regions=kw.pop("regions", w["d_regions"]), block_ids=blocks, **kw,
-    )
+    return PullRequest(transfer_id=tid, d_req_id="d-" + tid, session=w["session"], tp_rank=0, tp_size=1, block_ids=blocks, **kw)
+
+
+def announce(w: dict, regions: list[Region] | None = None) -> Announce:
+    return Announce(session=w["session"], tp_rank=0, tp_size=1, regions=w["d_regions"] if regions is None else regions)
 
 
 def recv_final(sock: zmq.Socket):
@@ -100,12 +101,25 @@ def test_out_of_range_block_ids_are_refused_and_nothing_is_written(world):
     assert isinstance(reply, PullReply) and reply.status == PullStatus.ERROR and "outside" in reply.error
     # A region claiming more blocks than the peer registered cannot stretch the write either:
     # its length must match P's block length, and P checks its own ids too.
-    doubled = [RegionSpec(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]]
-    world["sock"].send(encode(pull(world, "x1", [0], regions=doubled)))
+    doubled = [Region(r.base, r.block_len * 2, r.num_blocks) for r in world["d_regions"]]
+    world["sock"].send(encode(announce(world, doubled)))
+    refused = decode_reply(world["sock"].recv())
+    assert isinstance(refused, ErrorReply) and "block is" in refused.error
+    world["sock"].send(encode(pull(world, "x1", [0])))
     reply = recv_final(world["sock"])
-    assert reply.status == PullStatus.ERROR and "block is" in reply.error
+    assert reply.status == PullStatus.ERROR and "were refused" in reply.error  # not the earlier regions either
     assert not world["d_mem"].any()
+    world["sock"].send(encode(announce(world)))
     assert_listener_alive(world)
+
+
+def test_a_pull_for_a_session_that_never_announced_is_refused(world):
+    world["sender"].apply_step(ready={"p1": ("x1", [0, 1])})
+    world["sock"].send(encode(PullRequest(transfer_id="x1", d_req_id="d", session="127.0.0.1:1", tp_rank=0, tp_size=1,
+                                          block_ids=[0])))
+    reply = recv_final(world["sock"])
+    assert reply.status == PullStatus.ERROR and "has not announced" in reply.error
+    assert not world["d_mem"].any()
 
 
 def test_more_blocks_than_p_holds_is_an_error(world):

@@ -6,11 +6,10 @@ import msgspec
 import pytest
 
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params, load_config
-from pdkv.connector.checks import check_pull
+from pdkv.connector.checks import check_announce, check_pull
 from pdkv.connector.side_channel import decode_reply, decode_request, encode
 from pdkv.errors import ConfigError
-from pdkv.protocol import PullReply, PullRequest, PullStatus, RegionSpec, Release, StatsQuery
-from pdkv.transport.base import Region
+from pdkv.protocol import Announce, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery
 
 
 def pull(**kw) -> PullRequest:
@@ -20,7 +19,6 @@ def pull(**kw) -> PullRequest:
         session="127.0.0.1:1234",
         tp_rank=0,
         tp_size=1,
-        regions=[RegionSpec(4096, 256, 10), RegionSpec(8192, 256, 10)],
         block_ids=[0, 1, 2],
     )
     base.update(kw)
@@ -28,7 +26,7 @@ def pull(**kw) -> PullRequest:
 
 
 def test_requests_round_trip_as_tagged_msgpack():
-    for msg in (pull(first_block=2), Release(transfer_id="x", d_req_id="d"), StatsQuery(since=1.5)):
+    for msg in (pull(first_block=2), announce(), Release(transfer_id="x", d_req_id="d"), StatsQuery(since=1.5)):
         assert decode_request(encode(msg)) == msg
     r = PullReply(transfer_id="x", d_req_id="d", status=PullStatus.DONE, bytes=10, descriptors=2)
     assert decode_reply(encode(r)) == r
@@ -59,8 +57,15 @@ def test_negative_block_ids_fail_decoding():
 REGIONS = [Region(0, 256, 10), Region(10_000, 256, 10)]
 
 
+def announce(**kw) -> Announce:
+    base = dict(session="127.0.0.1:1234", tp_rank=0, tp_size=1, regions=[Region(4096, 256, 10), Region(8192, 256, 10)])
+    base.update(kw)
+    return Announce(**base)
+
+
 def test_check_pull_accepts_matching_geometry():
-    assert check_pull(pull(), REGIONS, 0, 1) is None
+    assert check_announce(announce(), REGIONS, 0, 1) is None
+    assert check_pull(pull(), announce(), 0, 1) is None
 
 
 @pytest.mark.parametrize(
@@ -70,12 +75,28 @@ def test_check_pull_accepts_matching_geometry():
         (dict(block_ids=[1, 1]), "repeat"),
         (dict(tp_size=2), "unequal TP"),
         (dict(tp_rank=1), "TP rank"),
-        (dict(regions=[RegionSpec(0, 256, 10)]), "regions"),
-        (dict(regions=[RegionSpec(0, 128, 10), RegionSpec(0, 128, 10)]), "block is 128 B"),
     ],
 )
 def test_check_pull_refuses_what_would_write_outside_or_mismatch(kw, needle):
-    why = check_pull(pull(**kw), REGIONS, 0, 1)
+    why = check_pull(pull(**kw), announce(), 0, 1)
+    assert why is not None and needle in why
+
+
+def test_a_pull_for_a_session_that_announced_nothing_is_refused():
+    why = check_pull(pull(), None, 0, 1)
+    assert why is not None and "has not announced" in why
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        (dict(regions=[Region(0, 256, 10)]), "regions"),
+        (dict(regions=[Region(0, 128, 10), Region(0, 128, 10)]), "block is 128 B"),
+        (dict(tp_size=2), "unequal TP"),
+    ],
+)
+def test_check_announce_refuses_other_layouts(kw, needle):
+    why = check_announce(announce(**kw), REGIONS, 0, 1)
     assert why is not None and needle in why
 
 

@@ -162,7 +162,7 @@ def test_healthy_host_passes_every_host_check():
 
 def test_report_lists_failures_first_then_warnings():
     checks = [c for c in CHECKS if c not in (check_ports, check_mooncake)]
-    host = host_for("mixed_25g_400g", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    host = host_for("mixed_25g_400g", env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PDKV_TOKEN": "k"})
     report = run_doctor(RDMA, host=host, checks=checks)
     statuses = [c.status for c in report.checks]
     assert statuses == sorted(statuses, key=[Status.FAIL, Status.WARN, Status.PASS, Status.SKIP].index)
@@ -202,3 +202,14 @@ def test_cma_writes_into_a_real_child_process_and_checks_the_bytes(tmp_path):
     assert result.status is Status.PASS, result.detail
     assert "bytes verified" in result.detail
     assert check_cma(host, DoctorOptions(protocol="tcp")).status is Status.SKIP
+
+
+def test_no_deployment_key_on_a_networked_host_is_a_warning_with_the_fix():
+    from pdkv.doctor.network import check_deployment_key
+
+    exposed = check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2"}), RDMA)
+    assert exposed.status is Status.WARN and "PDKV_TOKEN" in exposed.hint and "transfer id" in exposed.detail
+    assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_TOKEN": "k"}), RDMA).status is Status.PASS
+    assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_BOOTSTRAP_TOKEN": "k"}), RDMA).status \
+        is Status.PASS
+    assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "127.0.0.1"}), RDMA).status is Status.PASS

@@ -43,6 +43,10 @@ BEFORE = {
         "pdkv_connector_bytes": ("counter", "KV bytes written to decode engines.", {"_total": [PREFILL]}),
         "pdkv_connector_descriptors": ("counter", "Write descriptors issued.", {"_total": [PREFILL]}),
         "pdkv_connector_malformed": ("counter", "Side-channel messages refused as malformed.", {"_total": [PREFILL]}),
+        "pdkv_connector_auth_refused": (
+            "counter", "Side-channel frames dropped for their seal (deployment key set).",
+            {"_total": [{"reason": "replayed", **PREFILL}, {"reason": "unauthenticated", **PREFILL}]},
+        ),
         "pdkv_connector_transfer_seconds": ("histogram", "Duration of one KV write.", CONNECTOR_HISTOGRAM),
         "pdkv_connector_handover_seconds": ("histogram", "P prefill done to D first token scheduled.", CONNECTOR_HISTOGRAM),
     },
@@ -97,6 +101,8 @@ def _rendered(component: str) -> str:
         log.finish("x2", "expired")
         log.merge("x1", {"first_token_scheduled": T0 + 0.05})
         log.malformed()
+        log.auth_refused("unauthenticated")
+        log.auth_refused("replayed")
         return log.render_metrics()
     from pdkv.bootstrap.registry import BootstrapRegistry
     from pdkv.bootstrap.server import BootstrapMetrics

@@ -22,9 +22,10 @@ from pdkv.protocol import (
     IpcRegion,
     ProxyTiming,
     PullReply,
+    Announce,
     PullRequest,
     PullStatus,
-    RegionSpec,
+    Region,
     RegisterRequest,
     StatsQuery,
     StatsReply,
@@ -78,14 +79,18 @@ def test_bootstrap_answers_refuse_negative_counts():
 
 # --- side channel -----------------------------------------------------------
 
-PULL = PullRequest(
-    transfer_id="xfer-1", d_req_id="d1", session="127.0.0.1:1234", tp_rank=0, tp_size=1,
-    regions=[RegionSpec(4096, 256, 10)], block_ids=[0, 1, 2],
-)
+PULL = PullRequest(transfer_id="xfer-1", d_req_id="d1", session="127.0.0.1:1234", tp_rank=0, tp_size=1, block_ids=[0, 1, 2])
+ANNOUNCE = Announce(session="127.0.0.1:1234", tp_rank=0, tp_size=1, regions=[Region(4096, 256, 10)])
 
 
 def pull_frame(**changes: Any) -> bytes:
     body = raw(PULL)
+    body.update(changes)
+    return msgspec.msgpack.encode(body)
+
+
+def announce_frame(**changes: Any) -> bytes:
+    body = raw(ANNOUNCE)
     body.update(changes)
     return msgspec.msgpack.encode(body)
 
@@ -101,11 +106,8 @@ def pull_frame(**changes: Any) -> bytes:
         (dict(block_ids=[-5]), "$.block_ids[0]"),
         (dict(first_block=-1), "$.first_block"),
         (dict(first_block=2**31), "$.first_block"),
-        (dict(regions=[[-1, 256, 10]]), "$.regions[0]"),
-        (dict(regions=[[4096, 0, 10]]), "$.regions[0]"),
-        (dict(regions=[[4096, 256, 0]]), "$.regions[0]"),
-        (dict(regions=[[4096, 256, 2**31 + 1]]), "$.regions[0]"),
-        (dict(regions=[[TOP - 256, 256, 2]]), "ends past 2**64"),
+        (dict(binding="XYZ"), "$.binding"),
+        (dict(binding="a" * 65), "$.binding"),
         (dict(tp_rank=True), "$.tp_rank"),
         (dict(first_block=1.0), "$.first_block"),
     ],
@@ -116,9 +118,29 @@ def test_pull_requests_out_of_range_fail_decoding(changes, needle):
 
 
 def test_pull_request_edges_decode():
-    msg = decode_request(pull_frame(tp_rank=MAX_RANK - 1, tp_size=MAX_RANK, block_ids=[2**31 - 1], first_block=2**31 - 1,
-                                    regions=[[TOP - 512, 256, 2]]))
-    assert msg.tp_rank == MAX_RANK - 1 and msg.regions == [RegionSpec(TOP - 512, 256, 2)]
+    msg = decode_request(pull_frame(tp_rank=MAX_RANK - 1, tp_size=MAX_RANK, block_ids=[2**31 - 1], first_block=2**31 - 1))
+    assert msg.tp_rank == MAX_RANK - 1 and msg.block_ids == [2**31 - 1]
+
+
+@pytest.mark.parametrize(
+    ("changes", "needle"),
+    [
+        (dict(regions=[[-1, 256, 10]]), "$.regions[0]"),
+        (dict(regions=[[4096, 0, 10]]), "$.regions[0]"),
+        (dict(regions=[[4096, 256, 0]]), "$.regions[0]"),
+        (dict(regions=[[4096, 256, 2**31 + 1]]), "$.regions[0]"),
+        (dict(regions=[[TOP - 256, 256, 2]]), "ends past 2**64"),
+        (dict(tp_size=0), "$.tp_size"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_announcements_out_of_range_fail_decoding(changes, needle):
+    refused(decode_request, announce_frame(**changes), needle)
+
+
+def test_announcement_edges_decode():
+    msg = decode_request(announce_frame(regions=[[TOP - 512, 256, 2]]))
+    assert msg.regions == [Region(TOP - 512, 256, 2)]
 
 
 @pytest.mark.parametrize(
@@ -184,7 +206,7 @@ IPC = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000
     ],
 )
 def test_ipc_exports_out_of_range_fail_decoding(changes, needle):
-    body = raw(PULL)
+    body = raw(ANNOUNCE)
     ipc = raw(IPC)
     ipc.update(changes)
     body["ipc"] = ipc
@@ -192,7 +214,7 @@ def test_ipc_exports_out_of_range_fail_decoding(changes, needle):
 
 
 def test_ipc_export_round_trips():
-    assert decode_request(msgspec.msgpack.encode({**raw(PULL), "ipc": raw(IPC)})).ipc == IPC
+    assert decode_request(msgspec.msgpack.encode({**raw(ANNOUNCE), "ipc": raw(IPC)})).ipc == IPC
 
 
 # --- bench control ------------------------------------------------------------
@@ -233,8 +255,8 @@ def test_bench_ready_reply_regions_are_bounded():
     ready = Ready("127.0.0.1:1", [Region(4096, 256, 4)], "cpu", "tcp")
     body = raw(ready)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(body), type=Reply) == ready
-    body["regions"] = [{"base": 4096, "block_len": 256, "num_blocks": 0}]
-    refused(lambda b: msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=Reply), body, "$.regions[0].num_blocks")
+    body["regions"] = [[4096, 256, 0]]
+    refused(lambda b: msgspec.msgpack.decode(msgspec.msgpack.encode(b), type=Reply), body, "$.regions[0][2]")
 
 
 # --- proxy --------------------------------------------------------------------

@@ -7,7 +7,6 @@ import copy
 import pytest
 
 from pdkv.errors import ConfigError
-from pdkv.protocol import transfer_id_for
 from pdkv.proxy.routing import (
     Chooser,
     Policy,
@@ -112,7 +111,7 @@ def test_prefill_copy_of_a_chat_request_caps_max_completion_tokens():
 
 
 def test_decode_copy_keeps_the_clients_request_and_names_the_prefill_engine():
-    d = decode_request(CLIENT, transfer_id_for("r1"), TARGET)
+    d = decode_request(CLIENT, "xfer-r1", TARGET)
     assert d["max_tokens"] == 64 and d["stream"] is True and d["stop"] == ["\n\n", "###"]
     assert d["kv_transfer_params"] == {
         "transfer_id": "xfer-r1",
@@ -156,3 +155,16 @@ def test_a_members_registry_alone_is_enough_backends_and_its_url_is_checked():
     assert "--members" in (info.value.hint or "")
     with pytest.raises(ConfigError, match="members registry URL"):
         build_config([], [], members=["ftp://x"])
+
+
+def test_the_binding_reaches_p_as_a_commitment_and_d_as_the_secret():
+    from pdkv.auth import binding_matches, new_binding
+
+    secret, commitment = new_binding()
+    p = prefill_request(CLIENT, "xfer-b", commitment)["kv_transfer_params"]
+    d = decode_request(CLIENT, "xfer-b", TARGET, secret)["kv_transfer_params"]
+    assert p == {"transfer_id": "xfer-b", "do_remote_decode": True, "do_remote_prefill": False, "decode_binding": commitment}
+    assert d["binding"] == secret and secret not in str(p)
+    assert binding_matches(d["binding"], p["decode_binding"])
+    assert not binding_matches(new_binding()[0], commitment)
+    assert not binding_matches("not hex", commitment)

@@ -1,0 +1,80 @@
+"""D's side of the per-transfer state, pure as P's (pdkv.connector.state): what D's scheduler asks its
+workers to pull (`PullSpec`), and the pulls in flight (`PullTracker`, keyed by D's request id). A pull is
+live while P keeps answering; silence longer than `liveness_s` fails it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+@dataclass(frozen=True)
+class PullSpec:
+    """One pull the scheduler asked for. `error` set: fail it at once (invalid params)."""
+
+    d_req_id: str
+    transfer_id: str
+    bootstrap_addr: str
+    engine_id: str
+    block_ids: list[int]
+    first_block: int = 0
+    error: str | None = None
+    binding: str = ""  # the transfer's binding secret from D's kv_transfer_params ("" when the proxy set none)
+
+
+@dataclass
+class PullEntry:
+    d_req_id: str
+    transfer_id: str
+    deadline: float
+    aborted: bool = False
+    blocks: tuple[int, ...] = ()  # D's blocks P writes into
+
+
+@dataclass
+class PullOutcome:
+    d_req_id: str
+    transfer_id: str
+    error: str | None  # None: the KV arrived
+    # D's blocks whose KV cannot be trusted: every block of a failed pull, since P may have written any part of
+    # any of them before it failed (one write moves them all); none when the KV arrived or D no longer wants it.
+    failed_blocks: tuple[int, ...] = ()
+
+
+@dataclass
+class PullTracker:
+    """D's pulls in flight. Silence from P longer than `liveness_s` fails a pull."""
+
+    liveness_s: float = 10.0
+    entries: dict[str, PullEntry] = field(default_factory=dict)
+
+    def started(self, d_req_id: str, transfer_id: str, now: float, blocks: tuple[int, ...] = ()) -> None:
+        self.entries[d_req_id] = PullEntry(d_req_id, transfer_id, now + self.liveness_s, blocks=tuple(blocks))
+
+    def heard(self, d_req_id: str, now: float) -> None:
+        """P said it is still working on this pull: it is alive, keep waiting."""
+        e = self.entries.get(d_req_id)
+        if e is not None:
+            e.deadline = now + self.liveness_s
+
+    def finished(self, d_req_id: str, error: str | None) -> PullOutcome | None:
+        e = self.entries.pop(d_req_id, None)
+        if e is None:
+            return None
+        if e.aborted:
+            return PullOutcome(d_req_id, e.transfer_id, error or "aborted by the decode side")
+        return PullOutcome(d_req_id, e.transfer_id, error, e.blocks if error is not None else ())
+
+    def abort(self, d_req_id: str) -> PullEntry | None:
+        e = self.entries.get(d_req_id)
+        if e is not None:
+            e.aborted = True
+        return e
+
+    def tick(self, now: float) -> list[PullOutcome]:
+        out = []
+        for rid, e in list(self.entries.items()):
+            if e.deadline <= now:
+                del self.entries[rid]
+                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s",
+                                       () if e.aborted else e.blocks))
+        return out
