@@ -51,7 +51,7 @@ class ApplyResult(msgspec.Struct):
 
 
 class _View:
-    __slots__ = ("by_hash", "held", "predicted", "approximate", "block_size", "awaiting_since")
+    __slots__ = ("approximate", "awaiting_since", "block_size", "by_hash", "held", "predicted")
 
     def __init__(self) -> None:
         self.by_hash: dict[EngineHash, BlockKey] = {}
