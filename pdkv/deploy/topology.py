@@ -49,6 +49,7 @@ from pdkv.launch import (
     connect_host,
     engine_plan,
     http_url,
+    kv_events_endpoints,
     routable_ip,
 )
 
@@ -74,6 +75,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     env: dict[str, str] = {}
     restart: RestartMode | None = None
     host: str | None = None  # a [[hosts]] name
+    kv_events_port: int | None = None  # its KV events publisher (replay on the next port); default: from kv_events_port
 
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +88,8 @@ class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     port: int = 8000
+    policy: Literal["round-robin", "least-outstanding", "kv-aware"] | None = None
+    local_prefill_tokens: int | None = None  # kv-aware: D computes the prompt alone when it lacks at most this many tokens
     extra_args: list[str] = []
     restart: RestartMode | None = None
     host: str | None = None  # a [[hosts]] name
@@ -114,6 +118,10 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     extra_args: list[str] = []
     env: dict[str, str] = {}
     hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
+    # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
+    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
+    kv_events: bool = True
+    kv_events_port: int = 5557
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -255,7 +263,7 @@ def _pdkv_argv(*args: str) -> list[str]:
 
 def engine_spec(
     dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
-    host_ip: str | None = None,
+    host_ip: str | None = None, kv_events_port: int | None = None,
 ) -> EngineSpec:
     return EngineSpec(
         model=entry.model or dep.model,
@@ -278,7 +286,19 @@ def engine_spec(
         omp_bind=entry.omp_bind,
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
+        kv_events_port=kv_events_port,
     )
+
+
+def kv_events_port_of(dep: Deployment, entry: EngineEntry, k: int) -> int | None:
+    """Engine k's KV events port (prefills first, then decodes), or None with events off."""
+    if not dep.kv_events:
+        return None
+    return entry.kv_events_port if entry.kv_events_port is not None else dep.kv_events_port + 2 * k
+
+
+def _events_ports(spec: EngineSpec) -> list[tuple[str, int]]:
+    return [] if spec.kv_events_port is None else [("0.0.0.0", spec.kv_events_port), ("0.0.0.0", spec.kv_events_port + 1)]
 
 
 def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
@@ -321,8 +341,9 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
             url, bootstrap_port = http_url(p_at or advertised, port), port
         # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
-        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at)
-        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else [])
+        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at,
+                           kv_events_port=kv_events_port_of(dep, entry, i))
+        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else []) + _events_ports(spec)
         plan = _reached_at(engine_plan(spec, name=f"prefill-{i}"), p_at, entry.port)
         prefills.append(Part(kind="prefill", plan=plan, ports=ports, bootstrap_url=url, spec=spec,
                              restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
@@ -330,9 +351,9 @@ def deployment_parts(dep: Deployment) -> list[Part]:
     decodes = []
     for i, entry in enumerate(dep.decode):
         d_at = host_address(dep, entry.host)
-        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at)
+        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=kv_events_port_of(dep, entry, len(dep.prefill) + i))
         plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
-        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port)], spec=spec,
+        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *_events_ports(spec)], spec=spec,
                             restart=entry.restart or dep.restart, host=entry.host))
     parts += decodes
     if dep.proxy is not None:
@@ -341,6 +362,15 @@ def deployment_parts(dep: Deployment) -> list[Part]:
             argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
         for d in decodes:
             argv += ["--decode", d.plan.url]
+        for p in (*prefills, *decodes):
+            if p.spec is not None and p.spec.kv_events_port is not None:
+                host = p.plan.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+                pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
+                argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]
+        if dep.proxy.policy is not None:
+            argv += ["--policy", dep.proxy.policy]
+        if dep.proxy.local_prefill_tokens is not None:
+            argv += ["--local-prefill-tokens", str(dep.proxy.local_prefill_tokens)]
         proxy_at = host_address(dep, dep.proxy.host) or connect
         plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
         parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart,
