@@ -114,7 +114,10 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l decode-first-byte-tim
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l health-interval
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l kv-events
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l kv-queue-weight
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-fallback
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-prefill-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l no-local-fallback
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port

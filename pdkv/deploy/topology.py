@@ -351,7 +351,8 @@ def deployment_parts(dep: Deployment) -> list[Part]:
     decodes = []
     for i, entry in enumerate(dep.decode):
         d_at = host_address(dep, entry.host)
-        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=kv_events_port_of(dep, entry, len(dep.prefill) + i))
+        events_port = kv_events_port_of(dep, entry, len(dep.prefill) + i)
+        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=events_port)
         plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
         decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *_events_ports(spec)], spec=spec,
                             restart=entry.restart or dep.restart, host=entry.host))

@@ -37,6 +37,7 @@ from pdkv.proxy.backends import Backends, BackendState
 from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
 from pdkv.proxy.http import Request, ServerConnection, UpstreamError, fetch
+from pdkv.proxy.kv_router import KvRouter
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.routing import (
     KvConnector,
@@ -66,6 +67,7 @@ class ProxyApp:
         self.backends = Backends(config)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
+        self.kv = KvRouter.for_config(config, self.metrics.registry)  # None unless the policy is kv-aware
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
@@ -154,7 +156,14 @@ class ProxyApp:
         t.stream = stream = bool(fields.stream)
         auth = req.headers.get("authorization")
         d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
-        chosen = self.backends.pair()
+        kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
+        if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
+            try:
+                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
+            finally:
+                self.metrics.observe(t)
+            return
+        chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
         if chosen is None:
             reason = self.backends.readiness()[1]
             d_state = self.backends.live_decode() if self.config.local_fallback else None
@@ -202,6 +211,8 @@ class ProxyApp:
                 await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
             self.backends.end(pairing, p_state, d_state)
+            if self.kv is not None:
+                self.kv.finished(t)
             self.metrics.observe(t)
 
     async def _local(self, conn: ServerConnection, t: ProxyTiming, body: dict[str, Any], endpoint: str, d_state: BackendState,

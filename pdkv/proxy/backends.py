@@ -83,6 +83,11 @@ class Backends:
         d_state = decodes[d_index]
         return Pairing(targets[p_index], d_state.url), self._target_owner[p_index], d_state
 
+    def routable(self) -> tuple[list[PrefillTarget], list[PrefillState], list[BackendState]]:
+        """The prefill engines (with each one's owning server) and decode servers up now, for a policy
+        that chooses by more than load (kv-aware); pair its choice with `Pairing(targets[i], decode.url)`."""
+        return self._targets, self._target_owner, self._live_decodes
+
     def begin(self, pairing: Pairing, d_state: BackendState) -> None:
         key = (pairing.prefill.url, pairing.prefill.dp_rank)
         self._target_load[key] = self._target_load.get(key, 0) + 1

@@ -127,3 +127,25 @@ def plan_route(
     else:
         reason = RouteReason.PREFIX_HIT if p_hit > 0 else RouteReason.LEAST_COST
     return RoutePlan(d, p, reason, prompt_tokens, p_hit, d_hit, p_costs, d_costs)
+
+
+class KvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The kv-aware policy's settings (`[kv]` in the proxy's TOML file, `--kv-*` and `--local-prefill-tokens` flags)."""
+
+    # "ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]": where each engine publishes its KV events.
+    events: list[str] = []
+    local_prefill_tokens: int = 256
+    queue_weight: float = 1.0
+    decode_load_tokens: float = 256.0
+    kv_usage_tokens: float = 2048.0
+    decode_miss_weight: float = 0.25
+    block_size: int | None = None  # None: learned from the engines' events
+    predict_ttl_s: float = 10.0
+    approximate_ttl_s: float = 120.0
+    silent_after_s: float = 5.0
+    tokenize_timeout_s: float = 2.0
+    self_check: bool = True
+
+    def weights(self) -> KvWeights:
+        return KvWeights(queue_weight=self.queue_weight, decode_load_tokens=self.decode_load_tokens, kv_usage_tokens=self.kv_usage_tokens,
+                         decode_miss_weight=self.decode_miss_weight, local_prefill_tokens=self.local_prefill_tokens)

@@ -176,7 +176,8 @@ def test_index_under_many_threads_stays_consistent():
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(16)] + [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(16)]
+    threads += [threading.Thread(target=reader, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
