@@ -97,6 +97,11 @@ def proxy(
                      help="kv-aware: D computes the prompt alone, skipping P and the transfer, when it lacks at most this many "
                      "of its tokens; 0: never. [default: 256]"),
     ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option("--tokenizer", help="kv-aware: the model's folder (tokenizer.json, tokenizer_config.json): the proxy tokenizes "
+                     "prompts itself instead of asking an engine's /tokenize (checked against the engines at start-up)."),
+    ] = None,
     kv_queue_weight: Annotated[
         float | None,
         typer.Option("--kv-queue-weight", min=0.0, help="kv-aware: weight of P's queued prefill tokens against the tokens a "
@@ -137,6 +142,8 @@ def proxy(
         kv["local_prefill_tokens"] = local_prefill_tokens
     if kv_queue_weight is not None:
         kv["queue_weight"] = kv_queue_weight
+    if tokenizer is not None:
+        kv["tokenizer"] = str(tokenizer)
     cfg = build_config(
         prefill or [],
         decode or [],

@@ -11,6 +11,7 @@
     pdkv_proxy_kv_fallbacks_total{engine,reason}           entries into that view: disconnected, silent
     pdkv_proxy_kv_decode_errors_total{engine}              unreadable messages
     pdkv_proxy_kv_self_check{engine}                       1 keys match the engine's, 0 mismatch, -1 no events seen
+    pdkv_proxy_kv_tokenizer_match                          1 the proxy's --tokenizer agrees with the engines, 0 not (not used)
     pdkv_proxy_kv_tokenize_seconds                         getting a request's token ids
 """
 
@@ -40,6 +41,9 @@ class KvMetrics(StreamObserver):
         self.decode_errors = Counter("pdkv_proxy_kv_decode_errors_total", "Unreadable KV event messages.", ["engine"], registry=r)
         self.self_check = Gauge("pdkv_proxy_kv_self_check", "1: keys match the engine's events; 0: mismatch; -1: no events.",
                                 ["engine"], registry=r)
+        self.tokenizer_match = Gauge("pdkv_proxy_kv_tokenizer_match", "1: the proxy's --tokenizer gives the engines' token ids; "
+                                     "0: it did not (the engines' /tokenize is used); -1: not checked or none.", registry=r)
+        self.tokenizer_match.set(-1)
         self.tokenize = histogram("pdkv_proxy_kv_tokenize_seconds", "Getting one request's token ids.", r)
 
     # --- StreamObserver (the subscriber's thread)

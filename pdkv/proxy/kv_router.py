@@ -31,6 +31,7 @@ from pdkv.proxy.kv_metrics import KvMetrics
 from pdkv.proxy.kv_policy import DecodeCandidate, KvConfig, PrefillCandidate, RoutePlan, plan_route
 from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber
 from pdkv.proxy.prefix import BlockKey, block_keys
+from pdkv.proxy.tokenize import LocalTokenizer
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -90,6 +91,7 @@ class KvRouter:
         self._cursor = 0
         self._checks: list[asyncio.Task] = []
         self.self_checks: dict[str, str] = {}  # engine -> ok | mismatch | no_events | failed: ...
+        self.local: LocalTokenizer | None = LocalTokenizer(config.tokenizer) if config.tokenizer else None
 
     @classmethod
     def for_config(cls, config: ProxyConfig, registry: CollectorRegistry) -> KvRouter | None:
@@ -114,7 +116,16 @@ class KvRouter:
 
     # --- tokens
     async def token_ids(self, body: dict[str, Any], endpoint: str, pool: UpstreamPool) -> list[int] | None:
-        """The prompt's token ids as the engine will see them, or None (a batch of prompts, or /tokenize failed)."""
+        """The prompt's token ids as the engine will see them (the proxy's own tokenizer when it has one and it can
+        render this request, else the engine's /tokenize), or None (a batch of prompts, or /tokenize failed)."""
+        if self.local is not None:
+            ids = self.local.token_ids(body, endpoint)
+            if ids is not None:
+                return ids
+        return await self.engine_token_ids(body, endpoint, pool)
+
+    async def engine_token_ids(self, body: dict[str, Any], endpoint: str, pool: UpstreamPool) -> list[int] | None:
+        """The prompt's token ids from the engine's own /tokenize."""
         if endpoint.endswith("/chat/completions"):
             if not isinstance(body.get("messages"), list):
                 return None
@@ -240,9 +251,10 @@ class KvRouter:
         model = _json_decode(b"".join(models.chunks))["data"][0]["id"]
         # The nonce leads, so every block of the prompt is new to the engine and reported now.
         body = {"model": model, "prompt": f"{uuid.uuid4().hex} {SELF_CHECK_TEXT}", "max_tokens": 1}
-        tokens = await self.token_ids(body, "/v1/completions", state.pool)
+        tokens = await self.engine_token_ids(body, "/v1/completions", state.pool)
         if tokens is None:
             return "failed: the engine's /tokenize did not answer", -1
+        await self._check_tokenizer(body, model, state.pool)
         ex = await fetch(state.pool, "POST", "/v1/completions", body=_json_encode(body), timeout=SELF_CHECK_TIMEOUT_S)
         if ex.status != 200:
             return f"failed: the self-check prompt was answered {ex.status}", -1
@@ -257,6 +269,23 @@ class KvRouter:
         if self.index.block_size(engine) is None:
             return f"no_events: none came from the engine within {SELF_CHECK_EVENTS_S:.0f} s", -1
         return "mismatch: the engine stored the prompt's blocks under other keys (another tokenizer, block size or salt?)", 0
+
+    async def _check_tokenizer(self, body: dict[str, Any], model: str, pool: UpstreamPool) -> None:
+        """The proxy's own tokenizer must give the engine's token ids for a prompt and a chat, or it is not used."""
+        local = self.local
+        if local is None:
+            return
+        chat = {"model": model, "messages": [{"role": "system", "content": SELF_CHECK_TEXT[:200]},
+                                             {"role": "user", "content": body["prompt"][:120]}]}
+        for endpoint, request in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            mine, theirs = local.token_ids(request, endpoint), await self.engine_token_ids(request, endpoint, pool)
+            if theirs is not None and mine != theirs:
+                log.warning("kv-aware: the proxy's tokenizer (%s) differs from the engine's for %s; asking the engine's "
+                            "/tokenize instead", local.folder, endpoint)
+                self.metrics.tokenizer_match.set(0)
+                self.local = None
+                return
+        self.metrics.tokenizer_match.set(1)
 
     def _check_result(self, engine: str, result: str, value: int) -> None:
         self.self_checks[engine] = result
