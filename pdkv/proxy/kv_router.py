@@ -101,12 +101,22 @@ class KvRouter:
         return cls(config.kv, registry) if config.policy is Policy.KV_AWARE else None
 
     def start(self, backends: Backends) -> None:
-        if self.sources:
-            self.subscriber.start()
+        self.subscriber.start()
         for src in self.sources:
             self.metrics.self_check.labels(src.engine).set(-1)
             if self.config.self_check:
                 self._checks.append(asyncio.get_running_loop().create_task(self._self_check(src.engine, backends)))
+
+    def follow(self, engine_url: str, kv_events: str | None, kv_events_replay: str | None) -> None:
+        """Follow (or, with `kv_events` None, stop following) an engine learnt at run time, e.g. a members-registry
+        record's `url`, `kv_events` and `kv_events_replay`."""
+        from pdkv.proxy.routing import parse_decode
+
+        url = parse_decode(engine_url)
+        if kv_events is None:
+            self.subscriber.unfollow(url)
+            return
+        self.subscriber.follow(EventSource(url, kv_events, kv_events_replay))
 
     async def close(self) -> None:
         for task in self._checks:

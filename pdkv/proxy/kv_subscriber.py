@@ -16,13 +16,16 @@ from there, then an end marker), and a socket monitor on the SUB.
   `silent_after_s` ago and not reported since) puts the engine in the
   index's approximate view until its events flow again.
 
-The thread owns every socket and the per-engine stream state; the index has
-its own lock. `close()` stops the thread within POLL_S + its join bound.
+`follow(source)` / `unfollow(engine)` change the engines at run time (an
+engine learnt from the members registry, whose record names `kv_events` and
+`kv_events_replay`), from any thread. The thread owns every socket and the
+per-engine stream state; the index has its own lock. `close()` stops the thread within POLL_S + its join bound.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -83,6 +86,7 @@ class KvEventSubscriber:
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # follow/unfollow, drained by the thread
         self.batches = 0  # applied so far (read by tests and the self-check)
 
     def start(self) -> KvEventSubscriber:
@@ -102,44 +106,76 @@ class KvEventSubscriber:
         self.close()
 
     # --- the thread
+    def follow(self, source: EventSource) -> None:
+        """Follow one more engine (or an engine at new endpoints), from any thread; applied within POLL_S."""
+        self._commands.put(("follow", source))
+
+    def unfollow(self, engine: str) -> None:
+        """Stop following `engine` and forget its blocks, from any thread."""
+        self._commands.put(("unfollow", engine))
+
     def _run(self) -> None:
         import zmq
 
         ctx = zmq.Context()
-        streams = [_Stream(s) for s in self.sources]
         poller = zmq.Poller()
+        streams: dict[str, _Stream] = {}
         owner: dict[Any, tuple[_Stream, str]] = {}
+
+        def open_stream(src: EventSource) -> None:
+            st = streams[src.engine] = _Stream(src)
+            st.sub = ctx.socket(zmq.SUB)
+            st.sub.setsockopt(zmq.LINGER, 0)
+            st.sub.setsockopt(zmq.RCVHWM, 100_000)
+            st.sub.setsockopt(zmq.SUBSCRIBE, b"")
+            st.monitor = st.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            st.sub.connect(src.endpoint)
+            owner[st.sub], owner[st.monitor] = (st, "live"), (st, "monitor")
+            if src.replay:
+                st.replay = ctx.socket(zmq.DEALER)
+                st.replay.setsockopt(zmq.LINGER, 0)
+                st.replay.connect(src.replay)
+                owner[st.replay] = (st, "replay")
+            for sock in (st.sub, st.monitor, st.replay):
+                if sock is not None:
+                    poller.register(sock, zmq.POLLIN)
+
+        def close_stream(engine: str) -> None:
+            st = streams.pop(engine, None)
+            if st is None:
+                return
+            for sock in (st.monitor, st.replay, st.sub):
+                if sock is not None:
+                    poller.unregister(sock)
+                    owner.pop(sock, None)
+                    sock.close(linger=0)
+
         try:
-            for st in streams:
-                st.sub = ctx.socket(zmq.SUB)
-                st.sub.setsockopt(zmq.LINGER, 0)
-                st.sub.setsockopt(zmq.RCVHWM, 100_000)
-                st.sub.setsockopt(zmq.SUBSCRIBE, b"")
-                st.monitor = st.sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                st.sub.connect(st.source.endpoint)
-                poller.register(st.sub, zmq.POLLIN)
-                poller.register(st.monitor, zmq.POLLIN)
-                owner[st.sub], owner[st.monitor] = (st, "live"), (st, "monitor")
-                if st.source.replay:
-                    st.replay = ctx.socket(zmq.DEALER)
-                    st.replay.setsockopt(zmq.LINGER, 0)
-                    st.replay.connect(st.source.replay)
-                    poller.register(st.replay, zmq.POLLIN)
-                    owner[st.replay] = (st, "replay")
+            for src in self.sources:
+                open_stream(src)
             while not self._stop.is_set():
+                while not self._commands.empty():
+                    verb, arg = self._commands.get_nowait()
+                    engine = arg.engine if isinstance(arg, EventSource) else arg
+                    if verb == "follow" and engine in streams and streams[engine].source == arg:
+                        continue
+                    close_stream(engine)
+                    self.index.forget(engine)
+                    if verb == "follow":
+                        open_stream(arg)
                 for sock, _ in poller.poll(int(POLL_S * 1000)):
+                    if sock not in owner:
+                        continue
                     st, kind = owner[sock]
                     try:
                         self._on_socket(st, kind, zmq)
                     except Exception:  # one engine's bad frame must not stop the others
                         log.exception("kv events from %s: unexpected failure", st.source.engine)
-                for st in streams:
+                for st in list(streams.values()):
                     self._check(st)
         finally:
-            for st in streams:
-                for sock in (st.sub, st.replay, st.monitor):
-                    if sock is not None:
-                        sock.close(linger=0)
+            for engine in list(streams):
+                close_stream(engine)
             ctx.term()
 
     def _on_socket(self, st: _Stream, kind: str, zmq: Any) -> None:

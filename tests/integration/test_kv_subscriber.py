@@ -163,3 +163,22 @@ def test_a_silent_stream_falls_back_to_the_proxys_own_view(ports):
         index.predict(ENGINE, keys, time.monotonic())
         time.sleep(0.6)  # past predict_ttl_s, within approximate_ttl_s
         assert index.hits(ENGINE, keys, time.monotonic()).predicted == 4
+
+
+def test_engines_followed_and_unfollowed_at_run_time(ports):
+    pub = publisher(ports)
+    index, rec = KvIndex(), Recorder()
+    keys = block_keys(TOKENS, BS)
+    try:
+        with KvEventSubscriber(index, [], observer=rec) as sub:
+            sub.follow(EventSource(ENGINE, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"))
+            wait_for(lambda: "connected" in rec.replays)
+            pub.publish(batch(stored([b"a"], None, TOKENS[:4])))
+            wait_for(lambda: index.hits(ENGINE, keys, time.monotonic()).reported == 1)
+            sub.unfollow(ENGINE)
+            wait_for(lambda: ENGINE not in index.sizes())
+            pub.publish(batch(stored([b"b"], b"a", TOKENS[4:8])))
+            time.sleep(0.3)
+            assert ENGINE not in index.sizes()
+    finally:
+        pub.shutdown()
