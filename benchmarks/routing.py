@@ -117,7 +117,8 @@ def conversations(args: argparse.Namespace) -> tuple[str, list[list[str]]]:
     from pdkv.tinymodel import sample_text
 
     system = sample_text(args.system_words, seed=args.seed)
-    users = [[sample_text(args.turn_words, seed=args.seed + 1000 * (c + 1) + t) for t in range(args.turns)] for c in range(args.conversations)]
+    users = [[sample_text(args.turn_words, seed=args.seed + 1000 * (c + 1) + t) for t in range(args.turns)]
+             for c in range(args.conversations)]
     return system, users
 
 
@@ -194,8 +195,10 @@ class Deployment:
         common = dict(model=model, served_model_name=SERVED, host="127.0.0.1", protocol="cma", platform="cpu", block_size=BLOCK,
                       max_model_len=2048, host_ip="127.0.0.1", connector="pdkv", extra_env={"VLLM_SERVER_DEV_MODE": "1"})
         specs = [
-            EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=self.boot[0], kv_events_port=self.events[0], **common),
-            EngineSpec(port=free_port(), role="prefill", omp_bind="1", bootstrap_port=self.boot[1], kv_events_port=self.events[1], **common),
+            EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=self.boot[0], kv_events_port=self.events[0],
+                       **common),
+            EngineSpec(port=free_port(), role="prefill", omp_bind="1", bootstrap_port=self.boot[1], kv_events_port=self.events[1],
+                       **common),
             EngineSpec(port=free_port(), role="decode", omp_bind="1", kv_events_port=self.events[2], **common),
         ]
         names = ["p0", "p1", "d"]
@@ -290,8 +293,29 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
     return {"router": router, "workload": workload, **row}
 
 
+def ratios(rows: list[dict]) -> dict:
+    """Per router, the mean over rounds of TTFT p50 and req/s; then the ratios the targets name."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["router"]), []).append(r)
+    mean = {k: {m: round(float(np.mean([r[m] for r in v])), 3) for m in ("ttft_p50_ms", "ttft_p99_ms", "req_s")} for k, v in by.items()}
+    out: dict = {"means": {f"{w}/{r}": v for (w, r), v in mean.items()}}
+    rr = mean.get(("multi-turn", "rr"))
+    vr = mean.get(("multi-turn", "vllm-router"))
+    for (w, r), v in mean.items():
+        if w == "multi-turn" and r.startswith("kv"):
+            if rr:
+                out[f"{r} TTFT p50 / rr"] = round(v["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
+            if vr:
+                out[f"{r} TTFT p50 / vllm-router"] = round(v["ttft_p50_ms"] / vr["ttft_p50_ms"], 3)
+        if w == "unique" and r.startswith("kv") and ("unique", "lo") in mean:
+            out[f"unique {r} req/s / lo"] = round(v["req_s"] / mean[("unique", "lo")]["req_s"], 3)
+    return out
+
+
 def render(rows: list[dict]) -> str:
-    head = f"{'workload':<11} {'router':<16} {'req/s':>6} {'TTFT p50':>9} {'p99':>8} {'hit P':>6} {'hit D':>6} {'hit all':>7} {'local':>5} {'ok':>4} {'fail':>4}"
+    head = (f"{'workload':<11} {'router':<16} {'req/s':>6} {'TTFT p50':>9} {'p99':>8} {'hit P':>6} {'hit D':>6} {'hit all':>7} "
+            f"{'local':>5} {'ok':>4} {'fail':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(x, spec=".1f"):
@@ -305,7 +329,7 @@ def render(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: a fresh tiny model)")
-    ap.add_argument("--routers", default="rr,kv,kv+local:128,kv+local:256,vllm-router",
+    ap.add_argument("--routers", default="rr,kv,kv+local:64,kv+local:128,kv+local:256,vllm-router",
                     help="comma-separated: rr, lo, kv, kv+local:N, vllm-router")
     ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="the vllm-router executable (absent: its row is skipped)")
     ap.add_argument("--conversations", type=int, default=16)
@@ -314,12 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turn-words", type=int, default=60)
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--stagger-s", type=float, default=2.0, help="conversations start at uniform random offsets in [0, this)")
-    ap.add_argument("--unique", type=int, default=64, help="unique-prompt requests per router (0: no unique-prompt workload)")
+    ap.add_argument("--unique", type=int, default=192, help="unique-prompt requests per router (0: no unique-prompt workload)")
     ap.add_argument("--unique-words", type=int, default=250)
     ap.add_argument("--unique-concurrency", type=int, default=8)
     ap.add_argument("--unique-local", type=int, default=128, help="kv-aware's --local-prefill-tokens on the unique workload")
     ap.add_argument("--engine-tokenize", action="store_true", help="kv-aware asks the engine's /tokenize (default: --tokenizer MODEL)")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the multi-turn routers this many times, interleaved")
+    ap.add_argument("--rounds", type=int, default=2, help="repeat the multi-turn routers this many times, interleaved")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--logs")
     ap.add_argument("--json", action="store_true")
@@ -356,11 +380,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 say(json.dumps(row))
         if args.unique:
-            for i, router in enumerate(("lo", f"kv+local:{args.unique_local}", "lo", f"kv+local:{args.unique_local}")):
+            kv = f"kv+local:{args.unique_local}"
+            order = [r for rnd in range(args.rounds) for r in (("lo", kv) if rnd % 2 == 0 else (kv, "lo"))]
+            for i, router in enumerate(order):
                 row = run_router(dep, router, args, logs, "unique", 10_000 * (i + 1))
                 rows.append(row)
                 say(json.dumps(row))
     report = {"command": ["benchmarks/routing.py", *(sys.argv[1:] if argv is None else argv)], "args": vars(args), "rows": rows,
+              "ratios": ratios(rows),
               "wall_s": round(time.time() - started, 1), "logs": str(logs)}
     (logs / "routing.json").write_text(json.dumps(report, indent=2))
     if args.json:
@@ -369,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.conversations} conversations x {args.turns} turns, system {args.system_words} words, turns {args.turn_words} words, "
               f"answers {args.answer_tokens} tokens; {report['wall_s']} s; logs in {logs}")
         print(render(rows))
+        for k, v in report["ratios"].items():
+            if k != "means":
+                print(f"{k}: {v}")
     return 0
 
 

@@ -33,7 +33,7 @@ _pdkv() {
         "doctor") words="--device --json --mooncake-timeout --port --protocol --skip-mooncake --help" ;;
         "model") words="tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
-        "proxy") words="--config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --no-local-fallback --policy --port --prefill --prefill-timeout --help" ;;
+        "proxy") words="--config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --no-local-fallback --policy --port --prefill --prefill-timeout --tokenizer --help" ;;
         "status") words="--file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;

@@ -123,6 +123,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill-timeout
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l tokenizer
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l interval
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l json

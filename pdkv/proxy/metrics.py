@@ -40,7 +40,7 @@ ERROR_CAUSES = (
 )
 
 
-LOCAL_REASONS = ("no_prefill", "prefill_failed", "kv_local")
+LOCAL_REASONS = ("no_prefill", "prefill_failed")  # kv_local is made on first use (kv-aware only)
 
 
 class _Children:
