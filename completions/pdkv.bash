@@ -37,7 +37,7 @@ _pdkv() {
         "k8s") words="render --help" ;;
         "model") words="tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
-        "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --local-fallback --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --help" ;;
+        "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;

@@ -123,7 +123,10 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l decode-first-byte-tim
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l health-interval
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l kv-events
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l kv-queue-weight
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-fallback
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-prefill-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l no-local-fallback
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
@@ -132,6 +135,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-certfile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-keyfile
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l tokenizer
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l interval

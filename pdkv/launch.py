@@ -73,6 +73,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # What D does when its KV does not come (vLLM's kv_load_failure_policy); None: recompute with pdkv's
     # connector (D computes the missing blocks itself), vLLM's default (fail) with vLLM's.
     load_failure: LoadFailure | None = None
+    # vLLM's KV cache events: a ZMQ publisher on this port and its replay socket on the next (None: off).
+    # The proxy's kv-aware policy follows them (docs/proxy.md).
+    kv_events_port: int | None = None
 
     @property
     def transport(self) -> TransportName:
@@ -221,8 +224,28 @@ def engine_argv(spec: EngineSpec, *, python: str | None = None) -> list[str]:
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"), sort_keys=True)]
+    if spec.kv_events_port is not None:
+        argv += ["--kv-events-config", json.dumps(kv_events_config(spec.kv_events_port), separators=(",", ":"), sort_keys=True)]
     argv += list(spec.extra_args)
     return argv
+
+
+def kv_events_config(port: int) -> dict[str, Any]:
+    """vLLM's --kv-events-config publishing on `port` (and replaying on port + 1), on every interface.
+
+    vLLM binds an endpoint only when it holds a wildcard (`tcp://*:P`); a plain
+    address would make its PUB socket connect out instead.
+    """
+    if not 0 < port < 65535:
+        raise UsageError(f"KV events port {port} is out of range (it and the next port are used)")
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"}
+
+
+def kv_events_endpoints(host: str, port: int) -> tuple[str, str]:
+    """Where a subscriber reaches an engine's KV events published on `port`: (publisher, replay)."""
+    host = connect_host(host)
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
 
 
 def parse_cores(bind: str | None) -> list[int] | None:

@@ -36,6 +36,8 @@ Examples:
 
   pdkv proxy --members http://10.0.0.1:8998   # route to whatever engines join that bootstrap's registry
 
+  pdkv proxy -p http://p1:8100 -d http://d1:8200 --policy kv-aware --kv-events http://p1:8100=tcp://p1:5557 --kv-events http://d1:8200=tcp://d1:5559
+
   pdkv proxy --config proxy.toml --port 9000 --json
 
   PDKV_API_KEY=sk-1 PDKV_ADMIN_KEY=adm pdkv proxy -p http://p1:8100 -d http://d1:8200 --host 0.0.0.0
@@ -56,6 +58,7 @@ class ConnectorChoice(str, enum.Enum):
 class PolicyChoice(str, enum.Enum):
     round_robin = "round-robin"
     least_outstanding = "least-outstanding"
+    kv_aware = "kv-aware"
 
 
 def _read_config(path: Path | None) -> dict:
@@ -95,7 +98,33 @@ def proxy(
     config: Annotated[
         Path | None, typer.Option("--config", "-c", help="TOML file with prefill = [...], decode = [...] and any option below.")
     ] = None,
-    policy: Annotated[PolicyChoice | None, typer.Option("--policy", help="How to pick among backends. [default: round-robin]")] = None,
+    policy: Annotated[
+        PolicyChoice | None,
+        typer.Option("--policy", help="How to pick among backends; kv-aware: by where each prompt's KV blocks are cached "
+                     "(engines' KV events, see --kv-events). [default: round-robin]"),
+    ] = None,
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option("--kv-events", metavar="URL=tcp://HOST:PORT[,REPLAY]",
+                     help="Where the engine at URL publishes its KV cache events (replay defaults to PORT+1); repeatable. "
+                     "kv-aware only."),
+    ] = None,
+    local_prefill_tokens: Annotated[
+        int | None,
+        typer.Option("--local-prefill-tokens", min=0,
+                     help="kv-aware: D computes the prompt alone, skipping P and the transfer, when it lacks at most this many "
+                     "of its tokens; 0: never. [default: 256]"),
+    ] = None,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option("--tokenizer", help="kv-aware: the model's folder (tokenizer.json, tokenizer_config.json): the proxy tokenizes "
+                     "prompts itself instead of asking an engine's /tokenize (checked against the engines at start-up)."),
+    ] = None,
+    kv_queue_weight: Annotated[
+        float | None,
+        typer.Option("--kv-queue-weight", min=0.0, help="kv-aware: weight of P's queued prefill tokens against the tokens a "
+                     "request would compute there. [default: 1]"),
+    ] = None,
     connector: Annotated[
         ConnectorChoice | None,
         typer.Option("--connector", help="The KV connector the engines run (vLLM's mooncake: n > 1 is refused). [default: pdkv]"),
@@ -136,10 +165,21 @@ def proxy(
     guard = load_guard(api_key, api_key_file, admin_key)
     ssl_ctx = server_ssl(ssl_certfile, ssl_keyfile)
 
+    file_values = _read_config(config)
+    kv = dict(file_values.get("kv") or {})
+    if kv_events:
+        kv["events"] = kv_events
+    if local_prefill_tokens is not None:
+        kv["local_prefill_tokens"] = local_prefill_tokens
+    if kv_queue_weight is not None:
+        kv["queue_weight"] = kv_queue_weight
+    if tokenizer is not None:
+        kv["tokenizer"] = str(tokenizer)
     cfg = build_config(
         prefill or [],
         decode or [],
-        file_values=_read_config(config),
+        file_values=file_values,
+        kv=kv or None,
         members=members or None,
         policy=policy.value if policy else None,
         connector=connector.value if connector else None,

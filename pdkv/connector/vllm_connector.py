@@ -54,6 +54,13 @@ def _layer_index(name: str) -> tuple[int, str]:
     return (digits[0] if digits else -1, name)
 
 
+def _published_events(vllm_config: Any) -> dict[str, str | None]:
+    ev = getattr(vllm_config, "kv_events_config", None)
+    if ev is None or not ev.enable_kv_cache_events or ev.publisher != "zmq":
+        return {}
+    return {"kv_events": ev.endpoint, "kv_events_replay": ev.replay_endpoint or None}
+
+
 class PdkvConnector(KVConnectorBase_V1):
     """P pushes each finished prompt's KV into the blocks D allocated, over Mooncake; see docs/connector.md."""
 
@@ -92,6 +99,7 @@ class PdkvConnector(KVConnectorBase_V1):
                 identity=EngineIdentity(
                     model=str(vllm_config.model_config.served_model_name),
                     block_size=vllm_config.cache_config.block_size, dp_size=pc.data_parallel_size,
+                    **_published_events(vllm_config),
                 ),
             )
 

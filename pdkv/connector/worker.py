@@ -37,6 +37,17 @@ class EngineIdentity(msgspec.Struct, frozen=True, kw_only=True):
     model: str = ""
     block_size: int = 0
     dp_size: int = 1
+    # vLLM's --kv-events-config endpoints as bound (`tcp://*:PORT`), when the engine publishes its KV events.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+
+    def events_at(self, host: str) -> tuple[str | None, str | None]:
+        """Where a subscriber on another host reaches them: the wildcard made this engine's address. With DP,
+        vLLM offsets each rank's ports, so nothing is advertised (the proxy keeps an approximate view)."""
+        if self.kv_events is None or self.dp_size > 1 or "*" not in self.kv_events:
+            return None, None
+        at = f"[{host}]" if ":" in host else host
+        return self.kv_events.replace("*", at), self.kv_events_replay.replace("*", at) if self.kv_events_replay else None
 
 
 class ConnectorWorker:
@@ -132,13 +143,15 @@ class ConnectorWorker:
         if where is None or self.tp_rank != 0:
             return
         members_url, advertise = where
+        events = self.identity.events_at(self.host)
         interval = self.config.register_interval_s
         record = MemberRecord(
             member_id=self.engine_id, role="prefill" if self.is_producer else "decode", url=advertise,
             bootstrap_url=bootstrap_url(self.config, self.host) if self.is_producer else None,
             dp_rank=self.dp_rank, dp_size=max(self.identity.dp_size, self.dp_rank + 1), tp_size=self.tp_size,
             model=self.identity.model, block_size=self.identity.block_size, connector="pdkv",
-            transport=self.config.transport, ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
+            transport=self.config.transport, kv_events=events[0], kv_events_replay=events[1],
+            ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
         )
         self.member = StandingRegistration(
             members_url, lambda bs: bs.join(record), f"member {self.engine_id}", interval, required=False,

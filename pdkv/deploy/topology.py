@@ -36,6 +36,7 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, events_ports, kv_events_port_of, proxy_args
 from pdkv.deploy.fleet import HostEntry, check_hosts, host_address
 from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
@@ -51,6 +52,7 @@ from pdkv.launch import (
     engine_plan,
     http_url,
     joining,
+    kv_events_endpoints,
     routable_ip,
 )
 
@@ -77,6 +79,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     restart: RestartMode | None = None
     host: str | None = None  # a [[hosts]] name
     replicas: int = 1  # instances of this engine in Kubernetes (`pdkv k8s render`); `pdkv up` starts one
+    kv_events_port: int | None = None  # its KV events publisher (replay on the next port); default: from kv_events_port
 
 
 class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -89,6 +92,8 @@ class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     port: int = 8000
+    policy: Literal["round-robin", "least-outstanding", "kv-aware"] | None = None
+    local_prefill_tokens: int | None = None  # kv-aware: D computes the prompt alone when it lacks at most this many tokens
     extra_args: list[str] = []
     restart: RestartMode | None = None
     host: str | None = None  # a [[hosts]] name
@@ -121,6 +126,10 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
     # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
     token: str | None = None
+    # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
+    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
+    kv_events: bool = True
+    kv_events_port: int = 5557
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -264,31 +273,9 @@ def _pdkv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdkv", *args]
 
 
-def bootstrap_args(host: str, port: int) -> list[str]:
-    """`pdkv bootstrap`'s arguments for a standalone server (here and in Kubernetes, pdkv.k8s)."""
-    return ["bootstrap", "--host", host, "--port", str(port)]
-
-
-def proxy_args(dep: Deployment, host: str) -> list[str]:
-    """`pdkv proxy`'s arguments before its backends (--prefill/--decode, or --members) and the file's extra_args."""
-    assert dep.proxy is not None
-    return ["proxy", "--host", host, "--port", str(dep.proxy.port), "--connector", dep.connector]
-
-
-def check_one_instance_per_table(dep: Deployment) -> None:
-    """`pdkv up` starts each [[prefill]]/[[decode]] table once; `replicas` above 1 is Kubernetes' (pdkv k8s render)."""
-    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
-        for i, e in enumerate(entries):
-            if e.replicas != 1:
-                raise ConfigError(
-                    f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
-                    hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
-                )
-
-
 def engine_spec(
     dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
-    host_ip: str | None = None,
+    host_ip: str | None = None, kv_events_port: int | None = None,
 ) -> EngineSpec:
     return EngineSpec(
         model=entry.model or dep.model,
@@ -311,6 +298,7 @@ def engine_spec(
         omp_bind=entry.omp_bind,
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
+        kv_events_port=kv_events_port,
     )
 
 
@@ -355,17 +343,19 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
             url, bootstrap_port = http_url(p_at or advertised, port), port
         # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
-        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at)
-        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else [])
+        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at,
+                           kv_events_port=kv_events_port_of(dep, entry, i))
+        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else []) + events_ports(spec)
         plan = _reached_at(engine_plan(spec, name=f"prefill-{i}"), p_at, entry.port)
         prefills.append(Part(kind="prefill", plan=plan, ports=ports, bootstrap_url=url, spec=spec,
                              restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
     decodes = []
     for i, entry in enumerate(dep.decode):
         d_at = host_address(dep, entry.host)
-        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at)
+        events_port = kv_events_port_of(dep, entry, len(dep.prefill) + i)
+        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=events_port)
         plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
-        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port)], spec=spec,
+        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *events_ports(spec)], spec=spec,
                             restart=entry.restart or dep.restart, host=entry.host))
     # pdkv's connector: every engine joins the first prefill's bootstrap's members registry, which the proxy follows.
     members = prefills[0].bootstrap_url if prefills and dep.connector == "pdkv" else None
@@ -380,6 +370,11 @@ def deployment_parts(dep: Deployment) -> list[Part]:
             argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
         for d in decodes:
             argv += ["--decode", d.plan.url]
+        for p in (*prefills, *decodes):
+            if p.spec is not None and p.spec.kv_events_port is not None:
+                host = p.plan.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+                pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
+                argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]
         proxy_at = host_address(dep, dep.proxy.host) or connect
         plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
         parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart,

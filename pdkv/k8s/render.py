@@ -25,7 +25,8 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.deploy.preflight import pd_disagreements  # the P/D agreement rule of `pdkv up`'s pre-flight
-from pdkv.deploy.topology import Deployment, EngineEntry, Part, bootstrap_args, engine_spec, proxy_args
+from pdkv.deploy.args import bootstrap_args, proxy_args
+from pdkv.deploy.topology import Deployment, EngineEntry, Part, engine_spec
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 from pdkv.k8s.pods import Layout

@@ -43,6 +43,7 @@ from pdkv.proxy.guard import HttpGuard
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
 from pdkv.proxy.http import UpstreamError, fetch
 from pdkv.proxy.listener import Request, ServerConnection
+from pdkv.proxy.kv_router import KvRouter
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.routing import KvConnector, ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
@@ -65,6 +66,9 @@ class ProxyApp:
         self.backends = Backends(config)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
+        self.kv = KvRouter.for_config(config, self.metrics.registry)  # None unless the policy is kv-aware
+        if self.kv is not None:
+            self.backends.on_events = self.kv.follow  # engines' KV events learnt from the members registry
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
@@ -90,7 +94,7 @@ class ProxyApp:
         elif path == "/v1/models":
             await self.models(conn)
         elif path == "/pdkv/requests":
-            conn.respond(200, _json_encode(self.recent(req.query)))
+            conn.respond(200, _json_encode(self.timings.query(req.query)))
         elif path.startswith("/pdkv/requests/"):
             timing = self.timings.get(path[len("/pdkv/requests/") :])
             if timing is None:
@@ -99,15 +103,6 @@ class ProxyApp:
                 conn.respond(200, _json_encode(timing))
         else:
             conn.respond(404, error_body(404, f"no route {method} {path}", "bad_request"))
-
-    def recent(self, query: str) -> list[ProxyTiming]:
-        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
-        try:
-            limit = max(1, min(int(params.get("limit", "100")), self.timings.capacity))
-        except ValueError:
-            limit = 100
-        errors_only = params.get("errors") in ("1", "true")
-        return self.timings.recent(limit, (lambda t: t.error is not None) if errors_only else None)
 
     async def models(self, conn: ServerConnection) -> None:
         d = self.backends.any_decode()
@@ -155,7 +150,14 @@ class ProxyApp:
         t.stream = stream = bool(fields.stream)
         auth = req.headers.get("authorization")
         d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
-        chosen = self.backends.pair()
+        kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
+        if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
+            try:
+                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
+            finally:
+                self.metrics.observe(t)
+            return
+        chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
         if chosen is None:
             reason = self.backends.readiness()[1]
             d_state = self.backends.live_decode() if self.config.local_fallback else None
@@ -206,6 +208,8 @@ class ProxyApp:
                 await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
         finally:
             self.backends.end(pairing, p_state, d_state)
+            if self.kv is not None:
+                self.kv.finished(t)
             self.metrics.observe(t)
 
     async def _local(self, conn: ServerConnection, t: ProxyTiming, body: dict[str, Any], endpoint: str, d_state: BackendState,

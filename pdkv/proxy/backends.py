@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pdkv.errors import PdkvError
@@ -83,6 +84,9 @@ class Backends:
         self._noted: set[str] = set()
         self.membership_version: tuple[int, ...] = ()
         self._conflicts: list[str] = []
+        # Engine URL -> (KV events publisher, replay) from the registry, and who follows them (the kv-aware policy).
+        self.events: dict[str, tuple[str, str | None]] = {}
+        self.on_events: Callable[[str, str | None, str | None], None] | None = None
         self.rounds = 0
 
     def _pool(self, url: str) -> UpstreamPool:
@@ -100,6 +104,15 @@ class Backends:
         candidates = pairs[p_index]
         d_state = decodes[candidates[self._d_chooser.choose([decodes[j].outstanding for j in candidates])]]
         return Pairing(targets[p_index], d_state.url), self._target_owner[p_index], d_state
+
+    def routable(self) -> tuple[list[PrefillTarget], list[PrefillState], list[BackendState]]:
+        """The prefill engines (with each one's owning server) and decode servers up now, for a policy
+        that chooses by more than load (kv-aware); pair its choice with `Pairing(targets[i], decode.url)`."""
+        return self._targets, self._target_owner, self._live_decodes
+
+    def may_pair(self, target: int, d_state: BackendState) -> bool:
+        """Whether routable target `target` and decode server `d_state` agree (pdkv.proxy.membership)."""
+        return compatible(self._target_owner[target].key, d_state.key)
 
     def begin(self, pairing: Pairing, d_state: BackendState) -> None:
         key = (pairing.prefill.url, pairing.prefill.dp_rank)
@@ -227,73 +240,16 @@ class Backends:
         reason = await self._health(d)
         self._mark(d, reason is None, reason or "ok")
 
-    # --- membership
+    # --- membership (pdkv.proxy.follow)
     def apply_membership(self, view: Membership) -> bool:
-        """Make the registry's view the routing view's: add servers that joined, retire the registry's own
-        ones that left, attach compatibility keys. True if a server was added (health-check it now)."""
-        added = False
-        seen_p, seen_d = set(view.prefills), set(view.decodes)
-        for p in self.prefills:
-            member = view.prefills.get(p.url)
-            p.key = member.key if member is not None else (p.key if not p.static else None)
-        for d in self.decodes:
-            d.key = view.decodes.get(d.url, d.key if not d.static else None)
-        have_p = {p.url for p in self.prefills}
-        for url, member in view.prefills.items():
-            if url not in have_p:
-                state = PrefillState(url, member.bootstrap_url, self._pool(url), static=False)
-                state.key = member.key
-                self.prefills.append(state)
-                log.info("prefill %s joined (engines %s, bootstrap %s)", url, member.engines, member.bootstrap_url)
-                added = True
-        have_d = {d.url for d in self.decodes}
-        for url, key in view.decodes.items():
-            if url not in have_d:
-                state = BackendState("decode", url, self._pool(url), static=False)
-                state.key = key
-                self.decodes.append(state)
-                log.info("decode %s joined", url)
-                added = True
-        gone = [b for b in (*self.prefills, *self.decodes) if not b.static and b.url not in (seen_p if b.role == "prefill" else seen_d)]
-        for b in gone:
-            log.info("%s %s left the registry: no new requests", b.role, b.url)
-            b.up = False
-            self._retired.append(b)
-        if gone:
-            self.prefills = [p for p in self.prefills if p not in gone]
-            self.decodes = [d for d in self.decodes if d not in gone]
-        for conflict in view.conflicts:
-            if conflict not in self._noted:
-                self._noted.add(conflict)
-                log.warning("members registry: %s", conflict)
-        self._conflicts = list(view.conflicts)
-        self._rebuild()
-        return added
+        from pdkv.proxy.follow import apply_membership
+
+        return apply_membership(self, view)
 
     async def refresh_members(self) -> bool:
-        """Read every members registry once; True if a server joined. A registry that does not answer keeps
-        the last view (the proxy's own health checks still take out what is down)."""
-        from pdkv.bootstrap.client import AsyncBootstrapClient
+        from pdkv.proxy.follow import refresh_members
 
-        records, versions = [], []
-        for url in self.config.members:
-            client = self._clients.get(url)
-            if client is None:
-                client = self._clients[url] = AsyncBootstrapClient(url, timeout=self.config.health_timeout, retries=0)
-            try:
-                answer = await client.members()  # type: ignore[attr-defined]
-            except PdkvError as exc:
-                if f"members:{url}" not in self._noted:
-                    self._noted.add(f"members:{url}")
-                    log.warning("members registry %s: %s; keeping the last view", url, exc.message)
-                return False
-            self._noted.discard(f"members:{url}")
-            records += [m.record for m in answer.members]
-            versions.append(answer.version)
-        if tuple(versions) == self.membership_version:
-            return False
-        self.membership_version = tuple(versions)
-        return self.apply_membership(group(records))
+        return await refresh_members(self)
 
     # --- liveness
     async def probe_once(self) -> None:

@@ -32,6 +32,7 @@ class Membership(msgspec.Struct, frozen=True):
     prefills: dict[str, PrefillMember]
     decodes: dict[str, CompatKey]
     conflicts: tuple[str, ...] = ()  # records that disagree with others of the same server
+    events: dict[str, tuple[str, str | None]] = {}  # server URL -> its first rank's KV events (publisher, replay)
 
 
 def group(records: Iterable[MemberRecord]) -> Membership:
@@ -40,8 +41,11 @@ def group(records: Iterable[MemberRecord]) -> Membership:
     prefills: dict[str, PrefillMember] = {}
     decodes: dict[str, CompatKey] = {}
     conflicts: list[str] = []
+    events: dict[str, tuple[str, str | None]] = {}
     for rec in sorted(records, key=lambda r: (r.url, r.dp_rank, r.member_id)):
         key = rec.compat_key()
+        if rec.kv_events is not None:
+            events.setdefault(rec.url, (rec.kv_events, rec.kv_events_replay))
         if rec.role == "prefill":
             assert rec.bootstrap_url is not None  # MemberRecord refuses a prefill without one
             if rec.url in decodes:
@@ -60,7 +64,7 @@ def group(records: Iterable[MemberRecord]) -> Membership:
                 continue
             if decodes.setdefault(rec.url, key) != key:
                 conflicts.append(f"{rec.member_id} disagrees with the other ranks of {rec.url}")
-    return Membership(prefills, decodes, tuple(conflicts))
+    return Membership(prefills, decodes, tuple(conflicts), events)
 
 
 def compatible(p_key: CompatKey | None, d_key: CompatKey | None) -> bool:

@@ -6,7 +6,8 @@ Histograms (seconds), the TTFT split of one request:
     pdkv_proxy_ttfb_seconds           proxy received -> first byte to the client
     pdkv_proxy_request_seconds        proxy received -> last byte to the client
 Counters: pdkv_proxy_requests_total{status}, pdkv_proxy_errors_total{cause},
-pdkv_proxy_local_prefill_total{reason} (requests D computed alone: no_prefill, prefill_failed).
+pdkv_proxy_local_prefill_total{reason} (requests D computed alone: no_prefill, prefill_failed, kv_local:
+the kv-aware policy found D holding all but a few of the prompt's tokens; pdkv.proxy.kv_metrics has its other metrics).
 Gauges: pdkv_proxy_backend_up{role,url}, pdkv_proxy_outstanding{role,url}.
 
 `observe` runs once per request on the proxy's loop: every labelled child it
@@ -39,7 +40,7 @@ ERROR_CAUSES = (
 )
 
 
-LOCAL_REASONS = ("no_prefill", "prefill_failed")
+LOCAL_REASONS = ("no_prefill", "prefill_failed")  # kv_local is made on first use (kv-aware only)
 
 
 class _Children:
@@ -128,6 +129,16 @@ class TimingLog:
     def get(self, key: str) -> ProxyTiming | None:
         """By request id, or by transfer id."""
         return self._items.get(key) or self._by_transfer.get(key)
+
+    def query(self, query: str) -> list[ProxyTiming]:
+        """GET /pdkv/requests?limit=N&errors=1: the newest records (at most the capacity), errors only if asked."""
+        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
+        try:
+            limit = max(1, min(int(params.get("limit", "100")), self.capacity))
+        except ValueError:
+            limit = 100
+        errors_only = params.get("errors") in ("1", "true")
+        return self.recent(limit, (lambda t: t.error is not None) if errors_only else None)
 
     def recent(self, limit: int, keep: Callable[[ProxyTiming], bool] | None = None) -> list[ProxyTiming]:
         """Newest first."""

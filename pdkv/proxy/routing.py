@@ -26,6 +26,7 @@ import msgspec
 from pdkv.bootstrap import DEFAULT_PORT
 from pdkv.errors import ConfigError
 from pdkv.protocol import DecodeParams, PrefillParams
+from pdkv.proxy.kv_policy import KvConfig
 
 # Fields a prefill must not carry: they could end P before its one token is
 # "length capped" (stop, stop_token_ids) or ask for a stream P never gives.
@@ -35,6 +36,7 @@ _PREFILL_DROPPED = ("stop", "stop_token_ids", "stream_options")
 class Policy(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     LEAST_OUTSTANDING = "least-outstanding"
+    KV_AWARE = "kv-aware"  # by where each prompt's blocks are cached (pdkv.proxy.kv_policy)
 
 
 class KvConnector(enum.StrEnum):
@@ -75,6 +77,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     probe_interval: float = 1.0
     probe_failures: int = 2
     trace_capacity: int = 4096
+    kv: KvConfig = KvConfig()  # the kv-aware policy's settings
 
 
 def _origin(url: str, what: str) -> str:

@@ -45,6 +45,8 @@ class ProxyServer:
             lambda: ServerConnection(self.app.handle, self._connections), sock=self.sock, ssl=self.ssl
         )
         self._health = loop.create_task(self.app.backends.run_health())
+        if self.app.kv is not None:
+            self.app.kv.start(self.app.backends)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._first_round(), self.config.health_timeout + 1.0)
 
@@ -66,6 +68,8 @@ class ProxyServer:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health
+        if self.app.kv is not None:
+            await self.app.kv.close()
         await self.app.close()
 
 

@@ -231,6 +231,8 @@ def assemble(
     else:
         chain = EARLY_CHAIN if "p_forward_done" in crit.events else PDKV_CHAIN
     phases, notes = _phases(at, chain, received)
+    if proxy.route:  # why it went where it went (the kv-aware policy's plan)
+        notes.insert(0, f"routed by kv-aware: {proxy.route}" + (" (decode alone, no P)" if proxy.local_prefill == "kv_local" else ""))
     if crit is None:
         notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")
     elif len(records) > 1:

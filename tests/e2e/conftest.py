@@ -69,9 +69,10 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         model: Path | None = None,
         protocol: str = "tcp",
         load_failure: str | None = None,
+        kv_events_port: int | None = None,
     ) -> ManagedProcess:
         key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args,
-               cpu_accelerator_shim, name, model, protocol, load_failure)
+               cpu_accelerator_shim, name, model, protocol, load_failure, kv_events_port)
         engine = cache.get(key)
         if engine is not None and engine.poll() is None:
             return engine
@@ -95,6 +96,7 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             extra_args=extra_args,
             extra_env=extra_env,
             load_failure=load_failure,  # type: ignore[arg-type]
+            kv_events_port=kv_events_port,
         )
         label = name or f"{role}-{connector}-{len(started)}"
         engine = ManagedProcess(engine_plan(spec, name=label), logs / f"{label}.log")

@@ -58,7 +58,7 @@ def test_in_worker_bootstrap_sets_the_port_env_per_prefill() -> None:
     prefills = [p for p in parts if p.kind == "prefill"]
     assert [p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
     assert all("bootstrap_server_address" not in kv_config(p)["kv_connector_extra_config"] for p in prefills)
-    assert [("0.0.0.0", 9001)] == prefills[1].ports[1:]
+    assert [("0.0.0.0", 9001), ("0.0.0.0", 5559), ("0.0.0.0", 5560)] == prefills[1].ports[1:]  # bootstrap, KV events, replay
 
 
 def test_external_bootstrap_is_passed_to_prefill() -> None:
@@ -277,3 +277,20 @@ def test_parse_prometheus_reads_escaped_labels_and_stops_at_unreadable_text() ->
     assert ("pdkv_proxy_errors_total", {"cause": 'said "no"'}, 2.0) in samples
     assert not any(name == "this" for name, _, _ in samples)
     assert parse_prometheus("") == []
+
+
+def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows_them() -> None:
+    from pdkv.launch import kv_events_config
+
+    parts = deployment_parts(deployment_from_dict(_dep(proxy={"port": 8000, "policy": "kv-aware", "local_prefill_tokens": 128})))
+    engines = [p for p in parts if p.kind in ("prefill", "decode")]
+    configs = [json.loads(p.plan.argv[p.plan.argv.index("--kv-events-config") + 1]) for p in engines]
+    assert configs == [kv_events_config(5557 + 2 * k) for k in range(len(engines))]
+    assert configs[0] == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    follows = [proxy[i + 1] for i, a in enumerate(proxy) if a == "--kv-events"]
+    assert len(follows) == len(engines)
+    assert follows[0] == "http://127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
+    assert proxy[proxy.index("--policy") + 1] == "kv-aware" and proxy[proxy.index("--local-prefill-tokens") + 1] == "128"
+    off = deployment_parts(deployment_from_dict(_dep(kv_events=False)))
+    assert not any("--kv-events-config" in p.plan.argv or "--kv-events" in p.plan.argv for p in off)

@@ -147,3 +147,16 @@ def test_http_url_reaches_wildcard_binds_locally() -> None:
 def test_plan_rejects_bad_port() -> None:
     with pytest.raises(UsageError):
         engine_plan(EngineSpec(model="m", port=70000))
+
+
+def test_kv_events_publish_on_a_wildcard_and_replay_on_the_next_port() -> None:
+    from pdkv.launch import kv_events_config, kv_events_endpoints
+
+    argv = engine_argv(EngineSpec(model="/m", port=8100, launcher="module", kv_events_port=6000))
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:6000", "replay_endpoint": "tcp://*:6001"}
+    assert "--kv-events-config" not in engine_argv(EngineSpec(model="/m", launcher="module"))
+    assert kv_events_endpoints("0.0.0.0", 6000) == ("tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001")
+    assert kv_events_endpoints("::1", 6000)[0] == "tcp://[::1]:6000"
+    with pytest.raises(UsageError):
+        kv_events_config(65535)

@@ -232,3 +232,12 @@ def test_early_write_chain_takes_p_forward_done_and_leaves_ps_finish_off_the_pat
     assert got["D notified"] == near(2.0) and got["D one-token forward"] == near(4.5)
     assert t.phases_ms == near(28.0)
     assert not t.notes
+
+
+def test_the_kv_aware_plan_is_the_first_note() -> None:
+    plan = "prefix_hit: P1 holds 640/1000; D0 holds 0/1000; P costs [1000, 360]; D costs [250]"
+    routed = msgspec.structs.replace(proxy_record(), route=plan)
+    t = assemble(routed, [], client_timing(), connector_note="not visible")
+    assert t.notes[0] == "routed by kv-aware: prefix_hit: P1 holds 640/1000; D0 holds 0/1000; P costs [1000, 360]; D costs [250]"
+    alone = msgspec.structs.replace(proxy_record(), route="local_prefill: D0 holds 960/1000; D costs [250]", local_prefill="kv_local")
+    assert assemble(alone, [], client_timing()).notes[0].endswith("(decode alone, no P)")

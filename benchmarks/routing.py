@@ -1,0 +1,406 @@
+"""Routing benchmark: pdkv's kv-aware policy against round-robin and vllm-router's cache_aware, same engines, same run.
+
+Deployment (started once, every router runs in turn on it): two prefill
+engines and one decode engine of pdkv's connector (pdkv/cma) on the tiny
+model, prefix caching on (vLLM's default), KV cache events on every engine
+(--kv-events-config), block size 32, max_model_len 2048. The machine has 2
+cores for 3 engines: P0 is bound to core 0, P1 to core 1, D to core 1 as well
+(VLLM_CPU_OMP_THREADS_BIND, one OMP thread each; two engines share core 1, and
+the client, the proxies and the routers float over both cores).
+
+Routers, each in turn on the same engines, with every engine's prefix cache
+reset before each (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1), so each sees
+the same workload from a cold cache:
+- `rr`: pdkv proxy, --policy round-robin
+- `kv`: pdkv proxy, --policy kv-aware, --local-prefill-tokens 0 (always P/D)
+- `kv+local:N`: pdkv proxy, --policy kv-aware, --local-prefill-tokens N
+- `vllm-router`: vllm-router --vllm-pd-disaggregation --prefill-policy cache_aware
+  (--kv-connector mooncake: the kv_transfer_params of vLLM's MooncakeConnector, which pdkv's connector reads)
+
+Multi-turn workload: `--conversations` chats (16) of `--turns` turns (6),
+all under one shared system prompt (`--system-words`, ~1 token a word), each
+user turn `--turn-words` new words, each answer `--answer-tokens` tokens
+(greedy, ignore_eos) fed back into the history; every conversation runs its
+turns in order and all conversations run at once, so their turns interleave.
+Streaming /v1/chat/completions; TTFT is the client's send to the first SSE
+event. The prefix hit rate is each engine's own (vllm:prefix_cache_hits /
+vllm:prefix_cache_queries over the run, from its /metrics): P's (both
+prefills together), D's, and all three.
+
+Unique-prompt workload (`--unique N`, 0: off): N completions of prompts that
+share no block, `--unique-concurrency` at once, through pdkv's
+least-outstanding and kv-aware policies (the latter with the chosen
+--local-prefill-tokens): kv-aware's req/s against least-outstanding's.
+
+    flock /tmp/pdkv-vllm.lock timeout -k 60 3000 python benchmarks/routing.py --vllm-router /tmp/vr-venv/bin/vllm-router
+
+Prints a table (and writes routing.json in the logs folder; --json prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pdkv.launch import EngineSpec, ManagedProcess, engine_plan, kv_events_endpoints
+
+SERVED = "tiny"
+BLOCK = 32
+
+
+def free_port(pair: bool = False) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not pair:
+            return port
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port")
+
+
+def counters(url: str) -> tuple[float, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        if family.name in found:
+            found[family.name] += sum(x.value for x in family.samples if x.name.endswith("_total"))
+    return found["vllm:prefix_cache_hits"], found["vllm:prefix_cache_queries"]
+
+
+def rate(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    return round(hits / queries, 4) if queries > 0 else None
+
+
+async def stream_one(client, url: str, path: str, body: dict) -> tuple[float, str, float]:
+    """(ttft_s, text, total_s) of one streamed request; raises on an error status."""
+    t0 = time.perf_counter()
+    ttft, parts = None, []
+    async with client.stream("POST", f"{url}{path}", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(str(event["error"])[:300])
+            for choice in event.get("choices") or ():
+                parts.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
+    return ttft if ttft is not None else float("nan"), "".join(parts), time.perf_counter() - t0
+
+
+def conversations(args: argparse.Namespace) -> tuple[str, list[list[str]]]:
+    from pdkv.tinymodel import sample_text
+
+    system = sample_text(args.system_words, seed=args.seed)
+    users = [[sample_text(args.turn_words, seed=args.seed + 1000 * (c + 1) + t) for t in range(args.turns)]
+             for c in range(args.conversations)]
+    return system, users
+
+
+async def multi_turn(url: str, args: argparse.Namespace) -> dict:
+    import httpx
+
+    system, users = conversations(args)
+    ttfts: list[float] = []
+    errors: list[str] = []
+    rng = np.random.default_rng(args.seed)
+    starts = rng.uniform(0, args.stagger_s, len(users))
+
+    async def chat(c: int, client) -> None:
+        await asyncio.sleep(float(starts[c]))
+        history = [{"role": "system", "content": system}]
+        for turn in users[c]:
+            history.append({"role": "user", "content": turn})
+            body = {"model": SERVED, "messages": history, "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            try:
+                ttft, text, _ = await stream_one(client, url, "/v1/chat/completions", body)
+            except Exception as exc:  # noqa: BLE001 - counted; the conversation goes on
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                text, ttft = "-", None
+            if ttft is not None:
+                ttfts.append(ttft)
+            history.append({"role": "assistant", "content": text})
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(chat(c, client) for c in range(len(users))))
+    wall = time.perf_counter() - t0
+    return summarize(ttfts, errors, wall)
+
+
+async def unique(url: str, args: argparse.Namespace, seed: int) -> dict:
+    import httpx
+
+    from pdkv.tinymodel import sample_text
+
+    # Each prompt leads with its own number words, so no two share their first block.
+    prompts = [f"{i} {i * 7919} " + sample_text(args.unique_words, seed=seed + i) for i in range(args.unique)]
+    sem = asyncio.Semaphore(args.unique_concurrency)
+    ttfts: list[float] = []
+    errors: list[str] = []
+
+    async def one(p: str, client) -> None:
+        async with sem:
+            body = {"model": SERVED, "prompt": p, "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            try:
+                ttft, _, _ = await stream_one(client, url, "/v1/completions", body)
+                ttfts.append(ttft)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
+        await asyncio.gather(*(one(p, client) for p in prompts))
+    return summarize(ttfts, errors, time.perf_counter() - t0)
+
+
+def summarize(ttfts: list[float], errors: list[str], wall: float) -> dict:
+    arr = np.array(ttfts) * 1000 if ttfts else np.array([np.nan])
+    return {"completed": len(ttfts), "failed": len(errors), "wall_s": round(wall, 2), "req_s": round(len(ttfts) / wall, 3),
+            "ttft_p50_ms": round(float(np.percentile(arr, 50)), 1), "ttft_p99_ms": round(float(np.percentile(arr, 99)), 1),
+            "errors": sorted(set(errors))[:3]}
+
+
+class Deployment:
+    def __init__(self, model: str, logs: Path) -> None:
+        self.model = model
+        self.boot = [free_port(), free_port()]
+        self.events = [free_port(pair=True) for _ in range(3)]
+        common = dict(model=model, served_model_name=SERVED, host="127.0.0.1", protocol="cma", platform="cpu", block_size=BLOCK,
+                      max_model_len=2048, host_ip="127.0.0.1", connector="pdkv", extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+        specs = [
+            EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=self.boot[0], kv_events_port=self.events[0],
+                       **common),
+            EngineSpec(port=free_port(), role="prefill", omp_bind="1", bootstrap_port=self.boot[1], kv_events_port=self.events[1],
+                       **common),
+            EngineSpec(port=free_port(), role="decode", omp_bind="1", kv_events_port=self.events[2], **common),
+        ]
+        names = ["p0", "p1", "d"]
+        self.engines = [ManagedProcess(engine_plan(s, name=n), logs / f"{n}.log") for s, n in zip(specs, names, strict=True)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    def reset_caches(self) -> None:
+        import httpx
+
+        for url in self.urls:
+            for _ in range(50):
+                r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+                if r.status_code == 200 and "false" not in r.text.lower():
+                    break
+                time.sleep(0.2)
+
+    def pdkv_config(self, policy: str, local: int = 0, tokenizer: str | None = None):
+        from pdkv.proxy.routing import build_config
+
+        p0, p1, d = self.urls
+        events = [f"{url}={','.join(kv_events_endpoints('127.0.0.1', port))}" for url, port in zip(self.urls, self.events, strict=True)]
+        return build_config([f"{p0},{self.boot[0]}", f"{p1},{self.boot[1]}"], [d], port=0, policy=policy, health_interval=1.0,
+                            kv={"events": events, "local_prefill_tokens": local, "tokenizer": tokenizer})
+
+
+def wait_http(url: str, timeout: float) -> None:
+    import httpx
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not healthy in {timeout} s")
+
+
+def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Path, workload: str, seed: int) -> dict:
+    from pdkv.proxy.server import BackgroundProxy
+
+    dep.reset_caches()
+    p_urls, d_urls = dep.urls[:2], dep.urls[2:]
+    before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
+    extra: dict = {}
+
+    def go(url: str) -> dict:
+        if workload == "multi-turn":
+            return asyncio.run(multi_turn(url, args))
+        return asyncio.run(unique(url, args, seed))
+
+    if router == "vllm-router":
+        port = free_port()
+        argv = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                "--prefill", p_urls[0], str(dep.boot[0]), "--prefill", p_urls[1], str(dep.boot[1]), "--decode", d_urls[0],
+                "--prefill-policy", "cache_aware", "--decode-policy", "round_robin", "--kv-connector", "mooncake",
+                "--prometheus-port", str(free_port())]
+        with (logs / "vllm-router.log").open("a") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_http(f"http://127.0.0.1:{port}", 60)
+            row = go(f"http://127.0.0.1:{port}")
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+    else:
+        policy, _, local = router.partition(":")
+        policy = {"rr": "round-robin", "lo": "least-outstanding", "kv": "kv-aware", "kv+local": "kv-aware"}[policy]
+        with BackgroundProxy(dep.pdkv_config(policy, int(local or 0), None if args.engine_tokenize else dep.model)) as proxy:
+            wait_http(proxy.url, 60)
+            if proxy.app.kv is not None:  # the self-checks run first, on their own prompts
+                end = time.monotonic() + 40
+                while len(proxy.app.kv.self_checks) < 3 and time.monotonic() < end:
+                    time.sleep(0.2)
+                extra["self_checks"] = dict(proxy.app.kv.self_checks)
+                before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
+            row = go(proxy.url)
+            timings = proxy.app.timings.recent(100_000)
+            extra["local"] = sum(1 for t in timings if t.local_prefill == "kv_local")
+            extra["pd"] = sum(1 for t in timings if not t.local_prefill)
+            took = [float(t.route.rsplit("tokenized in ", 1)[1].split()[0]) for t in timings if t.route and "tokenized in" in t.route]
+            extra["tokenize_ms_p50"] = round(float(np.median(took)), 2) if took else None
+    after_p, after_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
+    row.update(extra)
+    row["hit_p"] = rate(before_p, after_p)
+    row["hit_d"] = rate(before_d, after_d)
+    row["hit_all"] = rate(before_p + before_d, after_p + after_d)
+    return {"router": router, "workload": workload, **row}
+
+
+def ratios(rows: list[dict]) -> dict:
+    """Per router, the mean over rounds of TTFT p50 and req/s; then the ratios the targets name."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by.setdefault((r["workload"], r["router"]), []).append(r)
+    mean = {k: {m: round(float(np.mean([r[m] for r in v])), 3) for m in ("ttft_p50_ms", "ttft_p99_ms", "req_s")} for k, v in by.items()}
+    out: dict = {"means": {f"{w}/{r}": v for (w, r), v in mean.items()}}
+    rr = mean.get(("multi-turn", "rr"))
+    vr = mean.get(("multi-turn", "vllm-router"))
+    for (w, r), v in mean.items():
+        if w == "multi-turn" and r.startswith("kv"):
+            if rr:
+                out[f"{r} TTFT p50 / rr"] = round(v["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
+            if vr:
+                out[f"{r} TTFT p50 / vllm-router"] = round(v["ttft_p50_ms"] / vr["ttft_p50_ms"], 3)
+        if w == "unique" and r.startswith("kv") and ("unique", "lo") in mean:
+            out[f"unique {r} req/s / lo"] = round(v["req_s"] / mean[("unique", "lo")]["req_s"], 3)
+    return out
+
+
+def render(rows: list[dict]) -> str:
+    head = (f"{'workload':<11} {'router':<16} {'req/s':>6} {'TTFT p50':>9} {'p99':>8} {'hit P':>6} {'hit D':>6} {'hit all':>7} "
+            f"{'local':>5} {'ok':>4} {'fail':>4}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        def f(x, spec=".1f"):
+            return "-" if x is None else format(x, spec)
+        lines.append(f"{r['workload']:<11} {r['router']:<16} {f(r['req_s'], '.2f'):>6} {f(r['ttft_p50_ms']):>9} {f(r['ttft_p99_ms']):>8} "
+                     f"{f(r['hit_p'], '.2f'):>6} {f(r['hit_d'], '.2f'):>6} {f(r['hit_all'], '.2f'):>7} {r.get('local', '-'):>5} "
+                     f"{r['completed']:>4} {r['failed']:>4}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model directory (default: a fresh tiny model)")
+    ap.add_argument("--routers", default="rr,kv,kv+local:64,kv+local:128,kv+local:256,vllm-router",
+                    help="comma-separated: rr, lo, kv, kv+local:N, vllm-router")
+    ap.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="the vllm-router executable (absent: its row is skipped)")
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-words", type=int, default=300)
+    ap.add_argument("--turn-words", type=int, default=60)
+    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--stagger-s", type=float, default=2.0, help="conversations start at uniform random offsets in [0, this)")
+    ap.add_argument("--unique", type=int, default=192, help="unique-prompt requests per router (0: no unique-prompt workload)")
+    ap.add_argument("--unique-words", type=int, default=250)
+    ap.add_argument("--unique-concurrency", type=int, default=8)
+    ap.add_argument("--unique-local", type=int, default=128, help="kv-aware's --local-prefill-tokens on the unique workload")
+    ap.add_argument("--engine-tokenize", action="store_true", help="kv-aware asks the engine's /tokenize (default: --tokenizer MODEL)")
+    ap.add_argument("--rounds", type=int, default=2, help="repeat the multi-turn routers this many times, interleaved")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--logs")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="pdkv-routing-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        from pdkv.tinymodel import write_tiny_model
+
+        model = str(write_tiny_model(logs / "tiny"))
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    if "vllm-router" in routers and not args.vllm_router:
+        print("vllm-router not found (--vllm-router PATH): its row is skipped", file=sys.stderr)
+        routers.remove("vllm-router")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = time.time()
+    dep = Deployment(model, logs)
+    rows: list[dict] = []
+
+    def say(msg: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    with dep.engines[0], dep.engines[1], dep.engines[2]:
+        for e in dep.engines:
+            e.wait_healthy(400)
+        say("engines healthy")
+        warm = argparse.Namespace(**{**vars(args), "conversations": 4, "turns": 2, "seed": args.seed + 99})
+        say(f"warm-up: {run_router(dep, 'rr', warm, logs, 'multi-turn', 0)}")
+        for rnd in range(args.rounds):
+            for router in routers:
+                row = run_router(dep, router, args, logs, "multi-turn", 0)
+                row["round"] = rnd
+                rows.append(row)
+                say(json.dumps(row))
+        if args.unique:
+            kv = f"kv+local:{args.unique_local}"
+            order = [r for rnd in range(args.rounds) for r in (("lo", kv) if rnd % 2 == 0 else (kv, "lo"))]
+            for i, router in enumerate(order):
+                row = run_router(dep, router, args, logs, "unique", 10_000 * (i + 1))
+                rows.append(row)
+                say(json.dumps(row))
+    report = {"command": ["benchmarks/routing.py", *(sys.argv[1:] if argv is None else argv)], "args": vars(args), "rows": rows,
+              "ratios": ratios(rows),
+              "wall_s": round(time.time() - started, 1), "logs": str(logs)}
+    (logs / "routing.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{args.conversations} conversations x {args.turns} turns, system {args.system_words} words, turns {args.turn_words} words, "
+              f"answers {args.answer_tokens} tokens; {report['wall_s']} s; logs in {logs}")
+        print(render(rows))
+        for k, v in report["ratios"].items():
+            if k != "means":
+                print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

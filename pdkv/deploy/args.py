@@ -1,0 +1,49 @@
+"""Pieces of the parts' command lines that `pdkv up` (pdkv.deploy.topology) and `pdkv k8s render` (pdkv.k8s) share. Pure."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdkv.deploy.topology import Deployment, EngineEntry
+    from pdkv.launch import EngineSpec
+
+
+def bootstrap_args(host: str, port: int) -> list[str]:
+    """`pdkv bootstrap`'s arguments for a standalone server (here and in Kubernetes, pdkv.k8s)."""
+    return ["bootstrap", "--host", host, "--port", str(port)]
+
+
+def proxy_args(dep: Deployment, host: str) -> list[str]:
+    """`pdkv proxy`'s arguments before its backends (--prefill/--decode, or --members) and the file's extra_args."""
+    assert dep.proxy is not None
+    argv = ["proxy", "--host", host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+    if dep.proxy.policy is not None:
+        argv += ["--policy", dep.proxy.policy]
+    if dep.proxy.local_prefill_tokens is not None:
+        argv += ["--local-prefill-tokens", str(dep.proxy.local_prefill_tokens)]
+    return argv
+
+
+def check_one_instance_per_table(dep: Deployment) -> None:
+    """`pdkv up` starts each [[prefill]]/[[decode]] table once; `replicas` above 1 is Kubernetes' (pdkv k8s render)."""
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas != 1:
+                raise ConfigError(
+                    f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
+                    hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
+                )
+
+
+def kv_events_port_of(dep: Deployment, entry: EngineEntry, k: int) -> int | None:
+    """Engine k's KV events port (prefills first, then decodes), or None with events off."""
+    if not dep.kv_events:
+        return None
+    return entry.kv_events_port if entry.kv_events_port is not None else dep.kv_events_port + 2 * k
+
+
+def events_ports(spec: EngineSpec) -> list[tuple[str, int]]:
+    return [] if spec.kv_events_port is None else [("0.0.0.0", spec.kv_events_port), ("0.0.0.0", spec.kv_events_port + 1)]
