@@ -18,7 +18,8 @@ import uuid
 import msgspec
 from aiohttp import web
 
-from pdkv.protocol import transfer_id_for
+from pdkv.auth import new_binding
+from pdkv.protocol import new_transfer_id
 from pdkv.proxy.routing import PrefillTarget, decode_request, prefill_request
 
 
@@ -49,9 +50,10 @@ def build_app(args: argparse.Namespace) -> web.Application:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        tid = transfer_id_for(rid)
-        p_body = msgspec.json.encode(prefill_request(body, tid))
-        d_body = msgspec.json.encode(decode_request(body, tid, target))
+        tid = new_transfer_id()  # as pdkv's proxy: minted, and bound to the D
+        secret, commitment = new_binding()
+        p_body = msgspec.json.encode(prefill_request(body, tid, commitment))
+        d_body = msgspec.json.encode(decode_request(body, tid, target, secret))
         headers = {"X-Request-Id": rid, "Content-Type": "application/json"}
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         if args.client == "httpx":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -91,9 +92,13 @@ def test_a_stranger_gets_nothing_from_a_keyed_p_and_d_still_gets_the_right_answe
     assert r.status_code == 200, r.text[:300]
     time.sleep(0.5)  # P holds the KV now, for up to expiry_s, waiting for its D
 
-    plain = stranger(keyed_pair["side_channel"], tid, "plain")
+    # The stranger's memory is shaped as D's (its log says how), so only the guards can stop it.
+    m = re.search(r"pdkv: (\d+) KV regions of \d+ blocks x (\d+) B", keyed_pair["d"].log_tail(2000))
+    assert m is not None, "D's log does not give its KV layout"
+    layout = {"STRANGER_LAYOUT": f"{m.group(1)},{m.group(2)}"}
+    plain = stranger(keyed_pair["side_channel"], tid, "plain", env=layout)
     assert plain == {"replies": [], "written": 0}
-    keyed = stranger(keyed_pair["side_channel"], tid, "keyed", env={"PDKV_TOKEN": KEY})
+    keyed = stranger(keyed_pair["side_channel"], tid, "keyed", env={"PDKV_TOKEN": KEY, **layout})
     assert keyed["written"] == 0 and any("binding" in x for x in keyed["replies"]), keyed
     assert "dropped a frame from 127.0.0.1: unauthenticated" in keyed_pair["p"].log_tail(400)
 

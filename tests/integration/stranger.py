@@ -7,11 +7,13 @@ MODE: plain (no seal: the stranger lacks the key), wrong-key (sealed with a key 
 keyed (sealed with the deployment key from PDKV_TOKEN, but without the transfer's binding), replay
 (send the frames in FRAMES_HEX_FILE, one hex frame a line, as they were recorded).
 Prints one JSON line: the replies it got and how many bytes of its memory were written.
+STRANGER_LAYOUT=REGIONS,BLOCK_LEN shapes its memory like the deployment's (default 3,512).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -28,10 +30,11 @@ LAYERS, BLOCKS, BLOCK_LEN = 3, 16, 512
 
 def main() -> None:
     addr, tid, mode = sys.argv[1:4]
-    mem = np.zeros((LAYERS, BLOCKS, BLOCK_LEN), np.uint8)
+    layers, block_len = (int(x) for x in os.environ.get("STRANGER_LAYOUT", f"{LAYERS},{BLOCK_LEN}").split(","))
+    mem = np.zeros((layers, BLOCKS, block_len), np.uint8)
     with open_transport("tcp", "127.0.0.1", write_timeout_s=3.0) as t:
         t.register([(mem.ctypes.data, mem.nbytes)])
-        regions = [Region(mem.ctypes.data + layer * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for layer in range(LAYERS)]
+        regions = [Region(mem.ctypes.data + layer * BLOCKS * block_len, block_len, BLOCKS) for layer in range(layers)]
         announce = Announce(session=t.session_address, tp_rank=0, tp_size=1, regions=regions)
         pull = PullRequest(transfer_id=tid, d_req_id="stranger-1", session=t.session_address, tp_rank=0, tp_size=1,
                            block_ids=list(range(4)))
