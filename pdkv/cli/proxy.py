@@ -113,7 +113,7 @@ def proxy(
         int | None,
         typer.Option("--local-prefill-tokens", min=0,
                      help="kv-aware: D computes the prompt alone, skipping P and the transfer, when it lacks at most this many "
-                     "of its tokens; 0: never. [default: 256]"),
+                     "of its tokens; 0: never. [default: 128]"),
     ] = None,
     tokenizer: Annotated[
         Path | None,

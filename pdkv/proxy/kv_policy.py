@@ -12,7 +12,7 @@ All costs are in prompt tokens of work.
   the transfer are skipped (multi-turn chat where D holds the history, or a
   prompt too short to be worth a transfer).
 - Otherwise P's cost = the prompt tokens P would compute (those it does not
-  hold) + `queue_weight` x the prefill tokens already queued there by this proxy.
+  hold) + `queue_weight` x the prefill tokens this proxy sent there whose KV has not reached D yet.
 
 Ties go to the first candidate at or after `start` (a round-robin cursor), so
 equal engines share the load.
@@ -38,7 +38,7 @@ class KvWeights(msgspec.Struct, frozen=True, kw_only=True):
     decode_load_tokens: float = 256.0
     kv_usage_tokens: float = 2048.0
     decode_miss_weight: float = 0.25
-    local_prefill_tokens: int = 256  # 0: never skip P
+    local_prefill_tokens: int = 128  # 0: never skip P
 
 
 class PrefillCandidate(msgspec.Struct, frozen=True):
@@ -134,7 +134,7 @@ class KvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     # "ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]": where each engine publishes its KV events.
     events: list[str] = []
-    local_prefill_tokens: int = 256
+    local_prefill_tokens: int = 128  # chosen by benchmarks/routing.py (docs/bench.md)
     queue_weight: float = 1.0
     decode_load_tokens: float = 256.0
     kv_usage_tokens: float = 2048.0

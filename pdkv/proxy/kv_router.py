@@ -239,8 +239,9 @@ class KvRouter:
         self._inflight.get(t.prefill_url, {}).pop(t.request_id, None)
 
     def queued_tokens(self, p_url: str) -> int:
-        """Prefill tokens this proxy sent `p_url` that P has not answered yet."""
-        return sum(n for t, n in self._inflight.get(p_url, {}).values() if t.prefill_responded is None and t.error is None)
+        """Prefill tokens this proxy sent `p_url` whose KV has not reached D yet (D's first byte): P's work for a
+        request is its prefill and then sending the KV, which P's connector does after P has answered."""
+        return sum(n for t, n in self._inflight.get(p_url, {}).values() if t.decode_first_byte is None and t.error is None)
 
     # --- the self-check
     async def _self_check(self, engine: str, backends: Backends) -> None:
