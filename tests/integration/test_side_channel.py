@@ -153,3 +153,12 @@ def test_stats_query_returns_traces_and_metrics(world):
     [t] = [t for t in reply.traces if t.transfer_id == "ok"]
     assert t.status == "sent" and t.bytes == 2 * BLOCK_LEN and t.descriptors == 2
     assert 'pdkv_connector_transfers_total{outcome="sent",role="prefill"} 1.0\n' in reply.metrics
+
+
+def test_side_channel_port_is_read_and_bounded():
+    from pdkv.connector.config import load_config
+    from pdkv.errors import ConfigError
+
+    assert load_config({"side_channel_port": 5600}).side_channel_port == 5600
+    with pytest.raises(ConfigError, match="side_channel_port"):
+        load_config({"side_channel_port": 70000})

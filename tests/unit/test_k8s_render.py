@@ -150,6 +150,19 @@ def _kv_config(rendered, template) -> dict:
     return json.loads(value)
 
 
+def test_every_side_channel_of_a_prefill_is_declared(rendered):
+    for _, _, role, template in _engines(rendered):
+        (c,) = containers(template)
+        declared = {p["name"]: p["containerPort"] for p in c["ports"]}
+        extra = _kv_config(rendered, template)["kv_connector_extra_config"]
+        tp = int(flag(c["command"], "--tensor-parallel-size") or 1)
+        if role == "prefill":
+            base = extra["side_channel_port"]
+            assert {v for n, v in declared.items() if n.startswith("side-")} == set(range(base, base + tp))
+        else:
+            assert "side_channel_port" not in extra and not any(n.startswith("side-") for n in declared)
+
+
 def test_p_and_d_agree_on_model_block_size_and_connector(rendered):
     seen = {}
     for _, kind, role, template in _engines(rendered):
