@@ -246,6 +246,7 @@ def test_the_kv_transfer_config_is_the_one_pdkv_up_passes():
     assert json.loads(data["decode-0.json"]) == kv_transfer_config(up["decode-0"])
     p_up = kv_transfer_config(up["prefill-0"])
     del p_up["kv_connector_extra_config"]["bootstrap_server_address"]  # pdkv up's standalone bootstrap; the pod's is in-worker
+    p_up["kv_connector_extra_config"]["side_channel_port"] = 5600  # a pod declares its side channel's ports
     assert json.loads(data["prefill-0.json"]) == p_up
 
 
