@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdkv.errors import PdkvError
-from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
+from pdkv.proxy.http import UpstreamError, UpstreamPool, connect_bounded, fetch
 from pdkv.proxy.membership import CompatKey, Membership, compatible, group, unmatched
 from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget, ProxyConfig
 
@@ -275,14 +275,12 @@ class Backends:
 
     async def _reachable(self, b: BackendState) -> str | None:
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(b.pool.host, b.pool.port), self.config.probe_interval)
+            transport, _ = await connect_bounded(asyncio.Protocol, b.pool.host, b.pool.port, self.config.probe_interval)
         except asyncio.TimeoutError:
             return f"no TCP connection within {self.config.probe_interval:g} s"
         except OSError as exc:
             return f"TCP connect failed: {exc.strerror or exc}"
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        transport.close()
         return None
 
     # --- loops

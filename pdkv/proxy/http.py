@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -136,6 +137,30 @@ class UpstreamConnection(asyncio.Protocol):
             self.transport.abort()
 
 
+async def connect_bounded(factory: Any, host: str, port: int, timeout: float) -> tuple[asyncio.Transport, Any]:
+    """`loop.create_connection`, bounded by `timeout` (asyncio.TimeoutError), that never leaks a transport: one that
+    connects after the caller timed out or was cancelled is closed (wait_for may drop it in that race)."""
+    fut = asyncio.ensure_future(asyncio.get_running_loop().create_connection(factory, host, port))
+    try:
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+    except asyncio.CancelledError:
+        _discard(fut)
+        raise
+    if not done:
+        _discard(fut)
+        raise asyncio.TimeoutError
+    return fut.result()  # type: ignore[return-value]
+
+
+def _discard(fut: asyncio.Future) -> None:
+    def close(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            f.result()[0].close()
+
+    fut.cancel()
+    fut.add_done_callback(close)
+
+
 class UpstreamPool:
     """Keep-alive connections to one origin (`http://host:port`), created on demand, never capped.
 
@@ -184,11 +209,8 @@ class UpstreamPool:
         task.add_done_callback(self._connecting.discard)
 
     async def _connect_and_send(self, exchange: Exchange, data: bytes) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: UpstreamConnection(self), self.host, self.port), self.connect_timeout
-            )
+            _, conn = await connect_bounded(lambda: UpstreamConnection(self), self.host, self.port, self.connect_timeout)
         except asyncio.TimeoutError:
             exchange.fail(UpstreamError("connect", f"cannot connect to {self.origin}: no answer within {self.connect_timeout:g} s"))
             return

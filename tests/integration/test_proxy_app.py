@@ -200,6 +200,8 @@ def test_stream_is_forwarded_and_both_copies_rewritten(deployment: Deployment):
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "req-42"
     assert _events(r.text) == [json.dumps({"choices": [{"index": 0, "text": "tok"}]}, separators=(",", ":"))] * 3 + ["[DONE]"]
+    # A stream ends with D's answer: P's copy may still be on its way to the stub.
+    _wait_for(lambda: len(deployment.prefills[0].seen) == 1, what="P's copy")
     (p_headers, p_body), = deployment.prefills[0].seen
     (d_headers, d_body), = deployment.decodes[0].seen
     assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and p_body["stream"] is False
@@ -226,6 +228,8 @@ def test_stream_is_forwarded_and_both_copies_rewritten(deployment: Deployment):
 def test_timings_are_recorded_per_request(deployment: Deployment):
     with deployment.client() as c:
         assert c.post("/v1/completions", json=REQUEST, headers={"X-Request-Id": "t-1"}).status_code == 200
+        # The client's stream ends with D's; the record has P's status once P answered too.
+        _wait_for(lambda: "prefill_status" in c.get("/pdkv/requests/t-1").json(), what="P's answer in the record")
         t = c.get("/pdkv/requests/t-1").json()
         assert c.get(f"/pdkv/requests/{t['transfer_id']}").json() == t
         recent = c.get("/pdkv/requests", params={"limit": 5}).json()
@@ -282,6 +286,7 @@ def test_dp_ranks_each_get_their_engine_id():
     with Deployment(engines={0: "engine-r0", 1: "engine-r1"}) as dep, dep.client() as c:
         for _ in range(4):
             assert c.post("/v1/completions", json=REQUEST).status_code == 200
+        _wait_for(lambda: len(dep.prefills[0].seen) == 4, what="P's copies")
     pairs = [(h["x-data-parallel-rank"], d[1]["kv_transfer_params"]["remote_engine_id"])
              for (h, _), d in zip(dep.prefills[0].seen, dep.decodes[0].seen)]
     assert sorted(pairs) == [("0", "engine-r0"), ("0", "engine-r0"), ("1", "engine-r1"), ("1", "engine-r1")]
