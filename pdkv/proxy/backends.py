@@ -31,7 +31,7 @@ from typing import Any
 
 from pdkv.errors import PdkvError
 from pdkv.proxy.http import UpstreamError, UpstreamPool, connect_bounded, fetch
-from pdkv.proxy.membership import CompatKey, Membership, compatible, group, unmatched
+from pdkv.proxy.membership import CompatKey, Membership, compatible, unmatched
 from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget, ProxyConfig
 
 log = logging.getLogger("pdkv.proxy")
