@@ -141,13 +141,11 @@ class KvRouter:
                 return None
             req = {k: body[k] for k in _CHAT_FIELDS if k in body}
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return prompt
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
+            from pdkv.proxy.tokenize import completion_prompt
+
+            prompt = completion_prompt(body)
             if not isinstance(prompt, str):
-                return None
+                return prompt
             req = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
         if "model" in body:
             req["model"] = body["model"]

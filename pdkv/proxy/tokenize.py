@@ -40,6 +40,16 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+
+def completion_prompt(body: dict[str, Any]) -> list[int] | str | None:
+    """A completions body's one prompt: its token ids as given, its text, or None (several prompts, or none)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
+
 class LocalTokenizer:
     """Token ids of a request's prompt from a model folder (tokenizer.json, tokenizer_config.json)."""
 
@@ -85,13 +95,9 @@ class LocalTokenizer:
         return env.from_string(source)
 
     def completion(self, body: dict[str, Any]) -> list[int] | None:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = completion_prompt(body)
         if not isinstance(prompt, str):
-            return None
+            return prompt
         return self._tok.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True))).ids
 
     def chat(self, body: dict[str, Any]) -> list[int] | None:
