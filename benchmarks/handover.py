@@ -141,7 +141,7 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     common = dict(
-        model=model, host="127.0.0.1", protocol=protocol, platform="cpu", block_size=32, max_model_len=1024,
+        model=model, host="127.0.0.1", transport=protocol, platform="cpu", block_size=32, max_model_len=1024,
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
         connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )

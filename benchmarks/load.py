@@ -243,7 +243,7 @@ def run_deployment(label: str, model: str, concurrencies: list[int], args: argpa
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     common = dict(
-        model=model, served_model_name=SERVED_NAME, host="127.0.0.1", protocol=protocol, platform="cpu",
+        model=model, served_model_name=SERVED_NAME, host="127.0.0.1", transport=protocol, platform="cpu",
         block_size=32, max_model_len=1024, host_ip="127.0.0.1", connector=connector, extra_env=env,
         connector_extra=dict(extra) if connector == "pdkv" else {},
     )

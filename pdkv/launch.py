@@ -22,9 +22,6 @@ from pdkv.transport import TransportName
 
 Role = Literal["prefill", "decode", "none"]
 Connector = Literal["pdkv", "mooncake"]
-# The deployment file's `protocol` key is typed with this name (pdkv.deploy.topology imports it); it is
-# pdkv.transport.TransportName, and not typing.Protocol.
-Protocol = TransportName
 Platform = Literal["gpu", "cpu"]
 LoadFailure = Literal["recompute", "fail"]
 Launcher = Literal["auto", "serve", "module"]
@@ -43,8 +40,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     `host_ip` is what the engine advertises to its peers (VLLM_HOST_IP); None
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
-    first worker runs one on `bootstrap_port`. `protocol` is the transport (read it as `spec.transport`):
-    the field keeps the deployment file's and the CLI's name, which build it.
+    first worker runs one on `bootstrap_port`. `transport` is how the KV moves (the deployment file's
+    `protocol` and the CLI's `--protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps).
     """
 
     model: str
@@ -52,7 +49,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     port: int = 8000
     role: Role = "none"
     connector: Connector = "pdkv"
-    protocol: TransportName = "rdma"
+    transport: TransportName = "rdma"
     device: str = ""
     platform: Platform = "gpu"
     gpu: str | None = None
@@ -76,11 +73,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM's KV cache events: a ZMQ publisher on this port and its replay socket on the next (None: off).
     # The proxy's kv-aware policy follows them (docs/proxy.md).
     kv_events_port: int | None = None
-
-    @property
-    def transport(self) -> TransportName:
-        """How this engine's KV moves (pdkv.transport.TransportName)."""
-        return self.protocol
 
 
 class LaunchPlan(msgspec.Struct, frozen=True):

@@ -173,6 +173,8 @@ class IpcExport(msgspec.Struct, frozen=True):
     device_uuid: str
     allocations: list[IpcAllocation]
     regions: list[IpcRegion]
+    # The exporting process's start time (pdkv.transport.host.process_start_time): P refuses a pid reused since.
+    start_time: Annotated[int, msgspec.Meta(ge=0, le=2**62)]
 
     def __post_init__(self) -> None:
         # P indexes allocations by region.alloc while it holds opened handles: a bad index must not get there.

@@ -48,7 +48,8 @@ Examples:
 
 COLORS = {"bootstrap": "magenta", "prefill": "cyan", "decode": "green", "proxy": "yellow"}
 STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
-STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "restarting": "yellow", "failed": "red", "exited": "red", "stopped": "dim"}
+STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "restarting": "yellow", "failed": "red", "exited": "red",
+               "stopped": "dim"}
 
 
 def _command_line(env: dict[str, str], argv: list[str]) -> str:
@@ -59,39 +60,6 @@ def _part_doc(part: Any, restart: str | None) -> dict[str, Any]:
     plan = part.plan
     return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env,
             "command": _command_line(plan.env, plan.argv), "restart": restart or part.restart}
-
-
-def _split_cores() -> tuple[str, str]:
-    n = os.cpu_count() or 2
-    if n < 2:
-        return "0", "0"
-    half = n // 2
-    one = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
-    return one(0, half - 1), one(half, n - 1)
-
-
-def _role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Any], list[str]]:
-    from pdkv.deploy import Part
-    from pdkv.errors import UsageError
-    from pdkv.launch import EngineSpec, engine_plan, http_url, joining
-
-    if role not in ("prefill", "decode"):
-        raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
-    if kw["bootstrap_url"] and role == "decode":
-        raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
-    spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
-    plan = engine_plan(spec, name=role)
-    if members:
-        if spec.connector != "pdkv":
-            raise UsageError("--members needs pdkv's connector", hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
-        from pdkv.proxy.routing import parse_decode
-
-        reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
-        plan = joining(plan, parse_decode(members), reached)
-    ports = [(spec.host, spec.port)]
-    if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
-        ports.append(("0.0.0.0", spec.bootstrap_port))
-    return [Part(kind=role, plan=plan, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
 
 
 def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
@@ -118,7 +86,8 @@ def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
         return [Text("ready.", style="bold green"), Text("Ctrl-C stops every part.", style="dim")]
     model = served or (target.spec.model if target.spec else "MODEL")
     body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
-    lines = [Text("ready. Send a request:", style="bold green"), Text(f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")]
+    curl = f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    lines = [Text("ready. Send a request:", style="bold green"), Text(curl)]
     if proxy is not None:
         lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
         if importlib.util.find_spec("pdkv.cli.trace") is not None:
@@ -218,7 +187,8 @@ def _supervise(
         dead = sup.watch()
         assert dead is not None  # watch returns None only when asked to stop
         why = "no part is left running" if sup.states[dead.name] == "failed" else "it is not restarted"
-        raise PdkvError(f"{dead.name} exited with code {dead.poll()} and {why}; stopping the rest.\n{dead.log_tail(20)}", hint=f"read {dead.log_path}")
+        raise PdkvError(f"{dead.name} exited with code {dead.poll()} and {why}; stopping the rest.\n{dead.log_tail(20)}",
+                        hint=f"read {dead.log_path}")
     except KeyboardInterrupt:
         if not json_out:
             err_console.print("stopping every part ...")
@@ -241,37 +211,55 @@ def _supervise(
 def up(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Deployment file (TOML) to start.")] = None,
     role: Annotated[str | None, typer.Option("--role", help="Start one engine: prefill or decode.")] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model directory or hub id (default: the embedded tiny model).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m",
+        help="Model directory or hub id (default: the embedded tiny model).")] = None,
     connector: Annotated[str, typer.Option("--connector", help="KV connector: pdkv or mooncake (vLLM's own).")] = "pdkv",
-    protocol: Annotated[str | None, typer.Option("--protocol", help="KV transport: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma (host memory between processes of this host, CPU). Local 1P1D on CPU: cma.")] = None,
+    protocol: Annotated[str | None, typer.Option("--protocol",
+        help="KV transport: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
+        "(host memory between processes of this host, CPU). Local 1P1D on CPU: cma.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
-    host: Annotated[str | None, typer.Option("--host", help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
-    host_ip: Annotated[str | None, typer.Option("--host-ip", help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
-    bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port", help="Port of P's in-worker bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT).")] = None,
+    port: Annotated[int | None, typer.Option("--port",
+        help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
+    host: Annotated[str | None, typer.Option("--host",
+        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). With --role: the "
+        "address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
+    host_ip: Annotated[str | None, typer.Option("--host-ip",
+        help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
+    bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port",
+        help="Port of P's in-worker bootstrap server (VLLM_MOONCAKE_BOOTSTRAP_PORT).")] = None,
     bootstrap: Annotated[str | None, typer.Option("--bootstrap", help="URL of a standalone bootstrap server for P.")] = None,
-    members: Annotated[str | None, typer.Option("--members", help="With --role: join the members registry of this bootstrap server (URL), so a proxy following it (pdkv proxy --members) routes to the engine.")] = None,
+    members: Annotated[str | None, typer.Option("--members",
+        help="With --role: join the members registry of this bootstrap server (URL), so a proxy following it (pdkv proxy --members) routes"
+        " to the engine.")] = None,
     block_size: Annotated[int | None, typer.Option("--block-size", help="Tokens per KV block (CPU: a multiple of 32).")] = None,
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel size.")] = 1,
     platform: Annotated[str | None, typer.Option("--platform", help="gpu or cpu (default: gpu when one is present).")] = None,
-    omp_bind: Annotated[str | None, typer.Option("--omp-bind", help="CPU cores for the engine's OpenMP threads, e.g. 0 or 0-3 (CPU only).")] = None,
+    omp_bind: Annotated[str | None, typer.Option("--omp-bind",
+        help="CPU cores for the engine's OpenMP threads, e.g. 0 or 0-3 (CPU only).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact commands and environment; start nothing.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
     log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
-    trace: Annotated[bool, typer.Option("--trace", help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
-    once: Annotated[bool, typer.Option("--once", help="Stop every part once ready (and traced, with --trace) instead of serving until Ctrl-C.")] = False,
-    restart: Annotated[str | None, typer.Option("--restart", help="When a part dies: on-failure (start it again, backoff 1 s doubling to 30 s, at most 5 restarts a minute) or no (stop every part). Overrides the deployment file's restart keys; default on-failure.", show_default=False)] = None,
+    trace: Annotated[bool, typer.Option("--trace",
+        help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
+    once: Annotated[bool, typer.Option("--once",
+        help="Stop every part once ready (and traced, with --trace) instead of serving until Ctrl-C.")] = False,
+    restart: Annotated[str | None, typer.Option("--restart",
+        help="When a part dies: on-failure (start it again, backoff 1 s doubling to 30 s, at most 5 restarts a minute) or no (stop every "
+        "part). Overrides the deployment file's restart keys; default on-failure.", show_default=False)] = None,
     json_out: JsonOpt = False,
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
-    from pdkv.deploy import deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment, preflight, raise_problems, tiny_model_path
+    from pdkv.deploy import (deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment,
+                             preflight, raise_problems, tiny_model_path)
     from pdkv.deploy.fleet import chosen_hosts, local_addresses, select_parts
+    from pdkv.deploy.single import role_parts, split_cores, with_cores, with_extra
     from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
     from pdkv.errors import UsageError
 
-    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"), (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
+    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"),
+                                 (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
                                  (platform, ("gpu", "cpu", None), "--platform"), (restart, ("on-failure", "no", None), "--restart")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
@@ -285,7 +273,8 @@ def up(
     if protocol == "ipc" and (platform == "cpu" or (platform is None and not gpus)):
         raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp or cma on CPU hosts")
     if protocol == "cma" and (platform == "gpu" or (platform is None and gpus)):
-        raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU", hint="use --protocol ipc between GPUs of this host")
+        raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU",
+                         hint="use --protocol ipc between GPUs of this host")
     served: str | None = None
     uses_tiny = model is None and file is None
     token: str | None = None
@@ -293,7 +282,7 @@ def up(
         dep = load_deployment(file)
         token = dep.token
         if extra:
-            dep = _with_extra(dep, list(extra))
+            dep = with_extra(dep, list(extra))
         # A fleet file: the parts of this host (--host NAME, else the hosts with one of this machine's addresses).
         here = chosen_hosts(dep, host, local_addresses() if host is None and dep.hosts else ())
         parts = select_parts(deployment_parts(dep), here)
@@ -302,14 +291,14 @@ def up(
             served = served or dep.model
     elif role is not None:
         plat = platform or ("gpu" if gpus else "cpu")
-        parts, boots = _role_parts(
+        parts, boots = role_parts(
             role,
             members,
             model=model or str(tiny_model_path()),
             host=host or "0.0.0.0",
             port=port or (8100 if role == "prefill" else 8200),
             connector=connector,
-            protocol=protocol or ("tcp" if plat == "cpu" else "rdma"),
+            transport=protocol or ("tcp" if plat == "cpu" else "rdma"),
             device=device,
             platform=plat,
             gpu=gpu,
@@ -325,12 +314,13 @@ def up(
         )
         served = "tiny" if uses_tiny else None
     else:
-        dep = local_deployment(gpus=0 if platform == "cpu" else gpus, model=model, connector=connector, protocol=protocol, device=device, proxy_port=port or 8000)  # type: ignore[arg-type]
+        dep = local_deployment(gpus=0 if platform == "cpu" else gpus, model=model, connector=connector,  # type: ignore[arg-type]
+                               transport=protocol, device=device, proxy_port=port or 8000)  # type: ignore[arg-type]
         if dep.platform == "cpu":
-            p_cores, d_cores = _split_cores()
-            dep = _with_cores(dep, p_cores, d_cores)
+            p_cores, d_cores = split_cores()
+            dep = with_cores(dep, p_cores, d_cores)
         if extra:
-            dep = _with_extra(dep, list(extra))
+            dep = with_extra(dep, list(extra))
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
     parts = with_vllm_logging(parts, log_dir)
     _hand_out_key(token, parts, json_out)
@@ -350,7 +340,8 @@ def up(
             ensure_tiny_model()
     raise_problems(preflight(parts, boots))
     write_logging_config(parts, log_dir)
-    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once, restart=restart)
+    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once,
+               restart=restart)
 
 
 def _hand_out_key(token: str | None, parts: list[Any], json_out: bool) -> str | None:
@@ -368,20 +359,6 @@ def _hand_out_key(token: str | None, parts: list[Any], json_out: bool) -> str | 
         else:
             err_console.print(Text(f"pdkv up: warning: {line} (set {TOKEN_ENV}; docs/security.md)", style="yellow"), soft_wrap=True)
     return token
-
-
-def _with_cores(dep: Any, p_cores: str, d_cores: str) -> Any:
-    import msgspec
-
-    prefill = [msgspec.structs.replace(e, omp_bind=p_cores) for e in dep.prefill]
-    decode = [msgspec.structs.replace(e, omp_bind=d_cores) for e in dep.decode]
-    return msgspec.structs.replace(dep, prefill=prefill, decode=decode)
-
-
-def _with_extra(dep: Any, extra: list[str]) -> Any:
-    import msgspec
-
-    return msgspec.structs.replace(dep, extra_args=[*dep.extra_args, *extra])
 
 
 def register(app: typer.Typer) -> None:

@@ -89,10 +89,10 @@ def check_hosts(dep: Deployment, *, source: str = "deployment") -> None:
         if host not in names:
             raise ConfigError(f"{source}: {label} names host {host!r}, which is not among the [[hosts]] ({', '.join(sorted(names))})",
                               hint="add that [[hosts]] table or correct the name")
-    if dep.protocol in ONE_HOST_TRANSPORTS:
+    if dep.transport in ONE_HOST_TRANSPORTS:
         engines = {e.host for e in (*dep.prefill, *dep.decode)}
         if len(engines) > 1:
-            raise ConfigError(f"{source}: protocol {dep.protocol} moves KV inside one host, and the engines are on {len(engines)}",
+            raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host, and the engines are on {len(engines)}",
                               hint='use protocol = "tcp" or "rdma" across hosts')
 
 

@@ -41,12 +41,12 @@ from pdkv.deploy.fleet import HostEntry, check_hosts, host_address
 from pdkv.deploy.restart import RestartMode
 from pdkv.errors import ConfigError
 from pdkv.k8s.settings import KubernetesEntry
+from pdkv.transport import TransportName
 from pdkv.launch import (
     Connector,
     EngineSpec,
     LaunchPlan,
     Platform,
-    Protocol,
     bootstrap_address,
     connect_host,
     engine_plan,
@@ -105,7 +105,8 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model: str
     served_model_name: str | None = None
     connector: Connector = "pdkv"
-    protocol: Protocol = "rdma"
+    # How the KV moves (pdkv.transport.TransportName); the file's key is Mooncake's word, `protocol`.
+    transport: TransportName = msgspec.field(default="rdma", name="protocol")
     device: str = ""
     platform: Platform = "gpu"
     host: str = "0.0.0.0"
@@ -223,7 +224,7 @@ def local_deployment(
     gpus: int,
     model: str | None = None,
     connector: Connector = "pdkv",
-    protocol: Protocol | None = None,
+    transport: TransportName | None = None,
     device: str = "",
     proxy_port: int = 8000,
 ) -> Deployment:
@@ -234,7 +235,7 @@ def local_deployment(
             model=model or str(tiny_model_path()),
             served_model_name=None if model else TINY_SERVED_NAME,
             connector=connector,
-            protocol=protocol or ("cma" if connector == "pdkv" else "tcp"),
+            transport=transport or ("cma" if connector == "pdkv" else "tcp"),
             device=device,
             platform="cpu",
             host="127.0.0.1",
@@ -253,15 +254,15 @@ def local_deployment(
         model=model or str(tiny_model_path()),
         served_model_name=None if model else TINY_SERVED_NAME,
         connector=connector,
-        protocol=protocol or ("rdma" if nics else "tcp"),
-        device=device or (nics[0] if nics and protocol != "tcp" else ""),
+        transport=transport or ("rdma" if nics else "tcp"),
+        device=device or (nics[0] if nics and transport != "tcp" else ""),
         platform="gpu",
         host="127.0.0.1",
         host_ip="127.0.0.1",
         bootstrap=BootstrapEntry(mode="standalone", port=8998),
         # ipc: each engine sees both GPUs, its own first (P opens D's memory and copies on D's GPU).
-        prefill=[EngineEntry(port=8100, gpu="0,1" if protocol == "ipc" and gpus > 1 else "0", extra_args=share)],
-        decode=[EngineEntry(port=8200, gpu=("1,0" if protocol == "ipc" else "1") if gpus > 1 else "0", extra_args=share)],
+        prefill=[EngineEntry(port=8100, gpu="0,1" if transport == "ipc" and gpus > 1 else "0", extra_args=share)],
+        decode=[EngineEntry(port=8200, gpu=("1,0" if transport == "ipc" else "1") if gpus > 1 else "0", extra_args=share)],
         proxy=ProxyEntry(port=proxy_port),
     )
 
@@ -283,7 +284,7 @@ def engine_spec(
         port=entry.port,
         role=role,
         connector=dep.connector,
-        protocol=dep.protocol,
+        transport=dep.transport,
         device=dep.device,
         platform=dep.platform,
         gpu=entry.gpu,

@@ -100,8 +100,8 @@ def _check_file(dep: Deployment, *, source: str) -> None:
     if dep.connector != "pdkv":
         raise ConfigError(f"{source}: connector {dep.connector!r} in Kubernetes: engines join the proxy through pdkv's members "
                           "registry, which vLLM's MooncakeConnector does not write to", hint='use connector = "pdkv"')
-    if dep.protocol not in ("rdma", "tcp"):
-        raise ConfigError(f"{source}: protocol {dep.protocol} moves KV inside one host; P and D pods may sit on any node",
+    if dep.transport not in ("rdma", "tcp"):
+        raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host; P and D pods may sit on any node",
                           hint='use protocol = "rdma" (or "tcp")')
 
 
@@ -152,7 +152,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     container: dict[str, Any] = {
         "name": "vllm", "image": k.image, "imagePullPolicy": k.image_pull_policy, "command": argv, "env": env, "ports": ports,
     }
-    res = pods.resources(k, layout.gpus, dep.protocol == "rdma")
+    res = pods.resources(k, layout.gpus, dep.transport == "rdma")
     if res:
         container["resources"] = res
     if not worker:
@@ -168,7 +168,7 @@ def _engine_pod(dep: Deployment, g: EngineGroup, members_url: str, config_map: s
     init = []
     if k.doctor:
         checked = [p["containerPort"] for p in container["ports"] if p["name"] in ("http", "bootstrap")] or [k.mooncake_port]
-        init.append(pods.doctor_container(k, dep.protocol, dep.device, checked, container.get("resources", {})))
+        init.append(pods.doctor_container(k, dep.transport, dep.device, checked, container.get("resources", {})))
     labels = pods.labels(k, g.role, g.part)
     return {
         "metadata": {"labels": labels, "annotations": {CONFIG_HASH: hashlib.sha256(g.kv_config.encode()).hexdigest()}},

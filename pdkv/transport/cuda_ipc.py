@@ -26,7 +26,7 @@ from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
-from pdkv.transport.host import WatchedPeers, host_id, ipc_session, ipc_session_process
+from pdkv.transport.host import WatchedPeers, host_id, ipc_session, process_start_time
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
 from pdkv.transport.planner import check_ranges
 
@@ -137,7 +137,8 @@ class CudaIpcTransport:
                 allocations.append(IpcAllocation(self.driver.ipc_handle(base), base, size))
             regions.append(IpcRegion(index[base], addr, length))
         props = self.torch.cuda.get_device_properties(self.device)
-        return IpcExport(host_id(), os.getpid(), self.device, str(getattr(props, "uuid", "")), allocations, regions)
+        return IpcExport(host_id(), os.getpid(), self.device, str(getattr(props, "uuid", "")), allocations, regions,
+                         process_start_time(os.getpid()))
 
     @property
     def settings(self) -> dict[str, str]:
@@ -166,7 +167,7 @@ class CudaIpcTransport:
         if export.pid == os.getpid():
             raise TransferError("CUDA IPC cannot open handles exported by the same process")
         self._disconnect(peer)
-        self._watched.watch(peer, export.pid, ipc_session_process(peer))
+        self._watched.watch(peer, export.pid, export.start_time)
         opened: list[int] = []
         try:
             for alloc in export.allocations:

@@ -132,14 +132,6 @@ def ipc_session(pid: int, device: int) -> str:
     return f"ipc://{host_id()}/{pid}/{device}/{process_start_time(pid)}"
 
 
-def ipc_session_process(peer: str) -> tuple[int, int] | None:
-    """(pid, start time) named by a CUDA IPC session address, or None for a peer named otherwise."""
-    parts = peer[len("ipc://") :].split("/") if peer.startswith("ipc://") else []
-    if len(parts) != 5 or not (parts[2].isdigit() and parts[4].isdigit()):
-        return None
-    return int(parts[2]), int(parts[4])
-
-
 class WatchedPeers:
     """Peer name -> its PeerProcess, and why writes to peers whose process exited fail.
 
@@ -155,19 +147,17 @@ class WatchedPeers:
         self._dead: dict[str, str] = {}
         self._unclosed: set[str] = set()  # exited peers whose handles no one has closed yet
 
-    def watch(self, peer: str, pid: int, named: tuple[int, int] | None = None) -> None:
-        """Watch process `pid` as `peer` (`named`: the pid and start time its address names, else read now).
+    def watch(self, peer: str, pid: int, start_time: int | None = None) -> None:
+        """Watch process `pid` as `peer` (`start_time`: what the peer says its process's start time is, else read now).
 
-        TransferError when the process is gone, or the address names another process.
+        TransferError when the process is gone, or the pid now names another process.
         """
-        if named is not None and named[0] != pid:
-            raise TransferError(f"peer {peer} names process {named[0]} but sent the CUDA IPC handles of process {pid}")
-        if named is None:
+        if start_time is None:
             try:
-                named = (pid, process_start_time(pid))
+                start_time = process_start_time(pid)
             except (OSError, ValueError, IndexError):
                 raise TransferError(f"{self.what} {pid} ({peer}) does not exist (it exited)") from None
-        process = PeerProcess(pid, named[1], what=self.what, exiting=True)
+        process = PeerProcess(pid, start_time, what=self.what, exiting=True)
         if not process.alive():
             process.close()
             raise TransferError(f"{self.what} {pid} ({peer}) exited", hint="D died; its request fails there")

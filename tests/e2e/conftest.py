@@ -2,7 +2,7 @@
 
 - `tiny_model`: one tiny model per session (written once, ~1 s).
 - `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
-  protocol=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
+  transport=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
   free loopback port through pdkv.launch, waits for /health (bounded) and
   returns it; every engine is stopped by process group when its module ends,
   so idle engines of earlier modules never pile up in memory. Within a module
@@ -67,12 +67,12 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         cpu_accelerator_shim: bool = False,
         name: str | None = None,
         model: Path | None = None,
-        protocol: str = "tcp",
+        transport: str = "tcp",
         load_failure: str | None = None,
         kv_events_port: int | None = None,
     ) -> ManagedProcess:
         key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args,
-               cpu_accelerator_shim, name, model, protocol, load_failure, kv_events_port)
+               cpu_accelerator_shim, name, model, transport, load_failure, kv_events_port)
         engine = cache.get(key)
         if engine is not None and engine.poll() is None:
             return engine
@@ -85,7 +85,7 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             port=free_port(),
             role=role,  # type: ignore[arg-type]
             connector=connector,  # type: ignore[arg-type]
-            protocol=protocol,  # type: ignore[arg-type]
+            transport=transport,  # type: ignore[arg-type]
             platform="cpu",
             block_size=32,
             max_model_len=1024,

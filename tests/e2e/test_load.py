@@ -64,9 +64,9 @@ def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
     connector, protocol = DEPLOYMENTS[request.param]
     shim = connector == "mooncake"
     bootstrap_port = free_port()
-    prefill = start_vllm(role="prefill", connector=connector, protocol=protocol, omp_bind="0", bootstrap_port=bootstrap_port,
+    prefill = start_vllm(role="prefill", connector=connector, transport=protocol, omp_bind="0", bootstrap_port=bootstrap_port,
                          cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}")
-    decode = start_vllm(role="decode", connector=connector, protocol=protocol, omp_bind="1", cpu_accelerator_shim=shim,
+    decode = start_vllm(role="decode", connector=connector, transport=protocol, omp_bind="1", cpu_accelerator_shim=shim,
                         name=f"load-decode-{request.param}")
     model = str(tiny_model)
     # P alone: the same engine asked directly, as a plain request (no kv_transfer_params), top two logprobs for ties.

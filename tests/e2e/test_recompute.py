@@ -67,11 +67,11 @@ class Engines:
 
     def prefill(self, protocol: str) -> ManagedProcess:
         port = self.bootstrap.setdefault(protocol, free_port())
-        return self.start_vllm(role="prefill", protocol=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
+        return self.start_vllm(role="prefill", transport=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
 
     def decode(self, protocol: str, load_failure: str | None = None) -> ManagedProcess:
         extra = {"load_failure": load_failure} if load_failure else {}
-        return self.start_vllm(role="decode", protocol=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
+        return self.start_vllm(role="decode", transport=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
 
     @contextmanager
     def proxy(self, p_protocol: str, decode: ManagedProcess, **config) -> Iterator[str]:

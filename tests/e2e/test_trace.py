@@ -75,7 +75,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
     def spec(role: str, omp: str, **kw) -> EngineSpec:
         return EngineSpec(model=str(tiny_model), host="127.0.0.1", port=free_port(), role=role, connector="pdkv",  # type: ignore[arg-type]
-                          protocol="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1",
+                          transport="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1",
                           omp_bind=omp, **kw)
 
     p = ManagedProcess(engine_plan(spec("prefill", "0", bootstrap_url=burl), name="trace-p"), logs / "p.log").start()

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.transport.host import PeerProcess, WatchedPeers, ipc_session, ipc_session_process, process_start_time
+from pdkv.transport.host import PeerProcess, WatchedPeers, ipc_session, process_start_time
 
 SLEEPER = "import time; time.sleep(120)"
 # The main thread exits while another thread lives on: the process has begun to exit (its leader is a zombie
@@ -120,7 +120,7 @@ def test_watched_peers_fail_the_dead_one_and_keep_the_others(spawn):
     d1, d2 = spawn(), spawn()
     watched = WatchedPeers()
     watched.watch("d1", d1.pid)
-    watched.watch("d2", d2.pid, (d2.pid, process_start_time(d2.pid)))
+    watched.watch("d2", d2.pid, process_start_time(d2.pid))
     closed: list[str] = []
     watched.check("d1", closed.append)
     watched.check("d2", closed.append)
@@ -148,15 +148,16 @@ def test_watched_peers_fail_the_dead_one_and_keep_the_others(spawn):
     assert closed[-1] == "d2" and watched.names() == []
 
 
-def test_an_ipc_session_address_names_its_process(spawn):
+def test_an_ipc_session_address_names_its_process_and_a_wrong_start_time_is_refused(spawn):
     session = ipc_session(os.getpid(), 3)
-    assert ipc_session_process(session) == (os.getpid(), process_start_time(os.getpid()))
-    assert session.startswith("ipc://") and session.split("/")[-2] == "3"
-    for other in ("d", "127.0.0.1:1234", "ipc://host/boot/12/0", "ipc://host/boot/x/0/5"):
-        assert ipc_session_process(other) is None
+    assert session.startswith("ipc://") and session.split("/")[-2:] == ["3", str(process_start_time(os.getpid()))]
     child = spawn()
-    with pytest.raises(TransferError, match="names process"):
-        WatchedPeers().watch(session, child.pid, ipc_session_process(session))
+    # What an IpcExport says of a process that is not the one now under its pid: a reused pid.
+    with pytest.raises(TransferError, match="pid was reused"):
+        WatchedPeers().watch(session, child.pid, process_start_time(child.pid) + 1)
+    watched = WatchedPeers()
+    watched.watch(session, child.pid, process_start_time(child.pid))
+    assert watched.names() == [session]
 
 
 def test_a_write_waiting_for_a_held_lock_fails_once_its_peer_dies_and_the_next_holder_closes_it(spawn):

@@ -14,7 +14,7 @@ KIB = 1024
 
 
 def test_export_round_trips_over_msgpack():
-    export = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000, 1 << 20)], [IpcRegion(0, 0x2000, 4096)])
+    export = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000, 1 << 20)], [IpcRegion(0, 0x2000, 4096)], 1234)
     raw = msgspec.msgpack.encode(export)
     assert msgspec.msgpack.decode(raw, type=IpcExport) == export
     with pytest.raises(msgspec.ValidationError):

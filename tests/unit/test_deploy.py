@@ -131,7 +131,7 @@ def test_local_cpu_topology_with_vllms_connector_keeps_mooncake_tcp() -> None:
     dep = local_deployment(gpus=0, connector="mooncake")
     for part in deployment_parts(dep)[1:3]:
         assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "tcp"
-    assert local_deployment(gpus=0, protocol="tcp").protocol == "tcp"
+    assert local_deployment(gpus=0, transport="tcp").transport == "tcp"
 
 
 def test_cma_with_vllms_connector_is_refused() -> None:
@@ -139,7 +139,7 @@ def test_cma_with_vllms_connector_is_refused() -> None:
     from pdkv.launch import EngineSpec, kv_transfer_config
 
     with pytest.raises(UsageError, match="protocol cma is pdkv's own transport"):
-        kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", protocol="cma", platform="cpu"))
+        kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", transport="cma", platform="cpu"))
 
 
 def test_local_gpu_topology_splits_gpus() -> None:

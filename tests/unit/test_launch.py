@@ -36,7 +36,7 @@ def test_roles_map_to_vllm_kv_roles(role: str, kv_role: str) -> None:
 
 
 def test_pdkv_connector_is_loaded_from_its_module() -> None:
-    config = kv_transfer_config(EngineSpec(model="m", role="prefill", connector="pdkv", protocol="tcp"))
+    config = kv_transfer_config(EngineSpec(model="m", role="prefill", connector="pdkv", transport="tcp"))
     assert config == {
         "kv_connector": "PdkvConnector",
         "kv_connector_module_path": "pdkv.connector",
@@ -49,12 +49,12 @@ def test_pdkv_connector_is_loaded_from_its_module() -> None:
 @pytest.mark.parametrize(("connector", "asked", "policy"), [("pdkv", None, "recompute"), ("pdkv", "fail", "fail"),
                                                             ("mooncake", None, None), ("mooncake", "recompute", "recompute")])
 def test_a_failed_kv_load_is_recomputed_by_default_with_pdkvs_connector(connector: str, asked: str | None, policy: str | None) -> None:
-    config = kv_transfer_config(EngineSpec(model="m", role="decode", connector=connector, protocol="tcp", load_failure=asked))
+    config = kv_transfer_config(EngineSpec(model="m", role="decode", connector=connector, transport="tcp", load_failure=asked))
     assert config is not None and config.get("kv_load_failure_policy") == policy
 
 
 def test_mooncake_connector_uses_vllm_key_names() -> None:
-    spec = EngineSpec(model="m", role="prefill", connector="mooncake", protocol="rdma", device="mlx5_0", bootstrap_url="http://10.0.0.2:8998/")
+    spec = EngineSpec(model="m", role="prefill", connector="mooncake", transport="rdma", device="mlx5_0", bootstrap_url="http://10.0.0.2:8998/")
     config = kv_transfer_config(spec)
     assert config == {
         "kv_connector": "MooncakeConnector",

@@ -188,7 +188,7 @@ def test_side_channel_replies_out_of_range_fail_decoding(msg, changes, needle):
     refused(decode_reply, msgspec.msgpack.encode(body), needle)
 
 
-IPC = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000, 1 << 20)], [IpcRegion(0, 0x2000, 4096)])
+IPC = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000, 1 << 20)], [IpcRegion(0, 0x2000, 4096)], 1234)
 
 
 @pytest.mark.parametrize(
@@ -203,6 +203,7 @@ IPC = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000
         (dict(regions=[[0, TOP - 16, 4096]]), "ends past 2**64"),
         (dict(allocations=[[b"\x01" * 64, TOP - 16, 1 << 20]]), "ends past 2**64"),
         (dict(allocations=[[b"\x01" * 64, 0x1000, 0]]), "$.ipc.allocations[0][2]"),
+        (dict(start_time=-1), "$.ipc.start_time"),
     ],
 )
 def test_ipc_exports_out_of_range_fail_decoding(changes, needle):

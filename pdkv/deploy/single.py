@@ -1,0 +1,54 @@
+"""`pdkv up`'s shapes other than a deployment file: one engine by role (`--role`), and the local 1P1D's core split."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from pdkv.deploy.topology import Deployment, Part
+from pdkv.errors import UsageError
+from pdkv.launch import EngineSpec, engine_plan, http_url, joining
+
+
+def split_cores() -> tuple[str, str]:
+    """The local 1P1D's cores: the first half for P, the rest for D (one core: both on it)."""
+    n = os.cpu_count() or 2
+    if n < 2:
+        return "0", "0"
+    half = n // 2
+    one = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
+    return one(0, half - 1), one(half, n - 1)
+
+
+def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Any], list[str]]:
+    """One P or D engine started by flags (`pdkv up --role`), joining `members` when given; and the bootstraps it names."""
+    if role not in ("prefill", "decode"):
+        raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
+    if kw["bootstrap_url"] and role == "decode":
+        raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
+    spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
+    plan = engine_plan(spec, name=role)
+    if members:
+        if spec.connector != "pdkv":
+            raise UsageError("--members needs pdkv's connector",
+                             hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
+        from pdkv.proxy.routing import parse_decode
+
+        reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
+        plan = joining(plan, parse_decode(members), reached)
+    ports = [(spec.host, spec.port)]
+    if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
+        ports.append(("0.0.0.0", spec.bootstrap_port))
+    return [Part(kind=role, plan=plan, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
+
+
+def with_cores(dep: Deployment, p_cores: str, d_cores: str) -> Deployment:
+    prefill = [msgspec.structs.replace(e, omp_bind=p_cores) for e in dep.prefill]
+    decode = [msgspec.structs.replace(e, omp_bind=d_cores) for e in dep.decode]
+    return msgspec.structs.replace(dep, prefill=prefill, decode=decode)
+
+
+def with_extra(dep: Deployment, extra: list[str]) -> Deployment:
+    return msgspec.structs.replace(dep, extra_args=[*dep.extra_args, *extra])
