@@ -8,6 +8,10 @@ from there, then an end marker), and a socket monitor on the SUB.
 - Start (a proxy restart) and every (re)connection of the SUB (an engine
   restart: a new stream, numbered from 0 again): the engine's reported view is
   reset and replayed from sequence 0, so nothing of an old stream stays.
+  A batch published between the connection and the publisher learning of the
+  subscription (ZMQ's slow joiner) reaches neither the SUB nor, if the replay
+  ran first, the replay: one more replay `settle_s` after the connection, from
+  the next sequence the index lacks, picks it up.
 - A sequence gap (a batch dropped at the high-water mark): replay from the
   first missing one; live batches wait in order until the replay ends.
 - Bounds: a replay that has not ended after `replay_timeout_s` is given up
@@ -39,6 +43,7 @@ from pdkv.proxy.kv_index import KvIndex
 
 log = logging.getLogger("pdkv.proxy.kv")
 POLL_S = 0.1
+SETTLE_S = 0.5  # from a (re)connection to the replay that catches what ZMQ's slow joiner lost
 
 
 class EventSource(msgspec.Struct, frozen=True):
@@ -59,7 +64,7 @@ class StreamObserver:
 
 
 class _Stream:
-    __slots__ = ("connected", "last_seq", "monitor", "pending", "replay", "replay_from", "replay_started", "source", "sub")
+    __slots__ = ("connected", "last_seq", "monitor", "pending", "replay", "replay_from", "replay_started", "settle_at", "source", "sub")
 
     def __init__(self, source: EventSource) -> None:
         self.source = source
@@ -71,23 +76,26 @@ class _Stream:
         self.replay_started = 0.0
         self.pending: list[tuple[int, bytes]] = []  # live batches held while a replay runs
         self.connected = False
+        self.settle_at: float | None = None  # when the replay after a (re)connection is due
 
 
 class KvEventSubscriber:
     def __init__(
         self, index: KvIndex, sources: list[EventSource], *, observer: StreamObserver | None = None, silent_after_s: float = 5.0,
-        replay_timeout_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+        replay_timeout_s: float = 2.0, settle_s: float = SETTLE_S, clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
         self.sources = sources
         self.observer = observer or StreamObserver()
         self.silent_after_s = silent_after_s
         self.replay_timeout_s = replay_timeout_s
+        self.settle_s = settle_s
         self.clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()  # follow/unfollow, drained by the thread
         self.batches = 0  # applied so far (read by tests and the self-check)
+        self.replays_ended = 0  # replays answered or given up (read by tests)
 
     def start(self) -> KvEventSubscriber:
         self._thread = threading.Thread(target=self._run, name="pdkv-kv-events", daemon=True)
@@ -189,6 +197,7 @@ class KvEventSubscriber:
                 self.index.reset(st.source.engine)
                 st.last_seq, st.pending = None, []
                 self._request_replay(st, 0, "connected")
+                st.settle_at = self.clock() + self.settle_s
             elif event == zmq.EVENT_DISCONNECTED:
                 st.connected = False
                 if self.index.mark_approximate(st.source.engine, True):
@@ -248,6 +257,7 @@ class KvEventSubscriber:
                 self._apply(st, seq, payload)
         if answered and self.index.mark_approximate(st.source.engine, False):
             self.observer.mode(st.source.engine, False, "replayed")
+        self.replays_ended += 1
 
     def _request_replay(self, st: _Stream, start: int, reason: str) -> bool:
         if st.replay is None:
@@ -276,6 +286,9 @@ class KvEventSubscriber:
 
     def _check(self, st: _Stream) -> None:
         now = self.clock()
+        if st.settle_at is not None and now >= st.settle_at and st.replay_from is None:
+            st.settle_at = None
+            self._request_replay(st, 0 if st.last_seq is None else st.last_seq + 1, "settle")
         if st.replay_from is not None and now - st.replay_started > self.replay_timeout_s:
             log.warning("kv events from %s: replay from %d not answered in %.1f s; following the live stream",
                         st.source.engine, st.replay_from, self.replay_timeout_s)
