@@ -8,7 +8,7 @@ cores for 3 engines: P0 is bound to core 0, P1 to core 1, D to core 1 as well
 (VLLM_CPU_OMP_THREADS_BIND, one OMP thread each; two engines share core 1, and
 the client, the proxies and the routers float over both cores).
 
-Routers, each in turn on the same engines, with every engine's prefix cache
+Routers, each in turn on the same engines and each in its own process, with every engine's prefix cache
 reset before each (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1), so each sees
 the same workload from a cold cache:
 - `rr`: pdkv proxy, --policy round-robin
@@ -30,7 +30,9 @@ prefills together), D's, and all three.
 Unique-prompt workload (`--unique N`, 0: off): N completions of prompts that
 share no block, `--unique-concurrency` at once, through pdkv's
 least-outstanding and kv-aware policies (the latter with the chosen
---local-prefill-tokens): kv-aware's req/s against least-outstanding's.
+--local-prefill-tokens), `--unique-rounds` rounds: each round both on the
+same prompts, in alternating order; kv-aware's req/s against
+least-outstanding's, over all rounds and round by round.
 
     flock /tmp/pdkv-vllm.lock timeout -k 60 3000 python benchmarks/routing.py --vllm-router /tmp/vr-venv/bin/vllm-router
 
@@ -192,7 +194,7 @@ class Deployment:
         self.model = model
         self.boot = [free_port(), free_port()]
         self.events = [free_port(pair=True) for _ in range(3)]
-        common = dict(model=model, served_model_name=SERVED, host="127.0.0.1", protocol="cma", platform="cpu", block_size=BLOCK,
+        common = dict(model=model, served_model_name=SERVED, host="127.0.0.1", transport="cma", platform="cpu", block_size=BLOCK,
                       max_model_len=2048, host_ip="127.0.0.1", connector="pdkv", extra_env={"VLLM_SERVER_DEV_MODE": "1"})
         specs = [
             EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=self.boot[0], kv_events_port=self.events[0],
@@ -218,13 +220,16 @@ class Deployment:
                     break
                 time.sleep(0.2)
 
-    def pdkv_config(self, policy: str, local: int = 0, tokenizer: str | None = None):
-        from pdkv.proxy.routing import build_config
-
+    def pdkv_proxy_argv(self, policy: str, port: int, local: int = 0, tokenizer: str | None = None) -> list[str]:
+        """`pdkv proxy` in its own process, as it is deployed (in this process it would share the client's GIL)."""
         p0, p1, d = self.urls
-        events = [f"{url}={','.join(kv_events_endpoints('127.0.0.1', port))}" for url, port in zip(self.urls, self.events, strict=True)]
-        return build_config([f"{p0},{self.boot[0]}", f"{p1},{self.boot[1]}"], [d], port=0, policy=policy, health_interval=1.0,
-                            kv={"events": events, "local_prefill_tokens": local, "tokenizer": tokenizer})
+        argv = [sys.executable, "-m", "pdkv", "proxy", "-p", f"{p0},{self.boot[0]}", "-p", f"{p1},{self.boot[1]}", "-d", d,
+                "--port", str(port), "--policy", policy, "--health-interval", "1"]
+        if policy == "kv-aware":
+            for url, events in zip(self.urls, self.events, strict=True):
+                argv += ["--kv-events", f"{url}={','.join(kv_events_endpoints('127.0.0.1', events))}"]
+            argv += ["--local-prefill-tokens", str(local)] + (["--tokenizer", tokenizer] if tokenizer else [])
+        return argv
 
 
 def wait_http(url: str, timeout: float) -> None:
@@ -242,7 +247,6 @@ def wait_http(url: str, timeout: float) -> None:
 
 
 def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Path, workload: str, seed: int) -> dict:
-    from pdkv.proxy.server import BackgroundProxy
 
     dep.reset_caches()
     p_urls, d_urls = dep.urls[:2], dep.urls[2:]
@@ -269,22 +273,35 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(15)
     else:
+        import httpx
+
         policy, _, local = router.partition(":")
         policy = {"rr": "round-robin", "lo": "least-outstanding", "kv": "kv-aware", "kv+local": "kv-aware"}[policy]
-        with BackgroundProxy(dep.pdkv_config(policy, int(local or 0), None if args.engine_tokenize else dep.model)) as proxy:
-            wait_http(proxy.url, 60)
-            if proxy.app.kv is not None:  # the self-checks run first, on their own prompts
+        port = free_port()
+        argv = dep.pdkv_proxy_argv(policy, port, int(local or 0), None if args.engine_tokenize else dep.model)
+        url = f"http://127.0.0.1:{port}"
+        with (logs / f"proxy-{router.replace(':', '-')}.log").open("a") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_http(url, 60)
+            if policy == "kv-aware":  # the self-checks run first, on their own prompts
                 end = time.monotonic() + 40
-                while len(proxy.app.kv.self_checks) < 3 and time.monotonic() < end:
+                while time.monotonic() < end:
+                    checks = httpx.get(f"{url}/health", timeout=5).json().get("kv_self_checks") or {}
+                    if len(checks) == 3:
+                        break
                     time.sleep(0.2)
-                extra["self_checks"] = dict(proxy.app.kv.self_checks)
+                extra["self_checks"] = checks
                 before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
-            row = go(proxy.url)
-            timings = proxy.app.timings.recent(100_000)
-            extra["local"] = sum(1 for t in timings if t.local_prefill == "kv_local")
-            extra["pd"] = sum(1 for t in timings if not t.local_prefill)
-            took = [float(t.route.rsplit("tokenized in ", 1)[1].split()[0]) for t in timings if t.route and "tokenized in" in t.route]
-            extra["tokenize_ms_p50"] = round(float(np.median(took)), 2) if took else None
+            row = go(url)
+            timings = httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json()
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(15)
+        extra["local"] = sum(1 for t in timings if t.get("local_prefill") == "kv_local")
+        extra["pd"] = sum(1 for t in timings if not t.get("local_prefill"))
+        took = [float(t["route"].rsplit("tokenized in ", 1)[1].split()[0]) for t in timings if "tokenized in" in (t.get("route") or "")]
+        extra["tokenize_ms_p50"] = round(float(np.median(took)), 2) if took else None
     after_p, after_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
     row.update(extra)
     row["hit_p"] = rate(before_p, after_p)
@@ -310,6 +327,12 @@ def ratios(rows: list[dict]) -> dict:
                 out[f"{r} TTFT p50 / vllm-router"] = round(v["ttft_p50_ms"] / vr["ttft_p50_ms"], 3)
         if w == "unique" and r.startswith("kv") and ("unique", "lo") in mean:
             out[f"unique {r} req/s / lo"] = round(v["req_s"] / mean[("unique", "lo")]["req_s"], 3)
+            # Round by round, on the same prompts: the spread says how much of the ratio is the machine.
+            lo = {x["round"]: x["req_s"] for x in by[("unique", "lo")]}
+            per = [x["req_s"] / lo[x["round"]] for x in by[(w, r)] if x["round"] in lo]
+            if per:
+                out[f"unique {r} req/s / lo by round"] = [round(x, 3) for x in per]
+                out[f"unique {r} req/s / lo, median of rounds"] = round(float(np.median(per)), 3)
     return out
 
 
@@ -342,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unique-words", type=int, default=250)
     ap.add_argument("--unique-concurrency", type=int, default=8)
     ap.add_argument("--unique-local", type=int, default=128, help="kv-aware's --local-prefill-tokens on the unique workload")
+    ap.add_argument("--unique-rounds", type=int, default=4, help="rounds of the unique workload: both routers, the same prompts")
     ap.add_argument("--engine-tokenize", action="store_true", help="kv-aware asks the engine's /tokenize (default: --tokenizer MODEL)")
     ap.add_argument("--rounds", type=int, default=2, help="repeat the multi-turn routers this many times, interleaved")
     ap.add_argument("--seed", type=int, default=7)
@@ -381,11 +405,12 @@ def main(argv: list[str] | None = None) -> int:
                 say(json.dumps(row))
         if args.unique:
             kv = f"kv+local:{args.unique_local}"
-            order = [r for rnd in range(args.rounds) for r in (("lo", kv) if rnd % 2 == 0 else (kv, "lo"))]
-            for i, router in enumerate(order):
-                row = run_router(dep, router, args, logs, "unique", 10_000 * (i + 1))
-                rows.append(row)
-                say(json.dumps(row))
+            for rnd in range(args.unique_rounds):  # both routers on the same prompts each round, in alternating order
+                for router in ("lo", kv) if rnd % 2 == 0 else (kv, "lo"):
+                    row = run_router(dep, router, args, logs, "unique", 10_000 * (rnd + 1))
+                    row["round"] = rnd
+                    rows.append(row)
+                    say(json.dumps(row))
     report = {"command": ["benchmarks/routing.py", *(sys.argv[1:] if argv is None else argv)], "args": vars(args), "rows": rows,
               "ratios": ratios(rows),
               "wall_s": round(time.time() - started, 1), "logs": str(logs)}

@@ -88,6 +88,8 @@ class ProxyApp:
             ready, reason = self.backends.readiness()
             body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backends.report(),
                     "notes": self.backends.notes}
+            if self.kv is not None:  # engine -> ok | mismatch | no_events | failed: ... (absent until its check ends)
+                body["kv_self_checks"] = self.kv.self_checks
             conn.respond(200 if ready else 503, _json_encode(body))
         elif path == "/metrics":
             conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)

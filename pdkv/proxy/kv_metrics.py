@@ -13,6 +13,11 @@
     pdkv_proxy_kv_self_check{engine}                       1 keys match the engine's, 0 mismatch, -1 no events seen
     pdkv_proxy_kv_tokenizer_match                          1 the proxy's --tokenizer agrees with the engines, 0 not (not used)
     pdkv_proxy_kv_tokenize_seconds                         getting a request's token ids
+    pdkv_proxy_kv_engine_hit_tokens_total{engine}          prompt tokens the engine itself found in its prefix cache
+                                                           (vllm:prefix_cache_hits, read from its /metrics since the proxy started)
+    pdkv_proxy_kv_engine_query_tokens_total{engine}        prompt tokens the engine looked up there (vllm:prefix_cache_queries)
+    pdkv_proxy_kv_engine_kv_usage{engine}                  its KV usage, 0..1, as last read (vllm:kv_cache_usage_perc)
+    pdkv_proxy_kv_engine_scrape_errors_total{engine}       /metrics readings that failed or named no vLLM gauge
 """
 
 from __future__ import annotations
@@ -45,6 +50,14 @@ class KvMetrics(StreamObserver):
                                      "0: it did not (the engines' /tokenize is used); -1: not checked or none.", registry=r)
         self.tokenizer_match.set(-1)
         self.tokenize = histogram("pdkv_proxy_kv_tokenize_seconds", "Getting one request's token ids.", r)
+        self.engine_hit_tokens = Counter("pdkv_proxy_kv_engine_hit_tokens_total", "Prompt tokens the engine found in its prefix "
+                                         "cache, by its own /metrics.", ["engine"], registry=r)
+        self.engine_query_tokens = Counter("pdkv_proxy_kv_engine_query_tokens_total", "Prompt tokens the engine looked up in its "
+                                           "prefix cache, by its own /metrics.", ["engine"], registry=r)
+        self.engine_kv_usage = Gauge("pdkv_proxy_kv_engine_kv_usage", "The engine's KV usage (0..1) as last read from its /metrics.",
+                                     ["engine"], registry=r)
+        self.engine_scrape_errors = Counter("pdkv_proxy_kv_engine_scrape_errors_total", "Readings of an engine's /metrics that "
+                                            "failed or named no vLLM gauge.", ["engine"], registry=r)
 
     # --- StreamObserver (the subscriber's thread)
     def batch(self, engine: str, batch: EventBatch, lag_s: float, stored: int, removed: int, orphans: int) -> None:

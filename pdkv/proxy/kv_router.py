@@ -7,6 +7,12 @@ event subscriber builds from BlockStored's token ids. The plan is
 pdkv.proxy.kv_policy's. Once routed, the request's blocks are predicted on
 the chosen engines until their events confirm them.
 
+Each engine's own /metrics is read every `metrics_interval_s`
+(pdkv.proxy.engine_metrics): D's KV usage and its running and waiting
+requests (from every client, not only this proxy's) enter D's cost, and
+the prefix-cache hits each engine itself counts are exported beside the
+hits the proxy predicted, so a drift between the two shows.
+
 A start-up self-check per engine sends one fresh prompt straight to it and
 waits (bounded) for the engine's events to report exactly the keys the proxy
 computes for that prompt: a mismatch is a loud warning and
@@ -25,6 +31,7 @@ import msgspec
 
 from pdkv.errors import ConfigError
 from pdkv.protocol import ProxyTiming
+from pdkv.proxy.engine_metrics import EngineLoad, counter_delta, parse_engine_metrics
 from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
 from pdkv.proxy.kv_index import KvIndex
 from pdkv.proxy.kv_metrics import KvMetrics
@@ -90,6 +97,7 @@ class KvRouter:
         self._inflight: dict[str, dict[str, tuple[ProxyTiming, int]]] = {}  # P url -> request id -> (timing, tokens to compute)
         self._cursor = 0
         self._checks: list[asyncio.Task] = []
+        self.loads: dict[str, tuple[EngineLoad, float]] = {}  # engine -> its last /metrics reading, when (monotonic)
         self.self_checks: dict[str, str] = {}  # engine -> ok | mismatch | no_events | failed: ...
         self.local: LocalTokenizer | None = LocalTokenizer(config.tokenizer) if config.tokenizer else None
 
@@ -102,6 +110,8 @@ class KvRouter:
 
     def start(self, backends: Backends) -> None:
         self.subscriber.start()
+        if self.config.metrics_interval_s > 0:
+            self._checks.append(asyncio.get_running_loop().create_task(self._scrape_loop(backends)))
         for src in self.sources:
             self.metrics.self_check.labels(src.engine).set(-1)
             if self.config.self_check:
@@ -188,7 +198,7 @@ class KvRouter:
         keys = block_keys(tokens, size) if keyed else []  # type: ignore[arg-type]
         now = time.monotonic()
         p_cands = [PrefillCandidate(self.index.hits(t.url, keys, now).blocks if keyed else 0, self.queued_tokens(t.url)) for t in targets]
-        d_cands = [DecodeCandidate(self.index.hits(d.url, keys, now).blocks if keyed else 0, d.outstanding) for d in decodes]
+        d_cands = [self._decode_candidate(d, keys if keyed else [], now) for d in decodes]
         self._cursor += 1
         plan = plan_route(len(tokens) if tokens else 0, size or 1, p_cands, d_cands, self.weights, start=self._cursor, keyed=keyed)
         self.metrics.route.labels(str(plan.reason)).inc()
@@ -196,6 +206,46 @@ class KvRouter:
         if plan.prefill is None:
             self.routed(choice, t, None)
         return choice
+
+    def _decode_candidate(self, d: BackendState, keys: list[BlockKey], now: float) -> DecodeCandidate:
+        """D as the cost model sees it: its hits, its requests (this proxy's in flight, or all the engine reports if more),
+        its KV usage (from a recent /metrics reading, else 0)."""
+        hits = self.index.hits(d.url, keys, now).blocks if keys else 0
+        load = self.load(d.url, now)
+        if load is None:
+            return DecodeCandidate(hits, d.outstanding)
+        return DecodeCandidate(hits, max(d.outstanding, load.requests), load.kv_usage)
+
+    def load(self, engine: str, now: float) -> EngineLoad | None:
+        """The engine's last /metrics reading, if it is at most three intervals old."""
+        seen = self.loads.get(engine)
+        if seen is None or now - seen[1] > 3 * self.config.metrics_interval_s:
+            return None
+        return seen[0]
+
+    async def _scrape_loop(self, backends: Backends) -> None:
+        interval = self.config.metrics_interval_s
+        while True:
+            engines = [b for b in (*backends.prefills, *backends.decodes) if b.up]
+            await asyncio.gather(*(self._scrape(b, min(interval, 2.0)) for b in engines))
+            await asyncio.sleep(interval)
+
+    async def _scrape(self, b: BackendState, timeout: float) -> None:
+        try:
+            ex = await fetch(b.pool, "GET", "/metrics", timeout=timeout)
+            load = parse_engine_metrics(b"".join(ex.chunks)) if ex.status == 200 else None
+        except UpstreamError as exc:
+            log.debug("kv-aware: /metrics of %s: %s", b.url, exc)
+            load = None
+        if load is None:
+            self.metrics.engine_scrape_errors.labels(b.url).inc()
+            return
+        before = self.loads.get(b.url)
+        self.loads[b.url] = (load, time.monotonic())
+        self.metrics.engine_kv_usage.labels(b.url).set(load.kv_usage)
+        hits, queries = (before[0].prefix_hits, before[0].prefix_queries) if before else (None, None)
+        self.metrics.engine_hit_tokens.labels(b.url).inc(counter_delta(hits, load.prefix_hits))
+        self.metrics.engine_query_tokens.labels(b.url).inc(counter_delta(queries, load.prefix_queries))
 
     def pairing(self, choice: KvChoice | None, backends: Backends, t: ProxyTiming) -> tuple[Pairing, PrefillState, BackendState] | None:
         """The P/D pair of `choice` (recorded as routed), or None if there is none."""

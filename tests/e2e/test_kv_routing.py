@@ -45,8 +45,8 @@ def same(a: tuple[list[str], list[float]], b: tuple[list[str], list[float]]) -> 
 def test_kv_aware_answers_equal_p_alone_on_pd_and_on_d_alone(start_vllm, tiny_model):
     model = str(tiny_model)
     bport, p_events, d_events = free_port_pair(), free_port_pair(), free_port_pair()
-    prefill = start_vllm(role="prefill", protocol="cma", omp_bind="0", bootstrap_port=bport, kv_events_port=p_events, name="kv-prefill")
-    decode = start_vllm(role="decode", protocol="cma", omp_bind="1", kv_events_port=d_events, name="kv-decode")
+    prefill = start_vllm(role="prefill", transport="cma", omp_bind="0", bootstrap_port=bport, kv_events_port=p_events, name="kv-prefill")
+    decode = start_vllm(role="decode", transport="cma", omp_bind="1", kv_events_port=d_events, name="kv-decode")
     events = [f"{prefill.url}=tcp://127.0.0.1:{p_events}", f"{decode.url}=tcp://127.0.0.1:{d_events}"]
     cfg = build_config([f"{prefill.url},{bport}"], [decode.url], port=0, policy="kv-aware", health_interval=0.5,
                        kv={"events": events, "local_prefill_tokens": 128})
@@ -83,3 +83,22 @@ def test_kv_aware_answers_equal_p_alone_on_pd_and_on_d_alone(start_vllm, tiny_mo
         assert f'pdkv_proxy_kv_self_check{{engine="{decode.url}"}} 1.0' in metrics
         assert 'pdkv_proxy_kv_hit_tokens_total{engine="' in metrics
         assert "pdkv_proxy_kv_event_lag_seconds_count" in metrics
+
+        # The engines' own /metrics, as the proxy reads them: D's load in its cost, D's own prefix hits (the later
+        # turns found the history in its cache) beside the proxy's predictions.
+        def engine_hits(url: str) -> float:
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+        def read(name: str, engine: str) -> float:
+            return proxy.app.metrics.registry.get_sample_value(name, {"engine": engine}) or 0.0
+
+        wait_for(lambda: read("pdkv_proxy_kv_engine_hit_tokens_total", decode.url) > 0, timeout=10, what="D's own hits read by the proxy")
+        assert read("pdkv_proxy_kv_engine_hit_tokens_total", decode.url) <= engine_hits(decode.url)
+        def idle_reading() -> bool:  # a reading taken after the last request ended
+            load = kv.load(decode.url, time.monotonic())
+            assert load is not None and 0.0 <= load.kv_usage <= 1.0
+            return load.requests == 0
+
+        wait_for(idle_reading, timeout=10, what="a reading of D with no request")
+        assert read("pdkv_proxy_kv_engine_query_tokens_total", prefill.url) > 0
