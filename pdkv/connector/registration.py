@@ -67,11 +67,16 @@ class StandingRegistration:
             log.warning("pdkv: could not register %s at %s: %s", self.what, self.url, exc)
 
     def _renew(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._run(self._action, retries=0)
-            except Exception as exc:  # noqa: BLE001 - the next interval tries again
-                self._complain(exc)
+        from pdkv.bootstrap.client import BootstrapClient
+
+        # One client for every renewal: its connection is kept between them (a broken one fails one renewal, and the
+        # next connects anew).
+        with BootstrapClient(self.url, timeout=2.0, retries=0, token=self._token) as bs:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    self._action(bs)
+                except Exception as exc:  # noqa: BLE001 - the next interval tries again
+                    self._complain(exc)
 
     def close(self, timeout: float = 3.0) -> None:
         self._stop.set()
