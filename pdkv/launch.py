@@ -74,6 +74,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # The proxy's kv-aware policy follows them (docs/proxy.md).
     kv_events_port: int | None = None
 
+    @property
+    def dp_size(self) -> int:
+        """vLLM's data-parallel size among `extra_args` (each DP rank publishes its own KV events)."""
+        return data_parallel_size(self.extra_args)
+
 
 class LaunchPlan(msgspec.Struct, frozen=True):
     """The exact command and the environment variables pdkv sets on top of the caller's."""
@@ -217,27 +222,46 @@ def engine_argv(spec: EngineSpec, *, python: str | None = None) -> list[str]:
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"), sort_keys=True)]
     if spec.kv_events_port is not None:
-        argv += ["--kv-events-config", json.dumps(kv_events_config(spec.kv_events_port), separators=(",", ":"), sort_keys=True)]
+        events = kv_events_config(spec.kv_events_port, spec.dp_size)
+        argv += ["--kv-events-config", json.dumps(events, separators=(",", ":"), sort_keys=True)]
     argv += list(spec.extra_args)
     return argv
 
 
-def kv_events_config(port: int) -> dict[str, Any]:
-    """vLLM's --kv-events-config publishing on `port` (and replaying on port + 1), on every interface.
+def data_parallel_size(args: tuple[str, ...] | list[str]) -> int:
+    """The `--data-parallel-size N` (`-dp N`, `--data-parallel-size=N`) among vLLM arguments, else 1."""
+    size = 1
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("--data-parallel-size", "-dp") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--data-parallel-size="):
+            value = arg.partition("=")[2]
+        if value is not None and value.isdigit() and int(value) > 0:
+            size = int(value)
+    return size
+
+
+def kv_events_config(port: int, dp_size: int = 1) -> dict[str, Any]:
+    """vLLM's --kv-events-config publishing on `port` and replaying on `port + dp_size`, on every interface.
 
     vLLM binds an endpoint only when it holds a wildcard (`tcp://*:P`); a plain
-    address would make its PUB socket connect out instead.
+    address would make its PUB socket connect out instead. With data
+    parallelism every rank r offsets both ports by r (vLLM's
+    ZmqEventPublisher.offset_endpoint_port), so the replay ports start after
+    the last rank's publisher: the engine uses ports `port .. port + 2 * dp_size - 1`.
     """
-    if not 0 < port < 65535:
-        raise UsageError(f"KV events port {port} is out of range (it and the next port are used)")
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{port + 1}"}
+    if not 0 < port <= 65535 - 2 * dp_size + 1:
+        raise UsageError(f"KV events port {port} is out of range (it and the next {2 * dp_size - 1} are used)")
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{port + dp_size}"}
 
 
-def kv_events_endpoints(host: str, port: int) -> tuple[str, str]:
-    """Where a subscriber reaches an engine's KV events published on `port`: (publisher, replay)."""
+def kv_events_endpoints(host: str, port: int, dp_size: int = 1, dp_rank: int = 0) -> tuple[str, str]:
+    """Where a subscriber reaches DP rank `dp_rank`'s KV events of an engine configured with `port`: (publisher, replay)."""
     host = connect_host(host)
     host = f"[{host}]" if ":" in host else host
-    return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+    return f"tcp://{host}:{port + dp_rank}", f"tcp://{host}:{port + dp_size + dp_rank}"
 
 
 def parse_cores(bind: str | None) -> list[int] | None:

@@ -39,11 +39,20 @@ def check_one_instance_per_table(dep: Deployment) -> None:
 
 
 def kv_events_port_of(dep: Deployment, entry: EngineEntry, k: int) -> int | None:
-    """Engine k's KV events port (prefills first, then decodes), or None with events off."""
+    """Engine k's KV events port (prefills first, then decodes), or None with events off: after the ports of the
+    engines before it, each taking two per DP rank (pdkv.launch.kv_events_config)."""
+    from pdkv.launch import data_parallel_size
+
     if not dep.kv_events:
         return None
-    return entry.kv_events_port if entry.kv_events_port is not None else dep.kv_events_port + 2 * k
+    if entry.kv_events_port is not None:
+        return entry.kv_events_port
+    before = [*dep.prefill, *dep.decode][:k]
+    return dep.kv_events_port + sum(2 * data_parallel_size([*dep.extra_args, *e.extra_args]) for e in before)
 
 
 def events_ports(spec: EngineSpec) -> list[tuple[str, int]]:
-    return [] if spec.kv_events_port is None else [("0.0.0.0", spec.kv_events_port), ("0.0.0.0", spec.kv_events_port + 1)]
+    """Every port an engine's KV events bind: a publisher and a replay socket per DP rank."""
+    if spec.kv_events_port is None:
+        return []
+    return [("0.0.0.0", spec.kv_events_port + i) for i in range(2 * spec.dp_size)]

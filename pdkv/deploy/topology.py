@@ -372,7 +372,9 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         for d in decodes:
             argv += ["--decode", d.plan.url]
         for p in (*prefills, *decodes):
-            if p.spec is not None and p.spec.kv_events_port is not None:
+            # The proxy indexes one event stream per engine URL; a DP engine's ranks publish one each (the proxy then
+            # routes it by its own view: docs/proxy.md).
+            if p.spec is not None and p.spec.kv_events_port is not None and p.spec.dp_size == 1:
                 host = p.plan.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
                 argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]

@@ -153,7 +153,12 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     if layout.nodes > 1 and not worker:
         ports.append(pods.port("dist", k.master_port))
     if spec.kv_events_port is not None and not worker:  # vLLM's KV events publisher and its replay socket (the proxy's kv-aware policy)
-        ports += [pods.port("kv-events", spec.kv_events_port), pods.port("kv-replay", spec.kv_events_port + 1)]
+        base, dp = spec.kv_events_port, spec.dp_size
+        if dp == 1:
+            ports += [pods.port("kv-events", base), pods.port("kv-replay", base + 1)]
+        else:  # one of each per DP rank (pdkv.launch.kv_events_config)
+            ports += [pods.port(f"kv-events-{r}", base + r) for r in range(dp)]
+            ports += [pods.port(f"kv-replay-{r}", base + dp + r) for r in range(dp)]
     if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)
         ports += [pods.port(f"side-{r}", k.side_channel_port + r) for r in range(spec.tp)]
     ports += pods.mooncake_ports(k, layout.ranks)

@@ -294,3 +294,15 @@ def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows
     assert proxy[proxy.index("--policy") + 1] == "kv-aware" and proxy[proxy.index("--local-prefill-tokens") + 1] == "128"
     off = deployment_parts(deployment_from_dict(_dep(kv_events=False)))
     assert not any("--kv-events-config" in p.plan.argv or "--kv-events" in p.plan.argv for p in off)
+
+
+def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_routes_it_by_its_own_view() -> None:
+    dep = _dep(prefill=[{"port": 8100, "extra_args": ["--data-parallel-size", "2"]}, {"port": 8101}])
+    parts = deployment_parts(deployment_from_dict(dep))
+    engines = [p for p in parts if p.kind in ("prefill", "decode")]
+    bound = [port for p in engines for _, port in p.ports if 5557 <= port < 5600]
+    assert bound == [5557, 5558, 5559, 5560, 5561, 5562, 5563, 5564]  # DP 2: four; the others: two each
+    assert len(set(bound)) == len(bound)
+    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    follows = [proxy[i + 1].split("=", 1)[0] for i, a in enumerate(proxy) if a == "--kv-events"]
+    assert follows == ["http://127.0.0.1:8101", "http://127.0.0.1:8200"]

@@ -342,3 +342,13 @@ def test_engines_publish_kv_events_unless_the_file_turns_them_off(tmp_path):
 
     assert all(flag(c, "--kv-events-config") for c in commands(base()))
     assert not any("--kv-events-config" in c for c in commands(VARIANTS["no-kv-events"]))
+
+
+def test_a_data_parallel_engine_declares_a_publisher_and_a_replay_port_per_rank(tmp_path):
+    text = base(prefill='extra_args = ["--data-parallel-size", "2"]')
+    (_, _, _, template), *_ = [e for e in _engines(render_text(tmp_path, text)) if e[2] == "prefill"]
+    (c,) = containers(template)
+    declared = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert [declared[n] for n in ("kv-events-0", "kv-events-1", "kv-replay-0", "kv-replay-1")] == [5557, 5558, 5559, 5560]
+    events = json.loads(flag(c["command"], "--kv-events-config"))
+    assert (events["endpoint"], events["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5559")

@@ -160,3 +160,31 @@ def test_kv_events_publish_on_a_wildcard_and_replay_on_the_next_port() -> None:
     assert kv_events_endpoints("::1", 6000)[0] == "tcp://[::1]:6000"
     with pytest.raises(UsageError):
         kv_events_config(65535)
+
+
+@pytest.mark.parametrize(
+    ("args", "size"),
+    [((), 1), (("--data-parallel-size", "4"), 4), (("-dp", "2"), 2), (("--data-parallel-size=8",), 8),
+     (("--data-parallel-size", "x"), 1), (("--data-parallel-size",), 1), (("--data-parallel-size", "0"), 1)],
+)
+def test_the_data_parallel_size_is_read_from_vllms_arguments(args, size) -> None:
+    from pdkv.launch import data_parallel_size
+
+    assert data_parallel_size(args) == size
+    assert EngineSpec(model="m", extra_args=args).dp_size == size
+
+
+def test_with_data_parallelism_every_rank_publishes_and_replays_on_ports_no_other_rank_binds() -> None:
+    from pdkv.launch import kv_events_config, kv_events_endpoints
+
+    spec = EngineSpec(model="/m", launcher="module", kv_events_port=6000, extra_args=("--data-parallel-size", "3"))
+    argv = engine_argv(spec)
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:6000", "tcp://*:6003")
+    # vLLM offsets both by the rank: publishers 6000-6002, replays 6003-6005.
+    bound = [port + r for port in (6000, 6003) for r in range(3)]
+    assert len(set(bound)) == 6
+    assert kv_events_endpoints("10.0.0.2", 6000, dp_size=3, dp_rank=2) == ("tcp://10.0.0.2:6002", "tcp://10.0.0.2:6005")
+    with pytest.raises(UsageError):
+        kv_events_config(65531, dp_size=3)
+    assert kv_events_config(65530, dp_size=3)["replay_endpoint"] == "tcp://*:65533"
