@@ -130,6 +130,8 @@ def test_a_missed_batch_is_replayed_from_the_engine(start_vllm, engine_args, fol
         first, second = sample_text(120, seed=21), sample_text(120, seed=22)
         k1 = block_keys(tokens_of(engine.url, model, first), BLOCK)
         k2 = block_keys(tokens_of(engine.url, model, second), BLOCK)
+        # No replay in flight (the connection's settle replay would swallow the gap the next batch shows).
+        wait_for(lambda: "settle" in rec.replays and sub.replays_ended == len(rec.replays), what="the connection's replays over")
         gaps = rec.replays.count("gap")
         complete(engine.url, model, first)  # its batch is the one dropped
         complete(engine.url, model, second)  # the next batch shows the gap
