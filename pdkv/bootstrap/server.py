@@ -163,6 +163,10 @@ class _Handlers:
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejects["invalid"].inc()
             return _error(413, f"body larger than {MAX_BODY} bytes")
+        except ConnectionError:  # the client went away mid-body (an engine stopping as it leaves): nobody to answer
+            log.info("%s %s from %s: the client closed the connection before its body arrived", request.method, request.path,
+                     request.remote)
+            return _error(400, "the connection closed before the body arrived")
         try:
             return msgspec.json.decode(body, type=kind)
         except msgspec.ValidationError as exc:

@@ -84,3 +84,23 @@ def test_the_token_guards_join_and_leave_but_not_the_list():
             with pytest.raises(RemoteError):
                 anonymous.leave("d")
             assert [m.record.member_id for m in anonymous.members().members] == ["d"]
+
+
+def test_a_leave_cut_mid_body_logs_no_traceback_and_changes_nothing(caplog):
+    import logging
+    import socket
+
+    with start_background(probe=NO_SWEEP) as svc, httpx.Client(base_url=svc.url, timeout=5, trust_env=False) as http:
+        assert http.post("/pdkv/members", json=D).json()["result"] == "joined"
+        host, port = svc.url.split("//", 1)[1].rsplit(":", 1)
+        with caplog.at_level(logging.INFO):
+            # An engine killed as it leaves: the headers promise 100 bytes, 10 come, then the connection closes.
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(b"POST /pdkv/members/leave HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n" + b'{"member_i')
+            deadline = time.monotonic() + 5
+            while "closed the connection before its body arrived" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "closed the connection before its body arrived" in caplog.text
+        assert "Traceback" not in caplog.text and not any(r.exc_info for r in caplog.records)
+        assert listed(http) == ["eng-d"]
