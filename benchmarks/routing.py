@@ -220,7 +220,8 @@ class Deployment:
                     break
                 time.sleep(0.2)
 
-    def pdkv_proxy_argv(self, policy: str, port: int, local: int = 0, tokenizer: str | None = None) -> list[str]:
+    def pdkv_proxy_argv(self, policy: str, port: int, local: int = 0, tokenizer: str | None = None,
+                        kv_file: Path | None = None) -> list[str]:
         """`pdkv proxy` in its own process, as it is deployed (in this process it would share the client's GIL)."""
         p0, p1, d = self.urls
         argv = [sys.executable, "-m", "pdkv", "proxy", "-p", f"{p0},{self.boot[0]}", "-p", f"{p1},{self.boot[1]}", "-d", d,
@@ -229,6 +230,7 @@ class Deployment:
             for url, events in zip(self.urls, self.events, strict=True):
                 argv += ["--kv-events", f"{url}={','.join(kv_events_endpoints('127.0.0.1', events))}"]
             argv += ["--local-prefill-tokens", str(local)] + (["--tokenizer", tokenizer] if tokenizer else [])
+            argv += ["--config", str(kv_file)] if kv_file else []
         return argv
 
 
@@ -278,7 +280,11 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
         policy, _, local = router.partition(":")
         policy = {"rr": "round-robin", "lo": "least-outstanding", "kv": "kv-aware", "kv+local": "kv-aware"}[policy]
         port = free_port()
-        argv = dep.pdkv_proxy_argv(policy, port, int(local or 0), None if args.engine_tokenize else dep.model)
+        kv_file = None
+        if args.kv_set:  # [kv] keys of the proxy's TOML file, e.g. metrics_interval_s=0
+            kv_file = logs / f"kv-{port}.toml"
+            kv_file.write_text("[kv]\n" + "".join(f"{k.strip()} = {v.strip()}\n" for k, _, v in (x.partition("=") for x in args.kv_set)))
+        argv = dep.pdkv_proxy_argv(policy, port, int(local or 0), None if args.engine_tokenize else dep.model, kv_file)
         url = f"http://127.0.0.1:{port}"
         with (logs / f"proxy-{router.replace(':', '-')}.log").open("a") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -366,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--unique-concurrency", type=int, default=8)
     ap.add_argument("--unique-local", type=int, default=128, help="kv-aware's --local-prefill-tokens on the unique workload")
     ap.add_argument("--unique-rounds", type=int, default=4, help="rounds of the unique workload: both routers, the same prompts")
+    ap.add_argument("--kv-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [kv] setting of the kv-aware proxies (TOML value), e.g. metrics_interval_s=0; repeatable")
     ap.add_argument("--engine-tokenize", action="store_true", help="kv-aware asks the engine's /tokenize (default: --tokenizer MODEL)")
     ap.add_argument("--rounds", type=int, default=2, help="repeat the multi-turn routers this many times, interleaved")
     ap.add_argument("--seed", type=int, default=7)
