@@ -157,7 +157,10 @@ class _Handlers:
         return _error(401, f"{request.path} needs the bootstrap token (Authorization: Bearer ...); got {what}")
 
     async def _decode(self, request: web.Request, kind: type) -> Any:
-        """The body as `kind`, or an error response (400 malformed, 413 too large, 422 invalid)."""
+        """A write's body as `kind`, or an error response (401 without the token, 400 malformed, 413 too large,
+        422 invalid)."""
+        if (denied := self._unauthorized(request)) is not None:
+            return denied
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -177,8 +180,6 @@ class _Handlers:
             return _error(400, f"body is not valid JSON: {exc}")
 
     async def register(self, request: web.Request) -> web.Response:
-        if (denied := self._unauthorized(request)) is not None:
-            return denied
         req = await self._decode(request, RegisterRequest)
         if not isinstance(req, RegisterRequest):
             return req
@@ -212,8 +213,6 @@ class _Handlers:
         return _ok(RegisterResponse(result=outcome.value))
 
     async def deregister(self, request: web.Request) -> web.Response:
-        if (denied := self._unauthorized(request)) is not None:
-            return denied
         req = await self._decode(request, DeregisterRequest)
         if not isinstance(req, DeregisterRequest):
             return req
@@ -232,8 +231,6 @@ class _Handlers:
         return web.Response(body=body, content_type="application/json")
 
     async def join(self, request: web.Request) -> web.Response:
-        if (denied := self._unauthorized(request)) is not None:
-            return denied
         rec = await self._decode(request, MemberRecord)
         if not isinstance(rec, MemberRecord):
             return rec
@@ -250,8 +247,6 @@ class _Handlers:
         return _ok({"status": "ok", "result": "changed" if known else "joined"})
 
     async def leave(self, request: web.Request) -> web.Response:
-        if (denied := self._unauthorized(request)) is not None:
-            return denied
         req = await self._decode(request, LeaveRequest)
         if not isinstance(req, LeaveRequest):
             return req

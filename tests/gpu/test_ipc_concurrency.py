@@ -50,6 +50,19 @@ def _decode_side(conn, device: int) -> None:
             conn.send(_digests(kv, torch.tensor(msg, device=f"cuda:{device}")))
 
 
+def _prefill_side(t, device: int, gen):
+    """P's KV: LAYERS random layers on `device`, registered with transport `t`; (tensors, their regions)."""
+    import torch
+
+    from pdkv.transport.base import Region
+
+    src = [torch.randint(0, 256, (P_BLOCKS * BLOCK_LEN,), dtype=torch.uint8, generator=gen).to(f"cuda:{device}")
+           for _ in range(LAYERS)]
+    t.register([(x.data_ptr(), x.numel()) for x in src])
+    torch.cuda.synchronize(device)
+    return src, [Region(x.data_ptr(), BLOCK_LEN, P_BLOCKS) for x in src]
+
+
 def test_32_concurrent_transfers_each_land_in_their_own_blocks():
     import torch
 
@@ -69,11 +82,7 @@ def test_32_concurrent_transfers_each_land_in_their_own_blocks():
         remote = [Region(b, BLOCK_LEN, D_BLOCKS) for b in remote_bases]
         gen = torch.Generator().manual_seed(0)
         with CudaIpcTransport(p_dev) as t:
-            src = [torch.randint(0, 256, (P_BLOCKS * BLOCK_LEN,), dtype=torch.uint8, generator=gen).to(f"cuda:{p_dev}")
-                   for _ in range(LAYERS)]
-            t.register([(x.data_ptr(), x.numel()) for x in src])
-            local = [Region(x.data_ptr(), BLOCK_LEN, P_BLOCKS) for x in src]
-            torch.cuda.synchronize(p_dev)
+            src, local = _prefill_side(t, p_dev, gen)
             plans = []
             for i in range(REQUESTS):
                 lblocks = torch.randperm(P_BLOCKS, generator=gen)[:PER_REQUEST].tolist()  # sources overlap across requests
@@ -136,11 +145,7 @@ def test_a_decode_killed_mid_run_fails_its_writes_at_once_and_the_other_decode_i
         remote = {s1: [Region(b, BLOCK_LEN, D_BLOCKS) for b in bases1], s2: [Region(b, BLOCK_LEN, D_BLOCKS) for b in bases2]}
         gen = torch.Generator().manual_seed(1)
         with CudaIpcTransport(p_dev) as t:
-            src = [torch.randint(0, 256, (P_BLOCKS * BLOCK_LEN,), dtype=torch.uint8, generator=gen).to(f"cuda:{p_dev}")
-                   for _ in range(LAYERS)]
-            t.register([(x.data_ptr(), x.numel()) for x in src])
-            local = [Region(x.data_ptr(), BLOCK_LEN, P_BLOCKS) for x in src]
-            torch.cuda.synchronize(p_dev)
+            src, local = _prefill_side(t, p_dev, gen)
             t.connect(s1, hello1)
             t.connect(s2, hello2)
             assert sorted(t.peers) == sorted([s1, s2])

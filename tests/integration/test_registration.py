@@ -20,6 +20,13 @@ REGISTER = lambda bs: bs.register(REQ)  # noqa: E731
 NO_PROBES = ProbePolicy(interval=0)  # the side channel above does not exist: no liveness sweeps here
 
 
+def dead_url() -> str:
+    """A loopback URL nothing listens on (the port was free a moment ago)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
 def listed(url: str) -> bool:
     with BootstrapClient(url, timeout=2.0, retries=0) as bs:
         return any(e.engine_id == "engine-p" for e in bs.query().values())
@@ -47,9 +54,7 @@ def test_a_restarted_bootstrap_lists_p_again_within_the_interval():
 
 
 def test_no_bootstrap_at_start_is_a_start_error_and_interval_zero_registers_once():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = dead_url()
     with pytest.raises(StartError, match="could not register"):
         StandingRegistration(dead, REGISTER, "P", interval_s=0.3)
     bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
@@ -84,9 +89,7 @@ def test_a_member_is_renewed_within_its_lease_and_leaves_on_close():
 
 
 def test_a_member_whose_renewals_stop_expires_and_a_missing_registry_is_not_fatal():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    dead = dead_url()
     reg = StandingRegistration(dead, lambda c: c.join(MEMBER), "D", interval_s=0.3, required=False)
     reg.close()
     bs = start_background("127.0.0.1", 0, probe=NO_PROBES)
