@@ -58,10 +58,12 @@ def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> Non
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in part["env"]
 
 
-def test_dry_run_cpu_role_sets_cpu_env(capsys) -> None:
+def test_dry_run_cpu_role_sets_cpu_env(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "cpu", "--omp-bind", "1", "--host-ip", "127.0.0.1")
     assert part["env"] == {
-        "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "1", **LOGGING
+        "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "1", **LOGGING
     }
     assert part["argv"][part["argv"].index("--block-size") + 1] == "32"
 

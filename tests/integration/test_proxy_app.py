@@ -369,9 +369,9 @@ class FateServer:
         self.loop.stop()
 
 
-def _p_transfer_id(dep: Deployment) -> str:
-    """The transfer id of the last request P saw (the proxy mints them)."""
-    return str(dep.prefills[0].seen[-1][1]["kv_transfer_params"]["transfer_id"])
+def _transfer_id(dep: Deployment) -> str:
+    """The transfer id of the last request D saw (the proxy mints them; P's copy, sent beside D's, may still be on its way)."""
+    return str(dep.decodes[0].seen[-1][1]["kv_transfer_params"]["transfer_id"])
 
 
 def _register_side_channel(dep: Deployment, addr: str) -> None:
@@ -385,7 +385,7 @@ def _register_side_channel(dep: Deployment, addr: str) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, stream: bool):
     # D (vLLM) only says "Internal server error"; P's connector knows the transfer was cancelled, and why.
-    fate = FateServer(lambda: _p_transfer_id(deployment))
+    fate = FateServer(lambda: _transfer_id(deployment))
     try:
         _register_side_channel(deployment, fate.server.address)
         if stream:
@@ -397,7 +397,7 @@ def test_decode_failure_says_why_the_kv_did_not_come(deployment: Deployment, str
             err = json.loads(_events(r.text)[0])["error"] if stream else r.json()["error"]
             assert err["cause"] == "decode_kv_transfer"
             assert "Internal server error" in err["message"]
-            assert f"{_p_transfer_id(deployment)} cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
+            assert f"{_transfer_id(deployment)} cancelled: prefill request p-1 finished as FINISHED_ABORTED" in err["message"]
             _assert_no_address(r.text)
             assert deployment.decodes[0].url in c.get("/pdkv/requests/req-fate").json()["detail"]
             assert c.get("/pdkv/requests").json()[0]["error"] == "decode_kv_transfer"
@@ -670,8 +670,10 @@ def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deploymen
                        headers={"X-Request-Id": f"rel-{n}"})
         assert r.status_code == 400
         _wait_for(lambda: sum(isinstance(m, Release) for m in fate.seen) == n, what="the Releases at P")
-        assert all(m.transfer_id == _p_transfer_id(deployment) for m in fate.seen if isinstance(m, Release))
+        assert all(m.transfer_id == _transfer_id(deployment) for m in fate.seen if isinstance(m, Release))
         # The proxy's release proves the binding, as D's would.
+        p_seen = deployment.prefills[0].seen
+        _wait_for(lambda: p_seen and p_seen[-1][1]["kv_transfer_params"]["transfer_id"] == _transfer_id(deployment), what="P's copy")
         commitment = deployment.prefills[0].seen[-1][1]["kv_transfer_params"]["decode_binding"]
         assert all(binding_matches(m.binding, commitment) for m in fate.seen if isinstance(m, Release))
         deployment.decodes[0].behaviour.update(status=200)

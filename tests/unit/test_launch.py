@@ -100,11 +100,15 @@ def test_gpu_env() -> None:
     assert env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.5", "VLLM_MOONCAKE_BOOTSTRAP_PORT": "9000"}
 
 
-def test_cpu_env() -> None:
+def test_cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     env = engine_env(EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind="1", cpu_kvcache_gib=2,
                                 extra_env={"PDKV_X": "1"}))
-    assert env == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1",
+    assert env == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0",
                    "VLLM_CPU_OMP_THREADS_BIND": "1", "PDKV_X": "1"}
+    # The caller's own choice is kept.
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert "VLLM_USE_AOT_COMPILE" not in engine_env(EngineSpec(model="m", platform="cpu"))
 
 
 @pytest.mark.parametrize(
