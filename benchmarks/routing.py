@@ -8,9 +8,13 @@ cores for 3 engines: P0 is bound to core 0, P1 to core 1, D to core 1 as well
 (VLLM_CPU_OMP_THREADS_BIND, one OMP thread each; two engines share core 1, and
 the client, the proxies and the routers float over both cores).
 
-Routers, each in turn on the same engines and each in its own process, with every engine's prefix cache
-reset before each (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1), so each sees
-the same workload from a cold cache:
+Routers, each in turn on the same engines and each in its own process. Each
+first runs a small warm-up workload of other texts untimed (its connections,
+tokenizer and first events); then, once every engine is idle, every engine's
+prefix cache is reset (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1), so each
+sees the same timed workload from a cold cache. The order of the routers
+rotates from round to round, and the ratios are given per round and as the
+median of rounds beside the ratio of means:
 - `rr`: pdkv proxy, --policy round-robin
 - `kv`: pdkv proxy, --policy kv-aware, --local-prefill-tokens 0 (always P/D)
 - `kv+local:N`: pdkv proxy, --policy kv-aware, --local-prefill-tokens N
@@ -47,7 +51,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,138 +58,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+from routing_workloads import SERVED, counters, free_port, multi_turn, rate, unique
 
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan, kv_events_endpoints
 
-SERVED = "tiny"
 BLOCK = 32
-
-
-def free_port(pair: bool = False) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port")
-
-
-def counters(url: str) -> tuple[float, float]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name in found:
-            found[family.name] += sum(x.value for x in family.samples if x.name.endswith("_total"))
-    return found["vllm:prefix_cache_hits"], found["vllm:prefix_cache_queries"]
-
-
-def rate(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
-    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
-    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
-    return round(hits / queries, 4) if queries > 0 else None
-
-
-async def stream_one(client, url: str, path: str, body: dict) -> tuple[float, str, float]:
-    """(ttft_s, text, total_s) of one streamed request; raises on an error status."""
-    t0 = time.perf_counter()
-    ttft, parts = None, []
-    async with client.stream("POST", f"{url}{path}", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(str(event["error"])[:300])
-            for choice in event.get("choices") or ():
-                parts.append((choice.get("delta") or {}).get("content") or choice.get("text") or "")
-    return ttft if ttft is not None else float("nan"), "".join(parts), time.perf_counter() - t0
-
-
-def conversations(args: argparse.Namespace) -> tuple[str, list[list[str]]]:
-    from pdkv.tinymodel import sample_text
-
-    system = sample_text(args.system_words, seed=args.seed)
-    users = [[sample_text(args.turn_words, seed=args.seed + 1000 * (c + 1) + t) for t in range(args.turns)]
-             for c in range(args.conversations)]
-    return system, users
-
-
-async def multi_turn(url: str, args: argparse.Namespace) -> dict:
-    import httpx
-
-    system, users = conversations(args)
-    ttfts: list[float] = []
-    errors: list[str] = []
-    rng = np.random.default_rng(args.seed)
-    starts = rng.uniform(0, args.stagger_s, len(users))
-
-    async def chat(c: int, client) -> None:
-        await asyncio.sleep(float(starts[c]))
-        history = [{"role": "system", "content": system}]
-        for turn in users[c]:
-            history.append({"role": "user", "content": turn})
-            body = {"model": SERVED, "messages": history, "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            try:
-                ttft, text, _ = await stream_one(client, url, "/v1/chat/completions", body)
-            except Exception as exc:  # noqa: BLE001 - counted; the conversation goes on
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                text, ttft = "-", None
-            if ttft is not None:
-                ttfts.append(ttft)
-            history.append({"role": "assistant", "content": text})
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(chat(c, client) for c in range(len(users))))
-    wall = time.perf_counter() - t0
-    return summarize(ttfts, errors, wall)
-
-
-async def unique(url: str, args: argparse.Namespace, seed: int) -> dict:
-    import httpx
-
-    from pdkv.tinymodel import sample_text
-
-    # Each prompt leads with its own number words, so no two share their first block.
-    prompts = [f"{i} {i * 7919} " + sample_text(args.unique_words, seed=seed + i) for i in range(args.unique)]
-    sem = asyncio.Semaphore(args.unique_concurrency)
-    ttfts: list[float] = []
-    errors: list[str] = []
-
-    async def one(p: str, client) -> None:
-        async with sem:
-            body = {"model": SERVED, "prompt": p, "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-            try:
-                ttft, _, _ = await stream_one(client, url, "/v1/completions", body)
-                ttfts.append(ttft)
-            except Exception as exc:  # noqa: BLE001
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
-
-    t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300, trust_env=False, limits=httpx.Limits(max_connections=256)) as client:
-        await asyncio.gather(*(one(p, client) for p in prompts))
-    return summarize(ttfts, errors, time.perf_counter() - t0)
-
-
-def summarize(ttfts: list[float], errors: list[str], wall: float) -> dict:
-    arr = np.array(ttfts) * 1000 if ttfts else np.array([np.nan])
-    return {"completed": len(ttfts), "failed": len(errors), "wall_s": round(wall, 2), "req_s": round(len(ttfts) / wall, 3),
-            "ttft_p50_ms": round(float(np.percentile(arr, 50)), 1), "ttft_p99_ms": round(float(np.percentile(arr, 99)), 1),
-            "errors": sorted(set(errors))[:3]}
 
 
 class Deployment:
@@ -209,6 +85,23 @@ class Deployment:
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.engines]
+
+    def wait_idle(self, timeout: float = 120) -> None:
+        """Until no engine runs or queues a request (the last router's stragglers do not land in the next one's run)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            busy = 0.0
+            for url in self.urls:
+                for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+                    if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                        busy += sum(x.value for x in family.samples)
+            if busy == 0:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"engines still busy after {timeout} s")
 
     def reset_caches(self) -> None:
         import httpx
@@ -248,14 +141,28 @@ def wait_http(url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} not healthy in {timeout} s")
 
 
+def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A small workload of its own (other texts, other prompts) that each router runs untimed before its timed one."""
+    return argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 2, "seed": args.seed + 99, "stagger_s": 0.0,
+                                 "unique": 2 * args.unique_concurrency})
+
+
 def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Path, workload: str, seed: int) -> dict:
-
-    dep.reset_caches()
     p_urls, d_urls = dep.urls[:2], dep.urls[2:]
-    before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
     extra: dict = {}
+    before_p: list = []
+    before_d: list = []
 
-    def go(url: str) -> dict:
+    def go(url: str, after_warm_up=lambda: None) -> dict:
+        """An untimed warm-up through this router (its connections, its tokenizer, its first events), then, on idle
+        engines with cold prefix caches, the timed run."""
+        nonlocal before_p, before_d
+        warm = warm_up_args(args)
+        asyncio.run(multi_turn(url, warm) if workload == "multi-turn" else unique(url, warm, seed + 5_000))
+        dep.wait_idle()
+        after_warm_up()
+        dep.reset_caches()
+        before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
         if workload == "multi-turn":
             return asyncio.run(multi_turn(url, args))
         return asyncio.run(unique(url, args, seed))
@@ -298,7 +205,6 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
                         break
                     time.sleep(0.2)
                 extra["self_checks"] = checks
-                before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
             row = go(url)
             timings = httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json()
         finally:
@@ -323,22 +229,24 @@ def ratios(rows: list[dict]) -> dict:
         by.setdefault((r["workload"], r["router"]), []).append(r)
     mean = {k: {m: round(float(np.mean([r[m] for r in v])), 3) for m in ("ttft_p50_ms", "ttft_p99_ms", "req_s")} for k, v in by.items()}
     out: dict = {"means": {f"{w}/{r}": v for (w, r), v in mean.items()}}
-    rr = mean.get(("multi-turn", "rr"))
-    vr = mean.get(("multi-turn", "vllm-router"))
+
+    def by_round(w: str, r: str, base: str, metric: str) -> None:
+        """Round by round, against `base` in the same round: the spread says how much of the ratio is the machine."""
+        ref = {x["round"]: x[metric] for x in by.get((w, base), [])}
+        per = [x[metric] / ref[x["round"]] for x in by[(w, r)] if ref.get(x["round"])]
+        if per:
+            out[f"{w} {r} {metric} / {base} by round"] = [round(x, 3) for x in per]
+            out[f"{w} {r} {metric} / {base}, median of rounds"] = round(float(np.median(per)), 3)
+
     for (w, r), v in mean.items():
         if w == "multi-turn" and r.startswith("kv"):
-            if rr:
-                out[f"{r} TTFT p50 / rr"] = round(v["ttft_p50_ms"] / rr["ttft_p50_ms"], 3)
-            if vr:
-                out[f"{r} TTFT p50 / vllm-router"] = round(v["ttft_p50_ms"] / vr["ttft_p50_ms"], 3)
+            for base in ("rr", "vllm-router"):
+                if ("multi-turn", base) in mean:
+                    out[f"{r} TTFT p50 / {base}"] = round(v["ttft_p50_ms"] / mean[("multi-turn", base)]["ttft_p50_ms"], 3)
+                    by_round(w, r, base, "ttft_p50_ms")
         if w == "unique" and r.startswith("kv") and ("unique", "lo") in mean:
             out[f"unique {r} req/s / lo"] = round(v["req_s"] / mean[("unique", "lo")]["req_s"], 3)
-            # Round by round, on the same prompts: the spread says how much of the ratio is the machine.
-            lo = {x["round"]: x["req_s"] for x in by[("unique", "lo")]}
-            per = [x["req_s"] / lo[x["round"]] for x in by[(w, r)] if x["round"] in lo]
-            if per:
-                out[f"unique {r} req/s / lo by round"] = [round(x, 3) for x in per]
-                out[f"unique {r} req/s / lo, median of rounds"] = round(float(np.median(per)), 3)
+            by_round(w, r, "lo", "req_s")
     return out
 
 
@@ -403,10 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         for e in dep.engines:
             e.wait_healthy(400)
         say("engines healthy")
-        warm = argparse.Namespace(**{**vars(args), "conversations": 4, "turns": 2, "seed": args.seed + 99})
-        say(f"warm-up: {run_router(dep, 'rr', warm, logs, 'multi-turn', 0)}")
-        for rnd in range(args.rounds):
-            for router in routers:
+        for rnd in range(args.rounds):  # the routers rotate, so none is always first after another
+            for router in routers[rnd % len(routers):] + routers[:rnd % len(routers)]:
                 row = run_router(dep, router, args, logs, "multi-turn", 0)
                 row["round"] = rnd
                 rows.append(row)
