@@ -4,7 +4,8 @@
 - `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
   transport=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
   free loopback port through pdkv.launch, waits for /health (bounded) and
-  returns it; every engine is stopped by process group when its module ends,
+  returns it; `start_vllm.pair(p_kwargs, d_kwargs)` starts both at once and
+  waits for both (P and D are bound to different cores); every engine is stopped by process group when its module ends,
   so idle engines of earlier modules never pile up in memory. Within a module
   engines are cached by their arguments, so tests asking for the same engine
   share it (vLLM start-up is about a minute on two cores).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,13 +50,39 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture(scope="module")
-def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ManagedProcess]]:
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    cache: dict[tuple, ManagedProcess] = {}
-    started: list[ManagedProcess] = []
+class EngineFactory:
+    """`start_vllm`'s value: call it for one engine (started, healthy, cached by its arguments), or `pair(...)` for
+    several started at once and waited for together (a P on core 0 and a D on core 1 come up in the time of one)."""
 
-    def start(
+    def __init__(self, tiny_model: Path, logs: Path) -> None:
+        self.tiny_model, self.logs = tiny_model, logs
+        self.cache: dict[tuple, ManagedProcess] = {}
+        self.started: list[ManagedProcess] = []
+
+    def __call__(self, **kwargs) -> ManagedProcess:
+        (engine,) = self.pair(kwargs)
+        return engine
+
+    def pair(self, *many: dict) -> tuple[ManagedProcess, ...]:
+        keys = [_key(**kw) for kw in many]
+        fresh = []
+        for key, kw in zip(keys, many, strict=True):
+            engine = self.cache.get(key)
+            if engine is None or engine.poll() is not None:
+                self.cache[key] = engine = self._launch(**kw)
+                fresh.append((key, engine))
+        try:
+            for _, engine in fresh:
+                engine.wait_healthy(START_TIMEOUT_S)
+        except BaseException:
+            for key, engine in fresh:
+                engine.stop()
+                self.cache.pop(key, None)
+            raise
+        return tuple(self.cache[key] for key in keys)
+
+    def _launch(
+        self,
         *,
         role: str = "none",
         connector: str = "pdkv",
@@ -71,16 +98,11 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         load_failure: str | None = None,
         kv_events_port: int | None = None,
     ) -> ManagedProcess:
-        key = (role, connector, omp_bind, bootstrap_port, bootstrap_url, tuple(sorted((env or {}).items())), extra_args,
-               cpu_accelerator_shim, name, model, transport, load_failure, kv_events_port)
-        engine = cache.get(key)
-        if engine is not None and engine.poll() is None:
-            return engine
         extra_env = dict(env or {})
         if cpu_accelerator_shim:
             extra_env = _with_shim(extra_env)
         spec = EngineSpec(
-            model=str(model or tiny_model),
+            model=str(model or self.tiny_model),
             host="127.0.0.1",
             port=free_port(),
             role=role,  # type: ignore[arg-type]
@@ -98,26 +120,31 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             load_failure=load_failure,  # type: ignore[arg-type]
             kv_events_port=kv_events_port,
         )
-        label = name or f"{role}-{connector}-{len(started)}"
-        engine = ManagedProcess(engine_plan(spec, name=label), logs / f"{label}.log")
+        label = name or f"{role}-{connector}-{len(self.started)}"
+        engine = ManagedProcess(engine_plan(spec, name=label), self.logs / f"{label}.log")
         engine.start()
-        started.append(engine)
+        self.started.append(engine)
         _ENGINES.append(engine)
-        try:
-            engine.wait_healthy(START_TIMEOUT_S)
-        except BaseException:
-            engine.stop()
-            raise
-        cache[key] = engine
         return engine
 
-    try:
-        yield start
-    finally:
-        for engine in reversed(started):
+    def stop_all(self) -> None:
+        for engine in reversed(self.started):
             engine.stop(grace=15)
             if engine in _ENGINES:
                 _ENGINES.remove(engine)
+
+
+def _key(**kw) -> tuple:
+    return tuple(sorted((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in kw.items()))
+
+
+@pytest.fixture(scope="module")
+def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFactory]:
+    factory = EngineFactory(tiny_model, tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -66,9 +66,10 @@ def completion(url: str, body: dict, request_id: str) -> dict:
 
 def test_vllm_mooncake_connector_registers_and_resolves_through_pdkv_bootstrap(start_vllm, tiny_model, standalone_bootstrap):
     bootstrap = standalone_bootstrap
-    prefill = start_vllm(
-        role="prefill", connector="mooncake", bootstrap_url=bootstrap, omp_bind="0",
-        cpu_accelerator_shim=True, name="bootstrap-e2e-prefill",
+    prefill, decode = start_vllm.pair(
+        dict(role="prefill", connector="mooncake", bootstrap_url=bootstrap, omp_bind="0", cpu_accelerator_shim=True,
+             name="bootstrap-e2e-prefill"),
+        dict(role="decode", connector="mooncake", omp_bind="1", cpu_accelerator_shim=True, name="bootstrap-e2e-decode"),
     )
     # P's worker registered before vLLM reported healthy (register_kv_caches waits for it).
     registry = httpx.get(f"{bootstrap}/query", timeout=5).json()
@@ -78,9 +79,6 @@ def test_vllm_mooncake_connector_registers_and_resolves_through_pdkv_bootstrap(s
     assert set(registry["0"]["worker_addr"]) == {"0"} and side_channel.startswith("tcp://127.0.0.1:")
     assert metric(bootstrap, 'pdkv_bootstrap_registrations_total{result="created"}') == 1
 
-    decode = start_vllm(
-        role="decode", connector="mooncake", omp_bind="1", cpu_accelerator_shim=True, name="bootstrap-e2e-decode",
-    )
     queries_before = metric(bootstrap, "pdkv_bootstrap_queries_total")
     model = str(tiny_model)
     prompt = "Prefill the cache block and send every token to decode"

@@ -45,8 +45,10 @@ def same(a: tuple[list[str], list[float]], b: tuple[list[str], list[float]]) -> 
 def test_kv_aware_answers_equal_p_alone_on_pd_and_on_d_alone(start_vllm, tiny_model):
     model = str(tiny_model)
     bport, p_events, d_events = free_port_pair(), free_port_pair(), free_port_pair()
-    prefill = start_vllm(role="prefill", transport="cma", omp_bind="0", bootstrap_port=bport, kv_events_port=p_events, name="kv-prefill")
-    decode = start_vllm(role="decode", transport="cma", omp_bind="1", kv_events_port=d_events, name="kv-decode")
+    prefill, decode = start_vllm.pair(
+        dict(role="prefill", transport="cma", omp_bind="0", bootstrap_port=bport, kv_events_port=p_events, name="kv-prefill"),
+        dict(role="decode", transport="cma", omp_bind="1", kv_events_port=d_events, name="kv-decode"),
+    )
     events = [f"{prefill.url}=tcp://127.0.0.1:{p_events}", f"{decode.url}=tcp://127.0.0.1:{d_events}"]
     cfg = build_config([f"{prefill.url},{bport}"], [decode.url], port=0, policy="kv-aware", health_interval=0.5,
                        kv={"events": events, "local_prefill_tokens": 128})

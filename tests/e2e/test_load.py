@@ -8,7 +8,13 @@ greedy answer must equal the one P alone gives for the same prompt (KV
 written into another request's blocks shows up as a different answer).
 Afterwards both engines' KV cache usage must be back to 0 within 10 s,
 also after a third of the streams were cut at random points and after a
-storm of 200 client disconnects.
+storm of 200 client disconnects. On the same deployments, one request of each
+kind: the proxy is ready once P's bootstrap names an engine; streaming and
+non-streaming completions and chat completions come back from D with the
+requested number of tokens; per-request timings are recorded; and a client
+request whose stop_token_ids hold P's own greedy token answers at once (P's
+copy drops them and carries min_tokens 1, so P finishes by length and sends
+its KV instead of leaving D waiting 480 s).
 """
 
 from __future__ import annotations
@@ -64,10 +70,12 @@ def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
     connector, protocol = DEPLOYMENTS[request.param]
     shim = connector == "mooncake"
     bootstrap_port = free_port()
-    prefill = start_vllm(role="prefill", connector=connector, transport=protocol, omp_bind="0", bootstrap_port=bootstrap_port,
-                         cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}")
-    decode = start_vllm(role="decode", connector=connector, transport=protocol, omp_bind="1", cpu_accelerator_shim=shim,
-                        name=f"load-decode-{request.param}")
+    prefill, decode = start_vllm.pair(
+        dict(role="prefill", connector=connector, transport=protocol, omp_bind="0", bootstrap_port=bootstrap_port,
+             cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}"),
+        dict(role="decode", connector=connector, transport=protocol, omp_bind="1", cpu_accelerator_shim=shim,
+             name=f"load-decode-{request.param}"),
+    )
     model = str(tiny_model)
     # P alone: the same engine asked directly, as a plain request (no kv_transfer_params), top two logprobs for ties.
     refs = [Case(e, p, stream=False) for e in ENDPOINTS for p in PROMPTS]
@@ -179,3 +187,54 @@ def test_n_2_gives_two_choices_from_one_prefill(deployment, endpoint):
     assert _choices(r) == _choices(alone) and len(_choices(r)) == 2
     assert all(len(tokens) == 8 for tokens in _choices(r).values())
     assert_no_blocks_held(deployment)
+
+
+def _greedy_token_id(prefill_url: str, model: str, prompt: str) -> int:
+    """P's own first greedy token for `prompt`, asked of P directly as a plain (non-P/D) request."""
+    r = httpx.post(f"{prefill_url}/v1/completions", timeout=120, trust_env=False, json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True,
+    })
+    r.raise_for_status()
+    return int(r.json()["choices"][0]["logprobs"]["tokens"][0].split(":", 1)[1])
+
+
+def test_each_kind_of_request_is_served_and_a_stop_token_never_hangs(deployment):
+    prompt, d_tokens, model = "The proxy sends the prompt to prefill and the rest to decode", 8, deployment.model
+    with httpx.Client(base_url=deployment.proxy_url, timeout=120, trust_env=False) as c:
+        engines = c.get("/health").json()["backends"][0]["engines"]
+        assert engines and all(engines.values())
+
+        body = {"model": model, "prompt": prompt, "max_tokens": d_tokens, "temperature": 0, "ignore_eos": True}
+        plain = c.post("/v1/completions", json=body, headers={"X-Request-Id": f"e2e-plain-{deployment.name}"})
+        assert plain.status_code == 200, plain.text
+        assert plain.json()["usage"]["completion_tokens"] == d_tokens
+
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            text = "".join(r.iter_text())
+        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) >= 2
+        assert all('"error"' not in e for e in events)
+
+        chat = c.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": prompt}], "max_completion_tokens": 4, "temperature": 0,
+        })
+        assert chat.status_code == 200, chat.text
+
+        # The known hang: P's only token is a stop token. Through pdkv it must not wait 480 s.
+        stop_id = _greedy_token_id(deployment.prefill.url, model, prompt)
+        start = time.monotonic()
+        stopped = c.post("/v1/completions", json={**body, "ignore_eos": False, "stop_token_ids": [stop_id], "stop": ["\n\n"]},
+                         headers={"X-Request-Id": f"e2e-stop-{deployment.name}"})
+        elapsed = time.monotonic() - start
+        assert stopped.status_code == 200, stopped.text
+        assert elapsed < 60, f"a stop-token request took {elapsed:.0f} s: D waited for KV"
+
+        timing = c.get(f"/pdkv/requests/e2e-plain-{deployment.name}").json()
+        assert timing["status"] == 200 and timing["prefill_status"] == 200
+        assert timing["received"] <= timing["prefill_responded"] <= timing["last_byte"]
+        stop_tid = c.get(f"/pdkv/requests/e2e-stop-{deployment.name}").json()["transfer_id"]
+        assert c.get(f"/pdkv/requests/{stop_tid}").json()["status"] == 200
+        metrics = c.get("/metrics").text
+        assert 'pdkv_proxy_requests_total{status="200"}' in metrics
+        assert "pdkv_proxy_prefill_seconds_count" in metrics

@@ -65,13 +65,24 @@ class Engines:
         self.bootstrap: dict[str, int] = {}
         self.alone: dict[str, Answer] = {}
 
-    def prefill(self, protocol: str) -> ManagedProcess:
+    def _prefill_args(self, protocol: str) -> dict:
         port = self.bootstrap.setdefault(protocol, free_port())
-        return self.start_vllm(role="prefill", transport=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
+        return dict(role="prefill", transport=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
+
+    @staticmethod
+    def _decode_args(protocol: str, load_failure: str | None = None) -> dict:
+        extra = {"load_failure": load_failure} if load_failure else {}
+        return dict(role="decode", transport=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
+
+    def prefill(self, protocol: str) -> ManagedProcess:
+        return self.start_vllm(**self._prefill_args(protocol))
 
     def decode(self, protocol: str, load_failure: str | None = None) -> ManagedProcess:
-        extra = {"load_failure": load_failure} if load_failure else {}
-        return self.start_vllm(role="decode", transport=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
+        return self.start_vllm(**self._decode_args(protocol, load_failure))
+
+    def pair(self, p_protocol: str, d_protocol: str) -> tuple[ManagedProcess, ManagedProcess]:
+        """A P and a D started at once (different cores), as the tests below ask for them."""
+        return self.start_vllm.pair(self._prefill_args(p_protocol), self._decode_args(d_protocol))
 
     @contextmanager
     def proxy(self, p_protocol: str, decode: ManagedProcess, **config) -> Iterator[str]:
@@ -103,7 +114,8 @@ class Engines:
 @pytest.fixture(scope="module")
 def engines(start_vllm, tiny_model) -> Engines:
     e = Engines(start_vllm, str(tiny_model))
-    e.reference(e.prefill("tcp"))
+    p, _ = e.pair("tcp", "cma")
+    e.reference(p)
     return e
 
 
@@ -137,6 +149,7 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
 
 @pytest.mark.parametrize("protocol", ["cma", "tcp"])
 def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, protocol: str):
+    engines.pair(protocol, protocol)
     d = engines.decode(protocol)
     with engines.proxy(protocol, d) as url:
         p = engines.prefill(protocol)
