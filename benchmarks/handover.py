@@ -2,7 +2,7 @@
 
 The handover is what P/D disaggregation adds to a request's first token:
 P's next scheduler step, the KV transfer, D noticing, and D's one-token
-forward (seed steps 23-39). Measured side by side in one run for pdkv's
+forward (steps 23-39). Measured side by side in one run for pdkv's
 connector and vLLM's own MooncakeConnector (behind the test-only CPU shim
 in tests/shims/cpu_accelerator), each as a 1P1D pair on the tiny model,
 P's processes bound to core 0 and D's to core 1, prefix caching off (so P

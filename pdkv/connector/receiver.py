@@ -1,4 +1,4 @@
-"""D's worker side (seed steps 5, 19-21, 34-35): ask P to write a request's KV into D's blocks.
+"""D's worker side (steps 5, 19-21, 34-35): ask P to write a request's KV into D's blocks.
 
 `KVReceiver.apply_step` (model runner's thread) starts pulls and aborts;
 `take_results` (step 35) returns the finished and the failed ones. The

@@ -1,4 +1,4 @@
-"""Scheduler-side hooks (seed steps 11-13, 16-18, 23, 33, 36-37), without importing vLLM.
+"""Scheduler-side hooks (steps 11-13, 16-18, 23, 33, 36-37), without importing vLLM.
 
 `ConnectorScheduler` reads duck-typed vLLM Request / KVCacheBlocks objects
 and produces one `StepMeta` per scheduler step for the workers.

@@ -1,4 +1,4 @@
-"""P's worker side (seed steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
+"""P's worker side (steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
 
 `KVSender` owns the side-channel server, the SendTable and the writes. The
 model runner's thread calls `apply_step` (scheduler metadata) and

@@ -1,4 +1,4 @@
-"""Worker-side hooks (seed steps 1-5, 14, 19, 32, 35): KV tensors in, sender or receiver running.
+"""Worker-side hooks (steps 1-5, 14, 19, 32, 35): KV tensors in, sender or receiver running.
 
 `ConnectorWorker` needs only numbers from vLLM (ranks, block count, the
 KV tensors), so the vLLM-facing class stays a thin shell around it.

@@ -242,7 +242,7 @@ def local_deployment(
             host_ip="127.0.0.1",
             block_size=CPU_BLOCK_MULTIPLE,
             max_model_len=2048,
-            bootstrap=BootstrapEntry(mode="standalone", port=8998),
+            bootstrap=BootstrapEntry(mode="standalone", port=DEFAULT_BOOTSTRAP_PORT),
             prefill=[EngineEntry(port=8100, omp_bind="0")],
             decode=[EngineEntry(port=8200, omp_bind="1")],
             proxy=ProxyEntry(port=proxy_port),
@@ -259,7 +259,7 @@ def local_deployment(
         platform="gpu",
         host="127.0.0.1",
         host_ip="127.0.0.1",
-        bootstrap=BootstrapEntry(mode="standalone", port=8998),
+        bootstrap=BootstrapEntry(mode="standalone", port=DEFAULT_BOOTSTRAP_PORT),
         # ipc: each engine sees both GPUs, its own first (P opens D's memory and copies on D's GPU).
         prefill=[EngineEntry(port=8100, gpu="0,1" if transport == "ipc" and gpus > 1 else "0", extra_args=share)],
         decode=[EngineEntry(port=8200, gpu=("1,0" if transport == "ipc" else "1") if gpus > 1 else "0", extra_args=share)],

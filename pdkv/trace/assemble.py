@@ -53,7 +53,7 @@ from pdkv.trace.model import (
     TransferFacts,
 )
 
-# name -> (seed steps, lane, what happens). Connector event names are pdkv.connector.timing's.
+# name -> (steps, lane, what happens). Connector event names are pdkv.connector.timing's.
 EVENTS: dict[str, tuple[str, Lane, str]] = {
     "client_sent": ("8", "client", "client sends the request"),
     "received": ("8", "proxy", "proxy receives the request"),

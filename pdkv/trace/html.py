@@ -128,7 +128,7 @@ def timeline_svg(trace: Trace) -> str:
             ea, eb = at[a], at[b]
             out.append(f'<line x1="{sc.x(ea.t_ms):.1f}" y1="{_lane_y(ea.lane, top)}" x2="{sc.x(eb.t_ms):.1f}" y2="{_lane_y(eb.lane, top)}" '
                        f'stroke="#444" stroke-width="1.3" marker-end="url(#arr)"/>')
-    # Event dots with their seed step; labels go to the lowest free row above the lane line.
+    # Event dots with their step; labels go to the lowest free row above the lane line.
     rows: dict[str, list[list[tuple[float, float]]]] = {lane: [[] for _ in range(LABEL_ROWS)] for lane in LANES}
     for e in sorted(trace.events, key=lambda ev: ev.at):
         if e.t_ms > end_ms + pad:
@@ -182,7 +182,7 @@ def _phase_table(trace: Trace) -> str:
     total = sum(p.ms for p in trace.phases)
     rows.append(f'<tr><th>sum</th><th></th><th class="n">{total:.2f}</th><th class="n">100%</th><th></th>'
                 f'<th>TTFT at the proxy {_ms(trace.proxy_ttft_ms)} ms; at the client {_ms(trace.client_ttft_ms)} ms</th></tr>')
-    return ("<table><tr><th>phase</th><th>seed steps</th><th>ms</th><th>share</th><th></th><th>clock</th></tr>"
+    return ("<table><tr><th>phase</th><th>steps</th><th>ms</th><th>share</th><th></th><th>clock</th></tr>"
             + "".join(rows) + "</table>")
 
 
@@ -201,7 +201,7 @@ def _transfer_table(trace: Trace) -> str:
 def _events_table(trace: Trace) -> str:
     rows = "".join(f"<tr><td>{escape(e.step)}</td><td>{escape(LANE_NAMES[e.lane])}</td><td>{escape(e.name)}</td>"
                    f"<td>{escape(e.what)}</td><td class='n'>{e.t_ms:,.3f}</td></tr>" for e in trace.events)
-    return ("<table><tr><th>seed step</th><th>where</th><th>event</th><th>what happens</th><th>ms since the proxy received it</th></tr>"
+    return ("<table><tr><th>step</th><th>where</th><th>event</th><th>what happens</th><th>ms since the proxy received it</th></tr>"
             + rows + "</table>")
 
 
@@ -210,7 +210,7 @@ def _summary_table(summary: TraceSummary) -> str:
     body = "".join(f"<tr><td>{escape(s.name)}</td><td>{escape(s.steps)}</td><td class='n'>{s.p50_ms:.2f}</td>"
                    f"<td class='n'>{s.p90_ms:.2f}</td><td class='n'>{s.min_ms:.2f}</td><td class='n'>{s.max_ms:.2f}</td>"
                    f"<td class='n'>{s.n}</td></tr>" for s in rows)
-    return (f"<h2>Over {summary.runs} requests</h2><table><tr><th>phase</th><th>seed steps</th><th>p50 ms</th><th>p90 ms</th>"
+    return (f"<h2>Over {summary.runs} requests</h2><table><tr><th>phase</th><th>steps</th><th>p50 ms</th><th>p90 ms</th>"
             f"<th>min</th><th>max</th><th>n</th></tr>{body}</table>")
 
 

@@ -115,7 +115,7 @@ def test_events_are_in_time_order_with_seed_steps() -> None:
     assert steps["transfer_start"] == ("28", "P")
     assert steps["notified"] == ("34", "D")
     assert steps["client_done"] == ("43", "client")
-    assert "concluded" not in steps  # connector bookkeeping, not a seed step
+    assert "concluded" not in steps  # connector bookkeeping, not a step
     assert t.events[0].name == "client_sent" and t.events[0].t_ms == near(rel(REAL_CLIENT["sent"]))
 
 
