@@ -10,7 +10,7 @@ length, by EOS or by a stop token. A P request that ends any other way
 cancelled, which answers D's pull with an error at once.
 
 P does not wait for that finish to start sending: a one-token P request
-(the proxy's kind) is announced to the workers as `computed` in the step
+(the proxy's kind) is announced to the workers as `prompt_done` in the step
 whose forward completes its prompt, so the worker starts the write right
 after that forward, while P still samples its token. Such a request's
 blocks stay held after it finishes, whatever its status, until the
@@ -42,7 +42,7 @@ class StepMeta:
     registered: dict[str, str] = field(default_factory=dict)  # P: p_req_id -> transfer_id
     bindings: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> commitment to its D's binding secret
     fanout: dict[str, int] = field(default_factory=dict)  # P: transfer_id -> D requests pulling it, where more than one
-    computed: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: prompt complete after this step's forward
+    prompt_done: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: prompt complete after this step's forward
     ready: dict[str, tuple[str, list[int]]] = field(default_factory=dict)  # P: p_req_id -> (transfer_id, blocks)
     ready_at: dict[str, float] = field(default_factory=dict)  # P: p_req_id -> unix time the scheduler saw it finish (step 23)
     cancelled: dict[str, str] = field(default_factory=dict)  # P: transfer_id -> reason
@@ -55,7 +55,7 @@ class StepMeta:
 
     def empty(self) -> bool:
         return not (
-            self.registered or self.bindings or self.computed or self.ready or self.cancelled or self.pulls or self.aborts
+            self.registered or self.bindings or self.prompt_done or self.ready or self.cancelled or self.pulls or self.aborts
             or self.releases or self.first_tokens
         )
 
@@ -208,7 +208,7 @@ class ConnectorScheduler:
             return False, None
         status = _status_name(request)
         prompt_done = request.num_computed_tokens >= request.num_prompt_tokens
-        # A request announced as computed may be mid-send: it keeps its blocks whatever ended it.
+        # A request announced as prompt_done may be mid-send: it keeps its blocks whatever ended it.
         if (status in SENDABLE_FINISHES or (pre is not None and pre.early)) and prompt_done and block_ids:
             wanted = blocks_for(request.num_prompt_tokens, self.block_size)
             self._next.ready[rid] = (tid, list(block_ids[:wanted]))
@@ -236,7 +236,7 @@ class ConnectorScheduler:
         meta.idle = getattr(output, "total_num_scheduled_tokens", None) == 0
         num_scheduled_tokens = getattr(output, "num_scheduled_tokens", None)
         if self._prefills and num_scheduled_tokens:
-            self._announce_computed(output, num_scheduled_tokens, meta)
+            self._announce_prompt_done(output, num_scheduled_tokens, meta)
         if self._arrived and num_scheduled_tokens:
             now = time.time()
             for rid in [r for r in self._arrived if r in num_scheduled_tokens]:
@@ -244,7 +244,7 @@ class ConnectorScheduler:
                 self._arrived.discard(rid)
         return meta
 
-    def _announce_computed(self, output: Any, scheduled: dict[str, int], meta: StepMeta) -> None:
+    def _announce_prompt_done(self, output: Any, scheduled: dict[str, int], meta: StepMeta) -> None:
         """Track P requests' blocks from this step's output; announce those whose prompt this step completes."""
         for new in getattr(output, "scheduled_new_reqs", None) or ():
             pre = self._prefills.get(new.req_id)
@@ -270,7 +270,7 @@ class ConnectorScheduler:
             if len(pre.blocks) < wanted:
                 continue
             pre.early = True
-            meta.computed[rid] = (pre.transfer_id, pre.blocks[:wanted])
+            meta.prompt_done[rid] = (pre.transfer_id, pre.blocks[:wanted])
 
     def has_pending_push_work(self) -> bool:
         """True while news for the workers waits: keeps an idle engine stepping so it gets delivered."""

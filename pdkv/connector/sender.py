@@ -81,7 +81,7 @@ class KVSender:
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
         self.table = SendTable(limits)
-        # The table is the loop thread's, except for `computed` on the model runner's thread.
+        # The table is the loop thread's, except for `prompt_done` on the model runner's thread.
         self._table_lock = threading.RLock()
         self.wait_write_s = wait_write_s
         self.heartbeat_s = heartbeat_s
@@ -132,7 +132,7 @@ class KVSender:
                 dict(fanout or {}),
             )
 
-    def computed(self, items: dict[str, tuple[str, list[int]]], fence: Any = None) -> None:
+    def prompt_done(self, items: dict[str, tuple[str, list[int]]], fence: Any = None) -> None:
         """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
         is an event the KV writes wait for (the forward may still run on the GPU).
 
@@ -149,7 +149,7 @@ class KVSender:
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
                 if fence is not None:
                     self._fences[tid] = fence
-                for a in self.table.computed(tid, p_req_id, blocks, now):
+                for a in self.table.prompt_done(tid, p_req_id, blocks, now):
                     if isinstance(a, StartSend):
                         sends.append(self._start_send(a))
                     else:

@@ -5,13 +5,13 @@ keeps a request from hanging is a unit test.
 
 P side (`SendTable`, keyed by transfer_id, the only id D knows):
 
-    (pull first) UNSEEN --registered--> RUNNING --computed/ready--> READY --pull--> SENDING --the last write ends--> CLOSED
+    (pull first) UNSEEN --registered--> RUNNING --prompt_done/ready--> READY --pull--> SENDING --the last write ends--> CLOSED
     SENDING --a write ends, more D requests to come (n > 1)--> READY
     READY --expiry passes, or every D request released it--> CLOSED (blocks freed)
     UNSEEN --unknown_wait passes--> CLOSED (ERROR: P never saw it)
     any phase but SENDING --cancelled--> CLOSED (a parked pull gets ERROR now)
 
-`computed` comes from the worker right after the forward that completed
+`prompt_done` comes from the worker right after the forward that completed
 the prompt, while P's scheduler still holds the request (it samples P's
 one token next): the KV may be sent from then on, but the blocks belong
 to the scheduler until `ready` (the request finished), so every Free of
@@ -162,7 +162,7 @@ class SendTable:
             return []
         if e.phase is not Phase.UNSEEN:
             if e.phase is not Phase.CLOSED and e.p_req_id == p_req_id:
-                e.expected = pulls  # `computed` came first (it runs on the model runner's thread)
+                e.expected = pulls  # `prompt_done` came first (it runs on the model runner's thread)
             return []
         e.phase, e.p_req_id, e.deadline, e.expected = Phase.RUNNING, p_req_id, None, pulls
         refused = self._sift(e)
@@ -190,7 +190,7 @@ class SendTable:
         e.deadline = now + self.limits.expiry_s if e.phase is Phase.READY and not e.held else None
         return starts
 
-    def computed(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
+    def prompt_done(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
         """The forward that completed P's prompt ran: its KV in `blocks` may be sent before the request finishes."""
         e = self.entries.get(transfer_id)
         if e is None:

@@ -172,7 +172,7 @@ class PdkvConnector(KVConnectorBase_V1):
         # worker then waits up to wait_write_ms for those writes; on GPUs it never blocks).
         assert self._worker is not None
         meta = self._connector_metadata
-        if isinstance(meta, PdkvConnectorMetadata) and meta.step.computed:
+        if isinstance(meta, PdkvConnectorMetadata) and meta.step.prompt_done:
             self._worker.forward_done(meta.step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -173,9 +173,9 @@ class ConnectorWorker:
 
         On a GPU the forward may still be running: the write waits on an event recorded here and this
         returns at once. With the KV in host memory this waits up to wait_write_ms for those writes."""
-        if self.sender is None or not meta.computed:
+        if self.sender is None or not meta.prompt_done:
             return
-        self.sender.computed(meta.computed, self._fence())
+        self.sender.prompt_done(meta.prompt_done, self._fence())
 
     def _fence(self) -> Any:
         if not self._on_gpu:

@@ -96,7 +96,7 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
                         src.copy_(final)
                         fence = torch.cuda.Event()
                         fence.record()
-                    sender.computed({"p1": ("x1", p_blocks)}, fence)
+                    sender.prompt_done({"p1": ("x1", p_blocks)}, fence)
                     time.sleep(0.5)
                     assert "p1" not in sender.take_finished()  # not freed before P's request finishes
                     sender.apply_step(ready={"p1": ("x1", p_blocks)})

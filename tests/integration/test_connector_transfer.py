@@ -158,7 +158,7 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     pair.sender.apply_step(registered={"p1": "x1"})
     time.sleep(0.2)  # D's pull is parked at P
-    pair.sender.computed({"p1": ("x1", [2, 3])})  # the forward that completed P's prompt just ran
+    pair.sender.prompt_done({"p1": ("x1", [2, 3])})  # the forward that completed P's prompt just ran
     if wait_write_s:
         # The model runner's thread stepped aside until the write was done and D told.
         assert "reply_sent" in pair.sender.trace.get("x1").events
@@ -196,7 +196,7 @@ def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):
     pair.sender.apply_step(registered={"p1": "x1"})
     time.sleep(0.2)
     start = time.monotonic()
-    threading.Timer(0.3, pair.sender.computed, args=({"p1": ("x1", [1])},)).start()
+    threading.Timer(0.3, pair.sender.prompt_done, args=({"p1": ("x1", [1])},)).start()
     pair.receiver.wait_results(5.0)
     assert 0.25 < time.monotonic() - start < 2.0  # woke by the DONE, well before the bound
     assert pair.receiver.take_results().finished == {"d1"}

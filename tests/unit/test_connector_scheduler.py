@@ -118,9 +118,9 @@ def test_one_token_p_request_is_announced_computed_in_the_step_that_completes_it
     r.num_computed_tokens = 64
     # The last chunk brings blocks 7, 8: the forward of this step completes the prompt.
     meta = s.build_meta(Out({"p1": 36}, scheduled_cached_reqs=Cached(["p1"], [([7, 8],)])))
-    assert meta.computed == {"p1": ("xfer-1", [5, 6, 7, 8])}
+    assert meta.prompt_done == {"p1": ("xfer-1", [5, 6, 7, 8])}
     r.num_computed_tokens = 100
-    assert s.build_meta(Out({"p1": 1})).computed == {}  # announced once
+    assert s.build_meta(Out({"p1": 1})).prompt_done == {}  # announced once
     # Announced requests keep their blocks after they finish, even aborted: a write may be reading them.
     r.status = Status.FINISHED_ABORTED
     assert s.request_finished(r, [5, 6, 7, 8]) == (True, None)
@@ -134,7 +134,7 @@ def test_resumed_p_request_replaces_its_blocks():
     s.build_meta(Out({"p1": 32}, [NewReq("p1", ([1],))]))
     r.num_computed_tokens = 0  # preempted, then resumed on new blocks
     meta = s.build_meta(Out({"p1": 64}, scheduled_cached_reqs=Cached(["p1"], [([8, 9],)], {"p1"})))
-    assert meta.computed == {"p1": ("xfer-1", [8, 9])}
+    assert meta.prompt_done == {"p1": ("xfer-1", [8, 9])}
 
 
 @pytest.mark.parametrize("max_tokens", [None, 2, 16])
@@ -143,7 +143,7 @@ def test_p_request_that_may_outlive_its_prompt_is_not_announced_early(max_tokens
     s = producer()
     r = p_req(64, max_tokens=max_tokens)
     s.update_state_after_alloc(r, Blocks([1, 2]), 0)
-    assert s.build_meta(Out({"p1": 64}, [NewReq("p1", ([1, 2],))])).computed == {}
+    assert s.build_meta(Out({"p1": 64}, [NewReq("p1", ([1, 2],))])).prompt_done == {}
     r.status, r.num_computed_tokens = Status.FINISHED_ABORTED, 64
     assert s.request_finished(r, [1, 2]) == (False, None)
 

@@ -124,7 +124,7 @@ def test_computed_sends_before_the_request_finishes_and_frees_only_after():
     t = table()
     t.registered("x", "p1", 0.0)
     t.pull("x", "pull", 0.1)
-    [a] = t.computed("x", "p1", [3, 4], 0.2)
+    [a] = t.prompt_done("x", "p1", [3, 4], 0.2)
     assert a == StartSend("x", "p1", [3, 4], "pull")
     # The write ends before P's scheduler has finished the request: its blocks are not ours to free yet.
     assert t.send_finished("x", None, 0.3) == []
@@ -134,7 +134,7 @@ def test_computed_sends_before_the_request_finishes_and_frees_only_after():
 
 def test_computed_then_ready_then_pull_sends_once():
     t = table()
-    assert t.computed("x", "p1", [3], 0.0) == []
+    assert t.prompt_done("x", "p1", [3], 0.0) == []
     assert t.tick(100.0) == []  # no expiry while the scheduler still holds the request
     assert t.ready("x", "p1", [3], 100.0) == []
     [a] = t.pull("x", "pull", 101.0)
@@ -144,7 +144,7 @@ def test_computed_then_ready_then_pull_sends_once():
 
 def test_computed_blocks_expire_from_the_finish_not_the_forward():
     t = table()
-    t.computed("x", "p1", [3], 0.0)
+    t.prompt_done("x", "p1", [3], 0.0)
     t.ready("x", "p1", [3], 50.0)
     assert t.tick(54.9) == []
     assert t.tick(55.0) == [Free("x", "p1", "expired")]
@@ -152,12 +152,12 @@ def test_computed_blocks_expire_from_the_finish_not_the_forward():
 
 def test_release_or_failure_of_a_computed_transfer_frees_at_the_finish():
     t = table()
-    t.computed("x", "p1", [3], 0.0)
+    t.prompt_done("x", "p1", [3], 0.0)
     assert t.released("x", 0.1) == []
     assert t.ready("x", "p1", [3], 0.2) == [Free("x", "p1", "released")]
     t2 = table()
     t2.pull("y", "pull", 0.0)
-    t2.computed("y", "p2", [1], 0.1)
+    t2.prompt_done("y", "p2", [1], 0.1)
     assert t2.send_finished("y", "peer gone", 0.2) == []
     assert t2.ready("y", "p2", [1], 0.3) == [Free("y", "p2", "failed")]
 
@@ -167,7 +167,7 @@ def test_computed_for_a_used_transfer_id_waits_for_the_finish_to_free():
     t.ready("x", "p1", [1], 0.0)
     t.pull("x", "pull", 0.1)
     t.send_finished("x", None, 0.2)
-    assert t.computed("x", "p9", [4], 0.3) == []
+    assert t.prompt_done("x", "p9", [4], 0.3) == []
     assert t.ready("x", "p9", [4], 0.4) == [Free("x", "p9", "duplicate")]
 
 
@@ -239,7 +239,7 @@ def test_pulls_before_registration_are_parked_then_trimmed_to_n():
         assert t.pull("x", p, 0.0) == []
     [extra] = t.registered("x", "p1", 0.1, pulls=2)
     assert isinstance(extra, Reply) and extra.pull is pulls[2]
-    starts = t.computed("x", "p1", [7], 0.2)
+    starts = t.prompt_done("x", "p1", [7], 0.2)
     assert [s.pull for s in starts] == pulls[:2]
 
 
@@ -267,7 +267,7 @@ def test_a_release_from_the_d_request_being_written_is_settled_by_the_write():
 def test_computed_before_registration_learns_n_from_it():
     # `computed` runs on the model runner's thread and may overtake `registered` on the sender loop.
     t = table()
-    assert t.computed("x", "p1", [2], 0.0) == []
+    assert t.prompt_done("x", "p1", [2], 0.0) == []
     t.registered("x", "p1", 0.0, pulls=2)
     t.ready("x", "p1", [2], 0.1)
     t.pull("x", _Pull("0_d"), 0.2)
