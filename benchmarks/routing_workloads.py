@@ -13,18 +13,28 @@ import numpy as np
 SERVED = "tiny"
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port(pair: bool = False) -> int:
-    for _ in range(100):
+    """A loopback port free now and never handed out before by this process (`pair`: it and the next one).
+
+    The engines start together and bind their ports tens of seconds after all were picked: a port the kernel
+    still calls free may already be another engine's."""
+    for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
+        ports = (port, port + 1) if pair else (port,)
+        if _GIVEN.intersection(ports):
+            continue
+        if pair:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        _GIVEN.update(ports)
         return port
     raise RuntimeError("no free port")
 

@@ -18,23 +18,17 @@ the machine: two cores hold one P/D pair at a time.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from ports import free_port  # noqa: F401 - tests import it from here too
 
 SHIMS = Path(__file__).resolve().parents[1] / "shims"
 START_TIMEOUT_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))
 _ENGINES: list[ManagedProcess] = []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _with_shim(env: dict[str, str]) -> dict[str, str]:

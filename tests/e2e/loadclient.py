@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from ports import free_port  # noqa: F401 - the load and recompute suites import it from here
 
 MAX_TOKENS = 8
 TIE_LOGPROB = 1e-3  # top-two logprobs closer than this are a tie: batch order may pick either
@@ -149,12 +150,6 @@ def same_greedy_answer(got: Answer, want: Answer) -> str | None:
     if not got.cancelled and len(got.tokens) != len(want.tokens):
         return f"{len(got.tokens)} tokens, P alone {len(want.tokens)}"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_usage(url: str) -> float:

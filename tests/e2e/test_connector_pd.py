@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+
+from ports import free_port
 
 from pdkv.geometry import geometry_from_model, plan_transfer
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
@@ -39,10 +40,6 @@ START_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))
 PDKV_EXTRA = {"unknown_wait_s": 4, "expiry_s": 20, "liveness_s": 5, "heartbeat_s": 0.5}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:

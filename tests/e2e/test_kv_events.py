@@ -11,12 +11,13 @@ engine's next step) and an engine restart
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
+
+from ports import free_port_pair
 
 from pdkv.proxy.kv_index import KvIndex
 from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber, StreamObserver
@@ -25,23 +26,6 @@ from pdkv.tinymodel import sample_text
 
 pytestmark = pytest.mark.e2e
 BLOCK = 32  # the e2e engines' block size
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (the publisher and its replay socket)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 class Recorder(StreamObserver):

@@ -21,7 +21,8 @@ from pdkv.proxy.routing import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.tinymodel import sample_text
 
-from test_kv_events import free_port_pair, wait_for
+from ports import free_port_pair
+from test_kv_events import wait_for
 
 pytestmark = pytest.mark.e2e
 SYSTEM = sample_text(220, seed=5)

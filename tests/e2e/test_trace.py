@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import zlib
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 from pdkv.geometry import geometry_from_model, plan_transfer
 from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
@@ -49,12 +50,6 @@ def expected_phases(event_names: set[str]) -> list[str]:
     if "p_computed" not in event_names:
         return list(PHASES)
     return [*PHASES[:2], *SPLIT, *PHASES[3:]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
