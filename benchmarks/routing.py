@@ -205,8 +205,13 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
                         break
                     time.sleep(0.2)
                 extra["self_checks"] = checks
-            row = go(url)
-            timings = httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json()
+            warm_ids: set = set()
+
+            def seen_so_far() -> None:  # the warm-up's records, left out of the counts below
+                warm_ids.update(t.get("request_id") for t in httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json())
+
+            row = go(url, seen_so_far)
+            timings = [t for t in httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json() if t.get("request_id") not in warm_ids]
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(15)
