@@ -9,6 +9,7 @@ import socket
 import time
 
 import numpy as np
+from load import prefix_cache_counters as counters  # noqa: F401 - one reading of vLLM's prefix-cache counters
 
 SERVED = "tiny"
 
@@ -37,17 +38,6 @@ def free_port(pair: bool = False) -> int:
         _GIVEN.update(ports)
         return port
     raise RuntimeError("no free port")
-
-
-def counters(url: str) -> tuple[float, float]:
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    found = {"vllm:prefix_cache_hits": 0.0, "vllm:prefix_cache_queries": 0.0}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        if family.name in found:
-            found[family.name] += sum(x.value for x in family.samples if x.name.endswith("_total"))
-    return found["vllm:prefix_cache_hits"], found["vllm:prefix_cache_queries"]
 
 
 def rate(before: list[tuple[float, float]], after: list[tuple[float, float]]) -> float | None:
