@@ -29,7 +29,10 @@ turns in order and all conversations run at once, so their turns interleave.
 Streaming /v1/chat/completions; TTFT is the client's send to the first SSE
 event. The prefix hit rate is each engine's own (vllm:prefix_cache_hits /
 vllm:prefix_cache_queries over the run, from its /metrics): P's (both
-prefills together), D's, and all three.
+prefills together), D's, and all three. `P0 share` is P0's part of the
+prompt tokens the two prefills were asked for (vllm:prefix_cache_queries):
+how a router split the prefill work between the core P0 has to itself and
+the core P1 shares with D.
 
 Unique-prompt workload (`--unique N`, 0: off): N completions of prompts that
 share no block, `--unique-concurrency` at once, through pdkv's
@@ -224,6 +227,8 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
     row["hit_p"] = rate(before_p, after_p)
     row["hit_d"] = rate(before_d, after_d)
     row["hit_all"] = rate(before_p + before_d, after_p + after_d)
+    queried = [a[1] - b[1] for a, b in zip(after_p, before_p, strict=True)]  # prompt tokens each prefill was asked for
+    row["p0_share"] = round(queried[0] / sum(queried), 3) if sum(queried) > 0 else None
     return {"router": router, "workload": workload, **row}
 
 
@@ -257,13 +262,14 @@ def ratios(rows: list[dict]) -> dict:
 
 def render(rows: list[dict]) -> str:
     head = (f"{'workload':<11} {'router':<16} {'req/s':>6} {'TTFT p50':>9} {'p99':>8} {'hit P':>6} {'hit D':>6} {'hit all':>7} "
-            f"{'local':>5} {'ok':>4} {'fail':>4}")
+            f"{'P0 share':>8} {'local':>5} {'ok':>4} {'fail':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(x, spec=".1f"):
             return "-" if x is None else format(x, spec)
         lines.append(f"{r['workload']:<11} {r['router']:<16} {f(r['req_s'], '.2f'):>6} {f(r['ttft_p50_ms']):>9} {f(r['ttft_p99_ms']):>8} "
-                     f"{f(r['hit_p'], '.2f'):>6} {f(r['hit_d'], '.2f'):>6} {f(r['hit_all'], '.2f'):>7} {r.get('local', '-'):>5} "
+                     f"{f(r['hit_p'], '.2f'):>6} {f(r['hit_d'], '.2f'):>6} {f(r['hit_all'], '.2f'):>7} {f(r.get('p0_share'), '.2f'):>8} "
+                     f"{r.get('local', '-'):>5} "
                      f"{r['completed']:>4} {r['failed']:>4}")
     return "\n".join(lines)
 
