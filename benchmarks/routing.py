@@ -8,11 +8,17 @@ cores for 3 engines: P0 is bound to core 0, P1 to core 1, D to core 1 as well
 (VLLM_CPU_OMP_THREADS_BIND, one OMP thread each; two engines share core 1, and
 the client, the proxies and the routers float over both cores).
 
+Before the timed rounds, each workload runs once untimed through round-robin
+(multi-turn) and least-outstanding (unique): the engines' first batches are
+slower, and no router should be timed on them (--no-engine-warm-up skips it).
+
 Routers, each in turn on the same engines and each in its own process. Each
 first runs a small warm-up workload of other texts untimed (its connections,
 tokenizer and first events); then, once every engine is idle, every engine's
-prefix cache is reset (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1), so each
-sees the same timed workload from a cold cache. The order of the routers
+prefix cache is reset (/reset_prefix_cache, VLLM_SERVER_DEV_MODE=1; then one
+short request each, since an engine publishes the reset's AllBlocksCleared
+event only at its next step), so each sees the same timed workload from a
+cold cache. The order of the routers
 rotates from round to round, and the ratios are given per round and as the
 median of rounds beside the ratio of means:
 - `rr`: pdkv proxy, --policy round-robin
@@ -107,6 +113,9 @@ class Deployment:
         raise RuntimeError(f"engines still busy after {timeout} s")
 
     def reset_caches(self) -> None:
+        """Every engine's prefix cache emptied, and the kv-aware proxies told so. An engine publishes its KV events
+        (AllBlocksCleared too) only when it next runs a step, so each is then sent one short request of its own
+        (no full block, so nothing it stores) and the events are given a moment to land."""
         import httpx
 
         for url in self.urls:
@@ -115,6 +124,9 @@ class Deployment:
                 if r.status_code == 200 and "false" not in r.text.lower():
                     break
                 time.sleep(0.2)
+        for url in self.urls:
+            httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": "step", "max_tokens": 1}, timeout=60).raise_for_status()
+        time.sleep(0.5)
 
     def pdkv_proxy_argv(self, policy: str, port: int, local: int = 0, tokenizer: str | None = None,
                         kv_file: Path | None = None) -> list[str]:
@@ -295,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a [kv] setting of the kv-aware proxies (TOML value), e.g. metrics_interval_s=0; repeatable")
     ap.add_argument("--engine-tokenize", action="store_true", help="kv-aware asks the engine's /tokenize (default: --tokenizer MODEL)")
     ap.add_argument("--rounds", type=int, default=2, help="repeat the multi-turn routers this many times, interleaved")
+    ap.add_argument("--no-engine-warm-up", dest="engine_warm_up", action="store_false",
+                    help="skip the untimed first pass of each workload (round-robin, least-outstanding) before the timed rounds")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--logs")
     ap.add_argument("--json", action="store_true")
@@ -322,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         for e in dep.engines:
             e.wait_healthy(400)
         say("engines healthy")
+        if args.engine_warm_up:  # the engines' first batches are slower, whichever router sends them: none is timed
+            for router, workload in (("rr", "multi-turn"), ("lo", "unique")):
+                if workload == "multi-turn" and args.rounds or workload == "unique" and args.unique:
+                    row = run_router(dep, router, args, logs, workload, 0)
+                    say(f"engine warm-up, untimed: {workload} through {router}: {json.dumps(row)}")
         for rnd in range(args.rounds):  # the routers rotate, so none is always first after another
             for router in routers[rnd % len(routers):] + routers[:rnd % len(routers)]:
                 row = run_router(dep, router, args, logs, "multi-turn", 0)

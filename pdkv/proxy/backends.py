@@ -99,8 +99,7 @@ class Backends:
         eligible = [i for i, ds in enumerate(pairs) if ds]
         if not eligible or not decodes:
             return None
-        load = self._target_load
-        p_index = eligible[self._p_chooser.choose([load.get((targets[i].url, targets[i].dp_rank), 0) for i in eligible])]
+        p_index = eligible[self._p_chooser.choose([self.in_flight(targets[i]) for i in eligible])]
         candidates = pairs[p_index]
         d_state = decodes[candidates[self._d_chooser.choose([decodes[j].outstanding for j in candidates])]]
         return Pairing(targets[p_index], d_state.url), self._target_owner[p_index], d_state
@@ -109,6 +108,10 @@ class Backends:
         """The prefill engines (with each one's owning server) and decode servers up now, for a policy
         that chooses by more than load (kv-aware); pair its choice with `Pairing(targets[i], decode.url)`."""
         return self._targets, self._target_owner, self._live_decodes
+
+    def in_flight(self, target: PrefillTarget) -> int:
+        """Requests this proxy has in flight through prefill engine `target` (least-outstanding's count)."""
+        return self._target_load.get((target.url, target.dp_rank), 0)
 
     def may_pair(self, target: int, d_state: BackendState) -> bool:
         """Whether routable target `target` and decode server `d_state` agree (pdkv.proxy.membership)."""

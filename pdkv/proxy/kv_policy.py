@@ -11,8 +11,14 @@ All costs are in prompt tokens of work.
   `local_prefill_tokens` of the prompt, D computes the rest itself and P and
   the transfer are skipped (multi-turn chat where D holds the history, or a
   prompt too short to be worth a transfer).
-- Otherwise P's cost = the prompt tokens P would compute (those it does not
-  hold) + `queue_weight` x the prefill tokens this proxy sent there whose KV has not reached D yet.
+- Otherwise, when some P holds part of the prompt, P's cost = the prompt
+  tokens P would compute (those it does not hold) + `queue_weight` x the
+  prefill tokens this proxy sent there whose KV has not reached D yet.
+- When no P holds any of it (or its tokens are unknown), there is no prefix
+  to gain and P is chosen as least-outstanding chooses it: the fewest
+  requests in flight there through this proxy. A request's whole life counts
+  there, its decode included, so a P whose requests finish later (one that
+  shares its core with a D, say) gets fewer; the queued tokens do not see that.
 
 Ties go to the first candidate at or after `start` (a round-robin cursor), so
 equal engines share the load.
@@ -25,11 +31,13 @@ from collections.abc import Sequence
 
 import msgspec
 
+from pdkv.proxy.prefix import cacheable_blocks
+
 
 class RouteReason(enum.StrEnum):
     LOCAL_PREFILL = "local_prefill"  # D holds enough of the prompt: D alone
     PREFIX_HIT = "prefix_hit"  # P/D, the chosen P holds part of the prompt
-    LEAST_COST = "least_cost"  # P/D, no engine holds any of it: by load
+    LEAST_COST = "least_cost"  # P/D, the chosen P holds none of it: by load
     UNKEYED = "unkeyed"  # the prompt's tokens are unknown: by load alone
 
 
@@ -43,7 +51,8 @@ class KvWeights(msgspec.Struct, frozen=True, kw_only=True):
 
 class PrefillCandidate(msgspec.Struct, frozen=True):
     hit_blocks: int  # leading blocks of the prompt it holds (reported + predicted)
-    queued_tokens: int  # prefill tokens this proxy has sent it that are not answered yet
+    queued_tokens: int  # prefill tokens this proxy has sent it whose KV has not reached D yet
+    outstanding: int = 0  # requests in flight there through this proxy, first byte to last
 
 
 class DecodeCandidate(msgspec.Struct, frozen=True):
@@ -61,6 +70,7 @@ class RoutePlan(msgspec.Struct, frozen=True):
     d_hit_tokens: int = 0
     p_costs: tuple[float, ...] = ()
     d_costs: tuple[float, ...] = ()
+    p_by_load: bool = False  # p_costs are the Ps' requests in flight (no P holds any of the prompt)
 
     def summary(self) -> str:
         """One line for the request's trace: why it went where it went."""
@@ -68,7 +78,8 @@ class RoutePlan(msgspec.Struct, frozen=True):
         costs = f"D costs {_fmt(self.d_costs)}"
         if self.prefill is None:
             return f"{self.reason}: {d}; {costs}"
-        return f"{self.reason}: P{self.prefill} holds {self.p_hit_tokens}/{self.prompt_tokens}; {d}; P costs {_fmt(self.p_costs)}; {costs}"
+        p_costs = f"P in flight {_fmt(self.p_costs)}" if self.p_by_load else f"P costs {_fmt(self.p_costs)}"
+        return f"{self.reason}: P{self.prefill} holds {self.p_hit_tokens}/{self.prompt_tokens}; {d}; {p_costs}; {costs}"
 
 
 def _fmt(costs: Sequence[float]) -> str:
@@ -76,8 +87,8 @@ def _fmt(costs: Sequence[float]) -> str:
 
 
 def hit_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
-    """Tokens an engine can take from its cache: whole blocks, and never the prompt's last token."""
-    return max(0, min(hit_blocks * block_size, prompt_tokens - 1))
+    """Tokens an engine can take from its cache: whole blocks, and never the block with the prompt's last token."""
+    return max(0, min(hit_blocks, cacheable_blocks(prompt_tokens, block_size))) * block_size
 
 
 def _argmin(costs: Sequence[float], start: int) -> int:
@@ -119,14 +130,18 @@ def plan_route(
     if (keyed and missing <= weights.local_prefill_tokens) or not prefills:
         reason = RouteReason.LOCAL_PREFILL if keyed else RouteReason.UNKEYED
         return RoutePlan(d, None, reason, prompt_tokens, d_hit_tokens=d_hit, d_costs=d_costs)
-    p_costs = tuple(prefill_cost(c, prompt_tokens, block_size, weights) for c in prefills)
+    by_load = not (keyed and any(hit_tokens(c.hit_blocks, block_size, prompt_tokens) > 0 for c in prefills))
+    if by_load:  # nothing to gain anywhere: as least-outstanding
+        p_costs = tuple(float(c.outstanding) for c in prefills)
+    else:
+        p_costs = tuple(prefill_cost(c, prompt_tokens, block_size, weights) for c in prefills)
     p = _argmin(p_costs, start)
     p_hit = hit_tokens(prefills[p].hit_blocks, block_size, prompt_tokens)
     if not keyed:
         reason = RouteReason.UNKEYED
     else:
         reason = RouteReason.PREFIX_HIT if p_hit > 0 else RouteReason.LEAST_COST
-    return RoutePlan(d, p, reason, prompt_tokens, p_hit, d_hit, p_costs, d_costs)
+    return RoutePlan(d, p, reason, prompt_tokens, p_hit, d_hit, p_costs, d_costs, by_load)
 
 
 class KvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

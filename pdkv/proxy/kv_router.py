@@ -197,7 +197,8 @@ class KvRouter:
         keyed = tokens is not None and size is not None
         keys = block_keys(tokens, size) if keyed else []  # type: ignore[arg-type]
         now = time.monotonic()
-        p_cands = [PrefillCandidate(self.index.hits(t.url, keys, now).blocks if keyed else 0, self.queued_tokens(t.url)) for t in targets]
+        p_cands = [PrefillCandidate(self.index.hits(t.url, keys, now).blocks if keyed else 0, self.queued_tokens(t.url),
+                                    backends.in_flight(t)) for t in targets]
         d_cands = [self._decode_candidate(d, keys if keyed else [], now) for d in decodes]
         self._cursor += 1
         plan = plan_route(len(tokens) if tokens else 0, size or 1, p_cands, d_cands, self.weights, start=self._cursor, keyed=keyed)

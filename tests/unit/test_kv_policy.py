@@ -1,4 +1,5 @@
-"""The kv-aware cost model, pure: D by load and what it holds, local prefill, P by uncached work + queue."""
+"""The kv-aware cost model, pure: D by load and what it holds, local prefill, P by uncached work + queue
+(or, with nothing cached anywhere, by requests in flight)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ BS = 32
 W = KvWeights(local_prefill_tokens=64)
 
 
-def test_hit_tokens_never_include_the_last_prompt_token():
-    assert hit_tokens(4, BS, 128) == 127
+def test_hit_tokens_are_whole_blocks_and_never_the_block_of_the_last_prompt_token():
+    # vLLM computes the prompt's last token (it needs its logits) and takes only whole blocks from its cache.
+    assert hit_tokens(4, BS, 128) == 96
+    assert hit_tokens(4, BS, 129) == 128
     assert hit_tokens(2, BS, 128) == 64
     assert hit_tokens(0, BS, 128) == 0
+    assert hit_tokens(1, BS, 0) == 0
 
 
 def test_prefill_goes_where_the_prefix_is():
@@ -36,6 +40,24 @@ def test_no_hits_anywhere_is_least_cost_and_ties_rotate():
     chosen = {plan_route(500, BS, ps, [DecodeCandidate(0, 0)], W, start=s).prefill for s in range(4)}
     assert chosen == {0, 1}
     assert plan_route(500, BS, ps, [DecodeCandidate(0, 0)], W).reason is RouteReason.LEAST_COST
+
+
+def test_with_nothing_to_gain_prefill_is_chosen_as_least_outstanding_chooses():
+    # P0 has fewer queued tokens but more requests in flight (its requests finish later): no P holds any of the
+    # prompt, so the requests in flight decide, whatever the start.
+    ps = [PrefillCandidate(0, queued_tokens=0, outstanding=5), PrefillCandidate(0, queued_tokens=3000, outstanding=2)]
+    for s in range(3):
+        plan = plan_route(500, BS, ps, [DecodeCandidate(0, 0)], W, start=s)
+        assert plan.prefill == 1 and plan.reason is RouteReason.LEAST_COST and plan.p_costs == (5.0, 2.0)
+    assert "P in flight [5, 2]" in plan.summary()
+    # A hit of a single block anywhere brings the token costs back: then the queue counts, not the requests.
+    ps = [PrefillCandidate(1, queued_tokens=0, outstanding=5), PrefillCandidate(0, queued_tokens=3000, outstanding=2)]
+    plan = plan_route(500, BS, ps, [DecodeCandidate(0, 0)], W)
+    assert plan.prefill == 0 and plan.reason is RouteReason.PREFIX_HIT and plan.p_costs == (468.0, 3500.0)
+    assert "P costs [468, 3500]" in plan.summary()
+    # A one-block prompt: its only block is never taken from a cache (the last token is computed), so nothing to gain.
+    ps = [PrefillCandidate(1, queued_tokens=0, outstanding=5), PrefillCandidate(0, queued_tokens=0, outstanding=2)]
+    assert plan_route(BS, BS, ps, [DecodeCandidate(0, 0)], KvWeights(local_prefill_tokens=0)).prefill == 1
 
 
 def test_decode_holding_the_history_serves_alone():
@@ -63,7 +85,8 @@ def test_decode_by_load_then_by_what_it_holds():
 
 
 def test_unkeyed_requests_route_by_load_and_no_prefill_means_local():
-    plan = plan_route(0, BS, [PrefillCandidate(0, 5), PrefillCandidate(0, 0)], [DecodeCandidate(0, 0)], W, keyed=False)
+    plan = plan_route(0, BS, [PrefillCandidate(0, 0, outstanding=3), PrefillCandidate(0, 900, outstanding=1)], [DecodeCandidate(0, 0)], W,
+                      keyed=False)
     assert plan.prefill == 1 and plan.reason is RouteReason.UNKEYED
     assert plan_route(1000, BS, [], [DecodeCandidate(0, 0)], W).prefill is None
     with pytest.raises(ValueError):
