@@ -38,7 +38,8 @@ vllm:prefix_cache_queries over the run, from its /metrics): P's (both
 prefills together), D's, and all three. `P0 share` is P0's part of the
 prompt tokens the two prefills were asked for (vllm:prefix_cache_queries):
 how a router split the prefill work between the core P0 has to itself and
-the core P1 shares with D.
+the core P1 shares with D. `cpu ms` is the router process's CPU time (user +
+system, its children too) over the timed run, per request.
 
 Unique-prompt workload (`--unique N`, 0: off): N completions of prompts that
 share no block, `--unique-concurrency` at once, through pdkv's
@@ -156,6 +157,21 @@ def wait_http(url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} not healthy in {timeout} s")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children so far."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
     """A small workload of its own (other texts, other prompts) that each router runs untimed before its timed one."""
     return argparse.Namespace(**{**vars(args), "conversations": 2, "turns": 2, "seed": args.seed + 99, "stagger_s": 0.0,
@@ -168,9 +184,9 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
     before_p: list = []
     before_d: list = []
 
-    def go(url: str, after_warm_up=lambda: None) -> dict:
+    def go(url: str, pid: int, after_warm_up=lambda: None) -> dict:
         """An untimed warm-up through this router (its connections, its tokenizer, its first events), then, on idle
-        engines with cold prefix caches, the timed run."""
+        engines with cold prefix caches, the timed run, with the router's CPU time per request over it (`pid`: its process)."""
         nonlocal before_p, before_d
         warm = warm_up_args(args)
         asyncio.run(multi_turn(url, warm) if workload == "multi-turn" else unique(url, warm, seed + 5_000))
@@ -178,9 +194,10 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
         after_warm_up()
         dep.reset_caches()
         before_p, before_d = [counters(u) for u in p_urls], [counters(u) for u in d_urls]
-        if workload == "multi-turn":
-            return asyncio.run(multi_turn(url, args))
-        return asyncio.run(unique(url, args, seed))
+        cpu0 = cpu_seconds(pid)
+        row = asyncio.run(multi_turn(url, args) if workload == "multi-turn" else unique(url, args, seed))
+        row["router_cpu_ms_per_req"] = round((cpu_seconds(pid) - cpu0) * 1000 / max(row["completed"], 1), 2)
+        return row
 
     if router == "vllm-router":
         port = free_port()
@@ -192,7 +209,7 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_http(f"http://127.0.0.1:{port}", 60)
-            row = go(f"http://127.0.0.1:{port}")
+            row = go(f"http://127.0.0.1:{port}", proc.pid)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(15)
@@ -225,7 +242,7 @@ def run_router(dep: Deployment, router: str, args: argparse.Namespace, logs: Pat
             def seen_so_far() -> None:  # the warm-up's records, left out of the counts below
                 warm_ids.update(t.get("request_id") for t in httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json())
 
-            row = go(url, seen_so_far)
+            row = go(url, proc.pid, seen_so_far)
             timings = [t for t in httpx.get(f"{url}/pdkv/requests?limit=100000", timeout=30).json() if t.get("request_id") not in warm_ids]
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -274,13 +291,14 @@ def ratios(rows: list[dict]) -> dict:
 
 def render(rows: list[dict]) -> str:
     head = (f"{'workload':<11} {'router':<16} {'req/s':>6} {'TTFT p50':>9} {'p99':>8} {'hit P':>6} {'hit D':>6} {'hit all':>7} "
-            f"{'P0 share':>8} {'local':>5} {'ok':>4} {'fail':>4}")
+            f"{'P0 share':>8} {'cpu ms':>6} {'local':>5} {'ok':>4} {'fail':>4}")
     lines = [head, "-" * len(head)]
     for r in rows:
         def f(x, spec=".1f"):
             return "-" if x is None else format(x, spec)
         lines.append(f"{r['workload']:<11} {r['router']:<16} {f(r['req_s'], '.2f'):>6} {f(r['ttft_p50_ms']):>9} {f(r['ttft_p99_ms']):>8} "
                      f"{f(r['hit_p'], '.2f'):>6} {f(r['hit_d'], '.2f'):>6} {f(r['hit_all'], '.2f'):>7} {f(r.get('p0_share'), '.2f'):>8} "
+                     f"{f(r.get('router_cpu_ms_per_req'), '.2f'):>6} "
                      f"{r.get('local', '-'):>5} "
                      f"{r['completed']:>4} {r['failed']:>4}")
     return "\n".join(lines)
