@@ -16,9 +16,8 @@ All costs are in prompt tokens of work.
   prefill tokens this proxy sent there whose KV has not reached D yet.
 - When no P holds any of it (or its tokens are unknown), there is no prefix
   to gain and P is chosen as least-outstanding chooses it: the fewest
-  requests in flight there through this proxy. A request's whole life counts
-  there, its decode included, so a P whose requests finish later (one that
-  shares its core with a D, say) gets fewer; the queued tokens do not see that.
+  requests in flight there through this proxy, each counted until its last
+  byte, so kv-aware routes as least-outstanding does where it has no gain.
 
 Ties go to the first candidate at or after `start` (a round-robin cursor), so
 equal engines share the load.
