@@ -298,9 +298,7 @@ def render(rows: list[dict]) -> str:
             return "-" if x is None else format(x, spec)
         lines.append(f"{r['workload']:<11} {r['router']:<16} {f(r['req_s'], '.2f'):>6} {f(r['ttft_p50_ms']):>9} {f(r['ttft_p99_ms']):>8} "
                      f"{f(r['hit_p'], '.2f'):>6} {f(r['hit_d'], '.2f'):>6} {f(r['hit_all'], '.2f'):>7} {f(r.get('p0_share'), '.2f'):>8} "
-                     f"{f(r.get('router_cpu_ms_per_req'), '.2f'):>6} "
-                     f"{r.get('local', '-'):>5} "
-                     f"{r['completed']:>4} {r['failed']:>4}")
+                     f"{f(r.get('router_cpu_ms_per_req'), '.2f'):>6} {r.get('local', '-'):>5} {r['completed']:>4} {r['failed']:>4}")
     return "\n".join(lines)
 
 
