@@ -6,11 +6,15 @@ P/D (D holds nothing); every later one finds D holding the history and is
 served by D alone (kv_local), no P, no transfer. A second chat sharing the
 system prompt goes P/D with P's prefix hit. Each answer's tokens and
 logprobs are compared with the same messages sent to P alone as a plain
-request. Both engines' start-up self-checks must pass.
+request. Both engines' start-up self-checks must pass. Then the load suite's
+mixed requests (both endpoints, streamed and not, prompts of 2 to ~990
+tokens, each sent several times) run 16 at a time: repeats D holds go to D
+alone, the rest P/D, and every answer must equal P alone's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -21,8 +25,10 @@ from pdkv.proxy.routing import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.tinymodel import sample_text
 
+from loadclient import Case, run_load, same_greedy_answer
 from ports import free_port_pair
 from test_kv_events import wait_for
+from test_load import ENDPOINTS, PROMPTS, mixed_cases
 
 pytestmark = pytest.mark.e2e
 SYSTEM = sample_text(220, seed=5)
@@ -105,3 +111,18 @@ def test_kv_aware_answers_equal_p_alone_on_pd_and_on_d_alone(start_vllm, tiny_mo
 
         wait_for(idle_reading, timeout=10, what="a reading of D with no request")
         assert read("pdkv_proxy_kv_engine_query_tokens_total", prefill.url) > 0
+
+        # Under load: many requests in flight, each routed by the cost model (D alone, P/D by prefix or by load).
+        refs = [Case(e, p, stream=False) for e in ENDPOINTS for p in PROMPTS]
+        alone = dict(zip(refs, asyncio.run(run_load(prefill.url, refs, model, 4, top=2)), strict=True))
+        cases = mixed_cases(64, seed=18)
+        answers = asyncio.run(run_load(proxy.url, cases, model, 16))
+        failed = [(c, a.status, a.error) for c, a in zip(cases, answers, strict=True) if a.status != 200 or a.error]
+        assert not failed, failed[:3]
+        wrong = [(c.endpoint, len(c.prompt.split()), why) for c, a in zip(cases, answers, strict=True)
+                 if (why := same_greedy_answer(a, alone[Case(c.endpoint, c.prompt, stream=False)])) is not None]
+        assert not wrong, wrong[:3]
+        served = proxy.app.timings.recent(len(cases))  # the newest records: the load's
+        assert len(served) == len(cases) and all(t.route for t in served)
+        assert any(t.local_prefill == "kv_local" for t in served) and any(t.local_prefill is None for t in served), \
+            [t.route for t in served][:5]
