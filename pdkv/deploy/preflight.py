@@ -117,6 +117,18 @@ def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None)
     )]
 
 
+def check_vllm_release(parts: list[Part]) -> list[Problem]:
+    """The vLLM this host would start engines with, outside the range pdkv's connector supports: one problem."""
+    from pdkv.doctor.model import Status
+    from pdkv.doctor.software import installed_vllm_verdict
+
+    names = [p.plan.name for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
+    if not names:
+        return []
+    verdict = installed_vllm_verdict()
+    return [Problem(", ".join(names), verdict.detail, verdict.hint)] if verdict.status is Status.FAIL else []
+
+
 def check_engines(parts: list[Part]) -> list[Problem]:
     """Model configs readable, CPU block sizes valid, and every D agrees with every P."""
     problems: list[Problem] = []
@@ -226,7 +238,8 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
 
 def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Problem]:
     """Every pre-flight problem of `parts`, in start order; empty when all is well."""
-    return check_ports(parts) + check_connector(parts) + check_engines(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls))
+    return (check_ports(parts) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts) + check_cma(parts)
+            + check_bootstraps(list(bootstrap_urls)))
 
 
 def raise_problems(problems: list[Problem]) -> None:

