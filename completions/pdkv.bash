@@ -15,6 +15,7 @@ _pdkv() {
             "k8s") path="k8s" ;;
             "k8s render") path="k8s render" ;;
             "model") path="model" ;;
+            "model random") path="model random" ;;
             "model tiny") path="model tiny" ;;
             "plan") path="plan" ;;
             "proxy") path="proxy" ;;
@@ -30,12 +31,13 @@ _pdkv() {
         "bootstrap deregister") words="--json --retries --timeout --token --url --help" ;;
         "bootstrap query") words="--json --retries --timeout --help" ;;
         "k8s render") words="--file --json --namespace --out --help" ;;
+        "model random") words="--config --json --no-weights --seed --weights --help" ;;
         "model tiny") words="--json --seed --std --help" ;;
         "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --protocol --seed --src --sweep --target --warmup --help" ;;
         "bootstrap") words="deregister query --host --json --port --probe-failures --probe-interval --probe-timeout --quiet --token --help" ;;
         "doctor") words="--device --json --mooncake-timeout --port --protocol --skip-mooncake --help" ;;
         "k8s") words="render --help" ;;
-        "model") words="tiny --help" ;;
+        "model") words="random tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;

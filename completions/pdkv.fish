@@ -97,7 +97,13 @@ complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l namespace
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l out
-complete -c pdkv -n '__fish_seen_subcommand_from model; and not __fish_seen_subcommand_from tiny' -a tiny
+complete -c pdkv -n '__fish_seen_subcommand_from model; and not __fish_seen_subcommand_from random tiny' -a random
+complete -c pdkv -n '__fish_seen_subcommand_from model; and not __fish_seen_subcommand_from random tiny' -a tiny
+complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from random' -l config
+complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from random' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from random' -l no-weights
+complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from random' -l seed
+complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from random' -l weights
 complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from tiny' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from tiny' -l seed
 complete -c pdkv -n '__fish_seen_subcommand_from model; and __fish_seen_subcommand_from tiny' -l std

@@ -42,5 +42,42 @@ def tiny(
     console.print(f"KV per token: {geometry.bytes_per_token} B ({shape})")
 
 
+RANDOM_HELP = """Write a Qwen3-architecture model of CONFIG's size into DIR: the config, a tokenizer naming every id
+(t0, t1, ...) and seeded random bf16 weights, made on a GPU when one is present. For GPU hosts that cannot
+download a model: the weights are random, the shapes, KV bytes and speed are the real model's.
+
+Examples:
+
+  pdkv model random /models/qwen3-8b-random --config tests/fixtures/configs/qwen3-8b/config.json
+
+  pdkv model random ./m --config config.json --no-weights --json
+"""
+
+
+@model_app.command("random", help=RANDOM_HELP)
+def random_model(
+    directory: Path = typer.Argument(..., help="Folder to write the model into."),
+    config: Path = typer.Option(..., "--config", help="A Qwen3 config.json (its sizes and initializer_range)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights."),
+    weights: bool = typer.Option(True, "--weights/--no-weights", help="Write the weights (or only config and tokenizer)."),
+    json_out: JsonOpt = False,
+) -> None:
+    import json
+
+    from pdkv.errors import UsageError
+    from pdkv.randmodel import write_random_model
+
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UsageError(f"cannot read {config}: {e}", hint="give a model's config.json") from None
+    out = write_random_model(directory, cfg, seed=seed, weights=weights)
+    files = sorted(p.name for p in out.iterdir())
+    if json_out:
+        print_json({"path": str(out.resolve()), "files": files})
+        return
+    console.print(f"wrote model to [bold]{out}[/] ({len(files)} files)")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(model_app, name="model")

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Run pdkv's GPU tier on an offline GPU host from the bundle scripts/gpu/pack.sh made, and write a summary.
+#
+# Usage (from the repository root): bash scripts/gpu/run.sh BUNDLE_DIR [WORK]
+#   BUNDLE_DIR  the folder holding bundle.tgz.* and bundle.sha256
+#   WORK        where the bundle unpacks and the model's weights are written (default /tmp/pdkv-gpu); kept, so
+#               a second run on the same host skips both
+# Environment: OUT (results; default WORK/out), STEPS (default "tests bench kill": any of them, in that order).
+#
+# Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
+# deployments of tests/gpu/deployments.py at once with `pdkv up -f` (P and D of each on GPU 0); run the GPU
+# tests against them (`pytest -m gpu tests/gpu`); the side-by-side benchmark (benchmarks/gpu_pd.py) and
+# `pdkv bench` of the ipc write against a same-GPU copy_; then the tests that kill P under load; stop all.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+BUNDLE="$(realpath "${1:?usage: run.sh BUNDLE_DIR [WORK]}")"
+WORK="${2:-/tmp/pdkv-gpu}"
+OUT="${OUT:-$WORK/out}"
+STEPS="${STEPS:-tests bench kill}"
+mkdir -p "$WORK" "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+say() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
+elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
+T0=$(date +%s)
+
+if [ ! -f "$WORK/site/.unpacked" ]; then
+    (cd "$BUNDLE" && sha256sum -c --quiet bundle.sha256) || { say "bundle: checksum mismatch in $BUNDLE"; exit 3; }
+    cat "$BUNDLE"/bundle.tgz.* | tar -xzf - -C "$WORK" || { say "bundle: unpack failed"; exit 3; }
+    touch "$WORK/site/.unpacked"
+fi
+say "bundle unpacked ($(elapsed))"
+
+export PYTHONPATH="$WORK/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+LIBS="$WORK/deb/rdma/usr/lib/x86_64-linux-gnu:$WORK/deb/rdma/lib/x86_64-linux-gnu"
+# Debian's libcurl (and what it links) only where the host has none: it must not shadow the host's own TLS.
+if ! ldconfig -p | grep -q 'libcurl.so.4 '; then LIBS="$LIBS:$WORK/deb/curl/usr/lib/x86_64-linux-gnu"; fi
+export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export IBV_CONFIG_DIR="$WORK/deb/rdma/etc/libibverbs.d"
+export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1 MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
+export PDKV_GPU_MODEL="$WORK/model" PDKV_GPU_OUT="$OUT"
+PY=python3
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+$PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import importlib
+for name in ("torch", "vllm", "mooncake.engine", "pdkv.connector.vllm_connector"):
+    try:
+        mod = importlib.import_module(name)
+        print(f"ok {name} {getattr(mod, '__version__', '')}")
+    except Exception as e:  # every missing piece at once
+        print(f"MISSING {name}: {type(e).__name__}: {e}")
+EOF
+
+if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if has_weights('$WORK/model') else 1)"; then
+    $PY -m pdkv model random "$WORK/model" --config "$WORK/model/config.json" --json > "$OUT/model.json" \
+        || { say "model: writing the weights failed"; exit 3; }
+fi
+say "model ready ($(elapsed))"
+
+FILES="$WORK/deployments"
+$PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
+PIDS=()
+for name in pdkv-ipc pdkv-tcp mooncake-tcp; do
+    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json > "$OUT/up-$name.jsonl" 2> "$OUT/up-$name.stderr" &
+    PIDS+=($!)
+done
+stop_all() {
+    for pid in "${PIDS[@]}"; do kill -INT -- "-$pid" 2>/dev/null; done
+    for _ in $(seq 60); do
+        alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        [ $alive = 0 ] && return; sleep 1
+    done
+    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
+}
+trap stop_all EXIT
+ready=0
+for _ in $(seq 540); do
+    ready=$(grep -l '"event": "ready"' "$OUT"/up-*.jsonl 2>/dev/null | wc -l)
+    [ "$ready" = 3 ] && break
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "a pdkv up ended early"; break 2; }; done
+    sleep 1
+done
+say "deployments ready: $ready of 3 ($(elapsed))"
+grep -h '"event": "ready"' "$OUT"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
+if [ "$ready" != 3 ]; then
+    for f in "$OUT"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
+    for d in .pdkv/logs/*/; do for f in "$d"*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done; done > "$OUT/engine-logs.txt" 2>&1
+    exit 1
+fi
+export PDKV_GPU_UP=1
+
+rc=0
+if [[ " $STEPS " == *" tests "* ]]; then
+    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu -k "not killed" --junitxml "$OUT/tests.xml" > "$OUT/tests.log" 2>&1 || rc=1
+    say "tests: $(tail -n 1 "$OUT/tests.log") ($(elapsed))"
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+    $PY benchmarks/gpu_pd.py --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$OUT/gpu_pd.stderr" || { rc=1; tail -n 20 "$OUT/gpu_pd.stderr" >> "$SUMMARY"; }
+    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --protocol ipc --src cuda:0 --dst cuda:0 --layout contiguous \
+        --baseline --iters 30 --json > "$OUT/bench-ipc.json" 2> "$OUT/bench-ipc.stderr" || rc=1
+    $PY - "$OUT/bench-ipc.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for c in r["cases"]:
+    b = c["baseline"]["bare"]
+    print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
+          f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
+EOF
+    say "bench done ($(elapsed))"
+fi
+if [[ " $STEPS " == *" kill "* ]]; then
+    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu -k "killed" > "$OUT/tests-kill.log" 2>&1 || rc=1
+    say "kill tests: $(tail -n 1 "$OUT/tests-kill.log") ($(elapsed))"
+fi
+exit $rc

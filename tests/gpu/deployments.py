@@ -1,0 +1,194 @@
+"""The GPU tier's deployments: 1P1D on GPU 0 (P and D share it), started by `pdkv up -f` from files written here.
+
+Three deployments, one per connector/transport a one-host GPU user would pick: pdkv's connector over CUDA IPC
+(`pdkv-ipc`), pdkv's connector over Mooncake tcp (`pdkv-tcp`) and vLLM's MooncakeConnector over Mooncake tcp
+(`mooncake-tcp`). Each file says how its two engines share the GPU: a fixed KV cache size
+(`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), eager
+mode, FlashAttention, and `VLLM_BATCH_INVARIANT=1` so that P alone and P/D give the same greedy tokens.
+
+`python -m tests.gpu.deployments MODEL DIR` writes the files; `scripts/gpu/run.sh` starts them before the tests
+(naming them in PDKV_GPU_UP, so the tests attach) and the benchmark; without PDKV_GPU_UP the tests start them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
+READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
+KV_CACHE_BYTES = 8 << 30  # per engine: 58k tokens of Qwen3-8B's KV; six engines and their weights fit one H200
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Ports:
+    proxy: int
+    prefill: int
+    decode: int
+    bootstrap: int
+    kv_events: int
+
+
+PORTS = {
+    "pdkv-ipc": Ports(8000, 8100, 8200, 9000, 5600),
+    "pdkv-tcp": Ports(8001, 8101, 8201, 9010, 5620),
+    "mooncake-tcp": Ports(8002, 8102, 8202, 9020, 5640),
+}
+
+
+def deployment_toml(name: str, model: str) -> str:
+    connector, protocol = name.split("-")
+    connector = "pdkv" if connector == "pdkv" else "mooncake"
+    p = PORTS[name]
+    engine_args = json.dumps([
+        "--enforce-eager", "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "64",
+    ])
+    env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}.
+model = "{model}"
+served_model_name = "qwen3-8b-random"
+connector = "{connector}"
+protocol = "{protocol}"
+platform = "gpu"
+host = "127.0.0.1"
+host_ip = "127.0.0.1"
+block_size = {BLOCK_SIZE}
+max_model_len = 4096
+startup_timeout = {READY_TIMEOUT_S:.0f}
+restart = "on-failure"
+kv_events_port = {p.kv_events}
+
+[bootstrap]
+mode = "standalone"
+port = {p.bootstrap}
+
+[[prefill]]
+gpu = "0"
+port = {p.prefill}
+extra_args = {engine_args}
+env = {env}
+
+[[decode]]
+gpu = "0"
+port = {p.decode}
+extra_args = {engine_args}
+env = {env}
+
+[proxy]
+port = {p.proxy}
+"""
+
+
+def write_files(model: str, directory: Path) -> dict[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name in NAMES:
+        out[name] = directory / f"{name}.toml"
+        out[name].write_text(deployment_toml(name, model))
+    return out
+
+
+@dataclass
+class Running:
+    """One deployment as the tests see it: its URLs, and (when these tests started it) its `pdkv up` process."""
+
+    name: str
+    proxy: str
+    prefill: str
+    decode: str
+    log_dir: Path | None = None
+    proc: subprocess.Popen[str] | None = None
+
+
+def urls(name: str) -> Running:
+    p = PORTS[name]
+    return Running(name, f"http://127.0.0.1:{p.proxy}", f"http://127.0.0.1:{p.prefill}", f"http://127.0.0.1:{p.decode}")
+
+
+def start(name: str, file: Path, log: Path) -> Running:
+    """`pdkv up -f FILE --json` in its own process group; returns once it is started (not yet ready)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdkv", "up", "-f", str(file), "--json"], cwd=ROOT, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
+    )
+    run = urls(name)
+    run.proc = proc
+    return run
+
+
+def wait_ready(runs: list[Running], timeout: float = READY_TIMEOUT_S) -> None:
+    """Until every started deployment's `pdkv up` says ready; raise naming the first that ended or ran late."""
+    events: queue.Queue = queue.Queue()
+
+    def read(run: Running) -> None:
+        assert run.proc is not None and run.proc.stdout is not None
+        for line in run.proc.stdout:
+            with contextlib.suppress(json.JSONDecodeError):
+                events.put((run, json.loads(line)))
+        events.put((run, None))
+
+    waiting = {r.name for r in runs if r.proc is not None}
+    for r in runs:
+        if r.proc is not None:
+            threading.Thread(target=read, args=(r,), daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while waiting:
+        try:
+            run, event = events.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"pdkv up of {sorted(waiting)} not ready within {timeout:.0f} s") from None
+        if event is None:
+            raise AssertionError(f"pdkv up of {run.name} ended before it was ready (exit {run.proc.wait()})")
+        if event.get("event") == "starting":
+            run.log_dir = Path(event["log_dir"])
+        elif event.get("event") == "ready":
+            waiting.discard(run.name)
+
+
+def attach(name: str) -> Running:
+    """A deployment someone else started (scripts/gpu/run.sh): its URLs once its proxy answers /health."""
+    run = urls(name)
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{run.proxy}/health", timeout=2, trust_env=False).status_code == 200:
+                return run
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name}'s proxy {run.proxy} is not healthy")
+        time.sleep(0.5)
+
+
+def stop(run: Running, grace: float = 60.0) -> None:
+    """Ctrl-C to `pdkv up` (it stops every part), then SIGKILL to its group after `grace` seconds."""
+    if run.proc is None or run.proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(run.proc.pid, signal.SIGINT)
+    try:
+        run.proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        run.proc.wait(10)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m tests.gpu.deployments MODEL_DIR OUT_DIR")
+    for name, path in write_files(sys.argv[1], Path(sys.argv[2])).items():
+        print(name, path)
