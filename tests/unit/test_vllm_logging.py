@@ -17,6 +17,7 @@ from pdkv.deploy.vllm_logging import (
     SHUTDOWN_TRIGGERED,
     ShutdownTracebackFilter,
     logging_config,
+    vllm_formatter,
     with_vllm_logging,
     write_logging_config,
 )
@@ -91,5 +92,11 @@ def test_the_configuration_is_vllms_default_plus_the_filter() -> None:
     filters = ours["handlers"]["vllm"].pop("filters")
     assert filters == ["pdkv_shutdown"]
     assert ours.pop("filters") == {"pdkv_shutdown": {"()": f"{ShutdownTracebackFilter.__module__}.ShutdownTracebackFilter"}}
-    theirs = {**DEFAULT_LOGGING_CONFIG, "formatters": {"vllm": DEFAULT_LOGGING_CONFIG["formatters"]["vllm"]}}
+    assert ours.pop("formatters") == {"vllm": {"()": f"{ShutdownTracebackFilter.__module__}.vllm_formatter"}}
+    theirs = {k: v for k, v in DEFAULT_LOGGING_CONFIG.items() if k != "formatters"}
     assert ours == theirs  # as vLLM configures an engine writing into a pipe at INFO, colour off
+    # the formatter is vLLM's own, with its default format (built for whichever vLLM runs)
+    spec = DEFAULT_LOGGING_CONFIG["formatters"]["vllm"]
+    formatter = vllm_formatter()
+    assert f"{type(formatter).__module__}.{type(formatter).__name__}".endswith((spec.get("()") or spec["class"]).rsplit(".", 1)[1])
+    assert formatter._fmt == spec["format"] and formatter.datefmt == spec["datefmt"]
