@@ -58,6 +58,8 @@ def deployment_toml(name: str, model: str) -> str:
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "64",
     ])
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
+    # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
+    bootstrap = "standalone" if connector == "pdkv" else "in-worker"
     return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
@@ -73,7 +75,7 @@ restart = "on-failure"
 kv_events_port = {p.kv_events}
 
 [bootstrap]
-mode = "standalone"
+mode = "{bootstrap}"
 port = {p.bootstrap}
 
 [[prefill]]

@@ -24,6 +24,9 @@ PROBE = r"""
 import json
 import logging
 import vllm
+if not logging.getLogger("vllm").handlers:  # 0.32 configures its logging as a server starts, 0.26 at import
+    from vllm.logger import _configure_vllm_root_logger
+    _configure_vllm_root_logger()
 logging.getLogger("vllm.pdkv_probe").info("probe logs through pdkv's logging config")
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from pdkv.connector import vllm_connector as vc
