@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
 READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
-KV_CACHE_BYTES = 8 << 30  # per engine: 58k tokens of Qwen3-8B's KV; six engines and their weights fit one H200
+KV_CACHE_BYTES = 4 << 30  # per engine: 29k tokens of Qwen3-8B's KV; six engines (15.3 GiB of weights each) fit one H200
 BLOCK_SIZE = 16
 
 
@@ -55,7 +55,8 @@ def deployment_toml(name: str, model: str) -> str:
     p = PORTS[name]
     engine_args = json.dumps([
         "--enforce-eager", "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "64",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
+        "--max-num-batched-tokens", "2048",
     ])
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
