@@ -203,3 +203,35 @@ def test_a_decode_killed_mid_run_fails_its_writes_at_once_and_the_other_decode_i
             if proc.is_alive():
                 conn.send("stop")
             proc.join(30)
+
+
+def test_graphs_captured_while_another_thread_computes_leave_that_thread_working():
+    """The engine's model runs in one thread while the sender captures a write's CUDA graph in another; a capture
+    in torch's default ("global") mode made the model's next matmul fail (operation not permitted when stream
+    is capturing) and killed the engine."""
+    import torch
+
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def model() -> None:
+        a = torch.randn(2048, 2048, device="cuda:0", dtype=torch.bfloat16)
+        try:
+            while not stop.is_set():
+                (a @ a).sum().item()
+        except BaseException as e:  # the failure this test looks for
+            errors.append(e)
+
+    with CudaIpcTransport(0) as t:
+        worker = threading.Thread(target=model)
+        worker.start()
+        try:
+            for nb in (16, 32, 64, 128, 256):
+                t._block_graph(0, LAYERS, nb, BLOCK_LEN).graph.replay()
+            torch.cuda.synchronize(0)
+        finally:
+            stop.set()
+            worker.join(30)
+    assert not errors, f"the computing thread failed during a capture: {errors[0]!r}"
