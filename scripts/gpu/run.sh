@@ -63,7 +63,7 @@ FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
 PIDS=()
 for name in pdkv-ipc pdkv-tcp mooncake-tcp; do
-    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json > "$OUT/up-$name.jsonl" 2> "$OUT/up-$name.stderr" &
+    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$OUT/logs-$name" > "$OUT/up-$name.jsonl" 2> "$OUT/up-$name.stderr" &
     PIDS+=($!)
 done
 stop_all() {
@@ -86,7 +86,6 @@ say "deployments ready: $ready of 3 ($(elapsed))"
 grep -h '"event": "ready"' "$OUT"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
 if [ "$ready" != 3 ]; then
     for f in "$OUT"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
-    for d in .pdkv/logs/*/; do for f in "$d"*.log; do [ -f "$f" ] && { echo "--- $f"; tail -n 25 "$f"; }; done; done > "$OUT/engine-logs.txt" 2>&1
     exit 1
 fi
 export PDKV_GPU_UP=1

@@ -4,7 +4,8 @@ Three deployments, one per connector/transport a one-host GPU user would pick: p
 (`pdkv-ipc`), pdkv's connector over Mooncake tcp (`pdkv-tcp`) and vLLM's MooncakeConnector over Mooncake tcp
 (`mooncake-tcp`). Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), eager
-mode, FlashAttention, and `VLLM_BATCH_INVARIANT=1` so that P alone and P/D give the same greedy tokens.
+mode, FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that
+P alone and P/D give the same greedy tokens.
 
 `python -m tests.gpu.deployments MODEL DIR` writes the files; `scripts/gpu/run.sh` starts them before the tests
 (naming them in PDKV_GPU_UP, so the tests attach) and the benchmark; without PDKV_GPU_UP the tests start them.
@@ -56,7 +57,9 @@ def deployment_toml(name: str, model: str) -> str:
     engine_args = json.dumps([
         "--enforce-eager", "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
-        "--max-num-batched-tokens", "2048",
+        # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
+        # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
     ])
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
@@ -123,10 +126,11 @@ def urls(name: str) -> Running:
 
 
 def start(name: str, file: Path, log: Path) -> Running:
-    """`pdkv up -f FILE --json` in its own process group; returns once it is started (not yet ready)."""
+    """`pdkv up -f FILE --json` in its own process group, its parts' logs beside `log`; returns once started."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdkv", "up", "-f", str(file), "--json"], cwd=ROOT, env=env, text=True,
+        [sys.executable, "-m", "pdkv", "up", "-f", str(file), "--json", "--log-dir", str(log.parent / f"logs-{name}")],
+        cwd=ROOT, env=env, text=True,
         stdout=subprocess.PIPE, stderr=log.open("w"), start_new_session=True,
     )
     run = urls(name)
