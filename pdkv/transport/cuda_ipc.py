@@ -244,16 +244,11 @@ class CudaIpcTransport:
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 # Compile outside the capture; nothing runs here.
                 kernel.warmup(*args, grid=grid, **meta)
-                # Captured while the engine's model runs in another thread of this process: capture mode
-                # "thread_local" leaves that thread's CUDA calls legal ("global", torch.cuda.graph's default,
-                # made the engine's next matmul fail: operation not permitted when stream is capturing), and
-                # capture_begin skips torch.cuda.graph's device-wide synchronize and cache emptying.
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
+                # "thread_local": the engine's model thread stays legal meanwhile ("global", the default, failed
+                # its next matmul: operation not permitted when stream is capturing, and P died).
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     dev.copy_(host, non_blocking=True)
                     kernel[grid](*args, **meta)
-                finally:
-                    graph.capture_end()
             cached = _BlockGraph(host, graph)
             while len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
