@@ -205,15 +205,12 @@ def test_a_decode_killed_mid_run_fails_its_writes_at_once_and_the_other_decode_i
             proc.join(30)
 
 
-def test_graphs_captured_while_another_thread_computes_leave_that_thread_working():
-    """The engine's model runs in one thread while the sender captures a write's CUDA graph in another; a capture
-    in torch's default ("global") mode made the model's next matmul fail (operation not permitted when stream
-    is capturing) and killed the engine."""
+def _capture_while_computing(conn) -> None:
     import torch
 
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
-    errors: list[BaseException] = []
+    errors: list[str] = []
     stop = threading.Event()
 
     def model() -> None:
@@ -222,7 +219,7 @@ def test_graphs_captured_while_another_thread_computes_leave_that_thread_working
             while not stop.is_set():
                 (a @ a).sum().item()
         except BaseException as e:  # the failure this test looks for
-            errors.append(e)
+            errors.append(repr(e))
 
     with CudaIpcTransport(0) as t:
         worker = threading.Thread(target=model)
@@ -234,4 +231,25 @@ def test_graphs_captured_while_another_thread_computes_leave_that_thread_working
         finally:
             stop.set()
             worker.join(30)
-    assert not errors, f"the computing thread failed during a capture: {errors[0]!r}"
+        conn.send(errors)
+    conn.send("closed")
+
+
+def test_graphs_captured_while_another_thread_computes_leave_that_thread_working():
+    """The engine's model runs in one thread while the sender captures a write's CUDA graph in another: a capture in
+    torch's default ("global") mode made the model's next matmul fail (operation not permitted when stream is
+    capturing) and killed P. In a child process, so that a crash (at the graphs' release, say) is a failure here."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_capture_while_computing, args=(child,))
+    proc.start()
+    try:
+        assert parent.poll(120), "no word from the capturing process"
+        errors = parent.recv()
+        assert not errors, f"the computing thread failed during a capture: {errors[0]}"
+        assert parent.poll(60) and parent.recv() == "closed", "the transport did not close"
+        proc.join(30)
+        assert proc.exitcode == 0, f"the capturing process ended with {proc.exitcode} after closing its transport"
+    finally:
+        if proc.is_alive():
+            proc.kill()
