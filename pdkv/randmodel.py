@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import zlib
 from collections.abc import Iterator
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,7 @@ def shard_plan(shapes: list[tuple[str, tuple[int, ...]]], shard_bytes: int = SHA
     shards: list[list[str]] = [[]]
     used = 0
     for name, shape in shapes:
-        size = 2
-        for n in shape:
-            size *= n
+        size = 2 * prod(shape)
         if shards[-1] and used + size > shard_bytes:
             shards.append([])
             used = 0
@@ -108,16 +107,9 @@ def _write_weights(out: Path, config: dict[str, Any], seed: int, device: str | N
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         files.append(fname)
         weight_map.update(dict.fromkeys(names, fname))
-    total = sum(2 * _numel(s) for _, s in shapes)
+    total = sum(2 * prod(s) for _, s in shapes)
     _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     return files
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def write_random_model(
