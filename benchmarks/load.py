@@ -234,7 +234,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def run_deployment(label: str, model: str, concurrencies: list[int], args: argparse.Namespace, logs: Path, extra: dict,
                    prompts: PromptSource) -> dict:
-    from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+    from pdkv.proxy.config import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
     connector, protocol = parse_deployment(label)

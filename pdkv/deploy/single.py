@@ -34,7 +34,7 @@ def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[A
         if spec.connector != "pdkv":
             raise UsageError("--members needs pdkv's connector",
                              hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
-        from pdkv.proxy.routing import parse_decode
+        from pdkv.proxy.config import parse_decode
 
         reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
         plan = joining(plan, parse_decode(members), reached)

@@ -47,7 +47,7 @@ def test_status_from_a_deploy_file(capsys, bootstrap, tmp_path: Path) -> None:
 
 
 def test_status_discovers_parts_through_the_proxy(capsys, bootstrap) -> None:
-    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.config import build_config
     from pdkv.proxy.server import BackgroundProxy
 
     p_url, d_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"

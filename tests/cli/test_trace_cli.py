@@ -47,7 +47,7 @@ def test_unreachable_proxy_is_one_line_with_a_hint(capsys) -> None:
 
 
 def test_unready_proxy_says_why(capsys) -> None:
-    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.config import build_config
     from pdkv.proxy.server import BackgroundProxy
 
     dead = f"http://127.0.0.1:{closed_port()}"

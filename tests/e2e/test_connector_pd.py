@@ -12,6 +12,7 @@ answer within seconds (D runs kv_load_failure_policy "fail" here).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -141,7 +142,7 @@ def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pai
         d.wait_healthy(START_S)
         burl = f"http://127.0.0.1:{bport}"
         engine_id = httpx.get(f"{burl}/query", timeout=5).json()["0"]["engine_id"]
-        from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+        from pdkv.proxy.config import PrefillSpec, ProxyConfig
         from pdkv.proxy.server import BackgroundProxy
 
         with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:
@@ -199,9 +200,21 @@ def proxy_tid(pair: Pair, rid: str) -> str:
     return str(httpx.get(f"{pair.proxy_url}/pdkv/requests/{rid}", timeout=5).json()["transfer_id"])
 
 
-def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
-    from pdkv.connector.trace_client import fetch_stats
+def fetch_stats(bootstrap_url: str) -> list:
+    """Every registered prefill worker's StatsReply."""
+    from pdkv.bootstrap.client import BootstrapClient
+    from pdkv.side_channel import query_stats
 
+    with BootstrapClient(bootstrap_url, timeout=2.0, retries=1) as bs:
+        addrs = [a for entry in bs.query().values() for pps in entry.worker_addr.values() for a in pps.values()]
+
+    async def ask_all() -> list:
+        return list(await asyncio.gather(*(query_stats(a) for a in addrs)))
+
+    return asyncio.run(ask_all())
+
+
+def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
     deadline = time.monotonic() + timeout
     while True:
         for reply in fetch_stats(pair.bootstrap_url):

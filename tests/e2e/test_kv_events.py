@@ -19,9 +19,9 @@ import pytest
 
 from ports import free_port_pair
 
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber, StreamObserver
-from pdkv.proxy.prefix import block_keys
+from pdkv.proxy.kv.index import KvIndex
+from pdkv.proxy.kv.subscriber import EventSource, KvEventSubscriber, StreamObserver
+from pdkv.proxy.kv.prefix import block_keys
 from pdkv.tinymodel import sample_text
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,7 @@ import time
 import httpx
 import pytest
 
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.tinymodel import sample_text
 

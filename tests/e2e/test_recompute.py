@@ -28,7 +28,7 @@ import pytest
 
 from loadclient import Answer, Case, free_port, kv_usage, prompts, run_load, same_greedy_answer
 from pdkv.launch import ManagedProcess
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.e2e

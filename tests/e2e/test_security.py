@@ -54,7 +54,7 @@ def keyed_pair(tiny_model: Path, tmp_path_factory) -> Iterator[dict]:
         d.wait_healthy(START_S)
         burl = f"http://127.0.0.1:{bport}"
         query = httpx.get(f"{burl}/query", timeout=5).json()
-        from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+        from pdkv.proxy.config import PrefillSpec, ProxyConfig
         from pdkv.proxy.server import BackgroundProxy
 
         with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:

@@ -29,7 +29,7 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec
 from pdkv.connector.sender import KVSender
-from pdkv.connector.side_channel import decode_reply, encode
+from pdkv.side_channel import decode_reply, encode
 from pdkv.protocol import (
     Announce,
     PullReply,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber, StreamObserver
-from pdkv.proxy.prefix import block_keys
+from pdkv.proxy.kv.index import KvIndex
+from pdkv.proxy.kv.subscriber import EventSource, KvEventSubscriber, StreamObserver
+from pdkv.proxy.kv.prefix import block_keys
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 BS = 4

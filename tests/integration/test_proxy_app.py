@@ -22,7 +22,7 @@ from pdkv.auth import binding_matches
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.service import BackgroundService
 
@@ -472,7 +472,7 @@ def test_unreachable_decode_is_taken_out_on_connect_failure():
 def _force_up(proxy: BackgroundProxy) -> None:
     for d in proxy.app.backends.decodes:
         d.up = True
-    proxy.app.backends._rebuild()
+    proxy.app.backends.rebuild()
 
 
 def test_least_outstanding_avoids_a_busy_decode():
@@ -544,13 +544,13 @@ def _proxy_with(dep: Deployment, prefill_url: str, decode_url: str) -> Iterator[
     cfg = build_config([f"{prefill_url},{dep.bootstraps[0].url}"], [decode_url], port=0, health_interval=30.0, unhealthy_after=5,
                        local_fallback=False)
     with BackgroundProxy(cfg) as proxy:
-        _wait_for(lambda: proxy.app.backends.rounds >= 1, what="first health round")
+        _wait_for(lambda: proxy.app.health.rounds >= 1, what="first health round")
 
         def force_up() -> None:
             for b in (*proxy.app.backends.prefills, *proxy.app.backends.decodes):
                 b.up = True
             proxy.app.backends.prefills[0].engines = {0: "engine-a"}
-            proxy.app.backends._rebuild()
+            proxy.app.backends.rebuild()
 
         proxy.call(force_up)
         yield proxy
@@ -628,7 +628,7 @@ def test_prefill_failing_before_decodes_first_byte_is_served_by_decode_alone(str
             proxy.app.backends.prefills[0].up = True
             proxy.app.backends.prefills[0].engines = {0: "engine-a"}
             proxy.app.backends.decodes[0].up = True
-            proxy.app.backends._rebuild()
+            proxy.app.backends.rebuild()
             r = c.post("/v1/completions", json={**REQUEST, "stream": stream}, headers={"X-Request-Id": f"fb-{failure}-{stream}"})
             record = c.get(f"/pdkv/requests/fb-{failure}-{stream}").json()
             metrics = c.get("/metrics").text

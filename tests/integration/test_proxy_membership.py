@@ -15,7 +15,7 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.members import MemberRecord
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from tests.integration.test_proxy_app import REQUEST, Stub, _wait_for
 

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from pdkv.connector.sender import KVSender
-from pdkv.connector.side_channel import decode_reply, encode
+from pdkv.side_channel import decode_reply, encode
 from pdkv.connector.state import SendLimits
 from pdkv.protocol import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
 from pdkv.transport.mooncake import MooncakeTransport
