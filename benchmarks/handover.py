@@ -43,7 +43,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.process import ManagedProcess
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"

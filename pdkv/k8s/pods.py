@@ -14,7 +14,8 @@ import msgspec
 
 from pdkv import __version__
 from pdkv.errors import ConfigError
-from pdkv.k8s.settings import MOONCAKE_PORTS_PER_GPU, KubernetesEntry
+from pdkv.deploy.schema import KubernetesEntry
+from pdkv.k8s.settings import MOONCAKE_PORTS_PER_GPU
 
 Role = Literal["bootstrap", "prefill", "decode", "proxy", "config"]
 ROLE_LABEL = "pdkv/role"

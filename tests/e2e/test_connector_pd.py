@@ -28,7 +28,8 @@ import pytest
 from ports import free_port
 
 from pdkv.geometry import geometry_from_model, plan_transfer
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
 

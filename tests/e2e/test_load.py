@@ -30,7 +30,7 @@ import pytest
 
 import loadclient
 from loadclient import Answer, Case, free_port, kv_usage, one, prompts, run_load, same_greedy_answer
-from pdkv.launch import ManagedProcess
+from pdkv.deploy.process import ManagedProcess
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from loadclient import Answer, Case, free_port, kv_usage, prompts, run_load, same_greedy_answer
-from pdkv.launch import ManagedProcess
+from pdkv.deploy.process import ManagedProcess
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 

@@ -29,7 +29,8 @@ import pytest
 from test_connector_pd import PDKV_EXTRA, START_S, answer, body, complete, free_port, prompt_ids, spec
 
 from pdkv.auth import new_binding
-from pdkv.launch import ManagedProcess, engine_plan
+from pdkv.deploy.engine import engine_plan
+from pdkv.deploy.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
 

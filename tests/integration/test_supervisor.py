@@ -16,7 +16,7 @@ import pytest
 
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan
+from pdkv.deploy.engine import LaunchPlan
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.
 HEALTH_SERVER = (

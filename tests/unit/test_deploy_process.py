@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan, ManagedProcess
+from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.process import ManagedProcess
 
 # A parent that starts a grandchild in the same process group, prints both pids, then waits.
 FAMILY = (
