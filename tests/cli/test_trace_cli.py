@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import io
 import socket
-import sys
-from pathlib import Path
 
 from rich.console import Console
 
 from pdkv.cli import run
 from pdkv.cli.trace import render_summary, render_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_trace_assemble import client_timing, connector_record, proxy_record  # noqa: E402
+from support.trace_records import client_timing, connector_record, proxy_record
 
 from pdkv.trace.assemble import assemble, summarize  # noqa: E402
 

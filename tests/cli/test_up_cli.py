@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import run
+from support.ports import free_port
 
 
 # pdkv up's own vLLM logging configuration (pdkv.deploy.vllm_logging), under the default --log-dir.
 LOGGING = {"VLLM_LOGGING_CONFIG_PATH": str(Path(".pdkv/logs").resolve() / "vllm-logging.json")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dry_run(capsys, *args: str) -> list[dict]:

@@ -25,7 +25,7 @@ import pytest
 
 from pdkv.deploy.engine import EngineSpec, engine_plan
 from pdkv.deploy.process import ManagedProcess
-from ports import free_port  # noqa: F401 - tests import it from here too
+from support.ports import free_port
 
 SHIMS = Path(__file__).resolve().parents[1] / "shims"
 START_TIMEOUT_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))

@@ -26,7 +26,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from loadclient import Answer, Case, free_port, kv_usage, prompts, run_load, same_greedy_answer
+from support.loadclient import Answer, Case, kv_usage, prompts, run_load, same_greedy_answer
+from support.ports import free_port
 from pdkv.deploy.process import ManagedProcess
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_connector_pd import PDKV_EXTRA, START_S, answer, body, complete, free_port, prompt_ids, spec
 
 from pdkv.auth import new_binding
 from pdkv.deploy.engine import engine_plan
 from pdkv.deploy.process import ManagedProcess
+from support.engines import PDKV_EXTRA, START_S, answer, body, complete, prompt_ids, spec
+from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ports import free_port
+from support.ports import free_port
 
 from pdkv.geometry import geometry_from_model, plan_transfer
 from pdkv.deploy.engine import EngineSpec, engine_plan

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from test_proxy_app import REQUEST, Deployment
+from support.proxy_stubs import REQUEST, Deployment
 
 from pdkv.auth import FrameSealer, new_binding
 from pdkv.bench.control import BenchTarget, Checksum, Refill, Setup, TargetClient

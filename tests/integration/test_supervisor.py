@@ -17,6 +17,7 @@ import pytest
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
 from pdkv.deploy.engine import LaunchPlan
+from support.ports import free_port
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.
 HEALTH_SERVER = (
@@ -31,12 +32,6 @@ HEALTH_SERVER = (
     "print('serving pid', os.getpid(), 'value', os.environ['PDKV_TEST_VALUE'], flush=True)\n"
     "server.serve_forever()\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bootstrap_plan(name: str) -> LaunchPlan:

@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from k8s_objects import EXAMPLES, K8S_VERSIONS, containers, env_of, flag, pod_templates, render_file, render_text, validate
+from support.k8s_objects import EXAMPLES, K8S_VERSIONS, containers, env_of, flag, pod_templates, render_file, render_text, validate
 
 from pdkv.bootstrap import TOKEN_ENV
 from pdkv.deploy.loader import load_deployment
