@@ -27,6 +27,8 @@ from typing import Any
 __all__ = ["PdkvConnector"]
 
 
+# The one package whose public name is imported on first use: PdkvConnector subclasses vLLM's connector base,
+# and the pure modules must load where vLLM is not installed (the proxy, pdkv trace, the unit tests).
 def __getattr__(name: str) -> Any:
     if name == "PdkvConnector":
         from pdkv.connector.vllm_connector import PdkvConnector

@@ -148,87 +148,83 @@ class ProxyApp:
         if not self.timings.add(t):  # 128 random bits repeated: refused rather than two requests racing for one KV
             self._finish_error(conn, t, 409, "bad_request", "transfer id collision; retry the request")
             return
-        try:
-            await self._route(req, conn, t)
+        try:  # every request with a record is observed once, however it ends
+            try:
+                body = _json_decode(req.body)
+            except msgspec.DecodeError as exc:
+                body = exc
+            if not isinstance(body, dict):
+                self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
+                return
+            try:
+                fields = msgspec.convert(body, CompletionFields)
+            except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
+                self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
+                return
+            why = unsupported_field(body, self.config.connector)
+            if why is not None:
+                self._finish_error(conn, t, 400, "bad_request", why)
+                return
+            t.stream = stream = bool(fields.stream)
+            auth = req.headers.get("authorization")
+            d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
+            kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
+            if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
+                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
+                return
+            chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
+            if chosen is None:
+                reason = self.backends.readiness()[1]
+                d_state = self.backends.live_decode() if self.config.local_fallback else None
+                if d_state is None:
+                    self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
+                else:
+                    await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
+                return
+            pairing, p_state, d_state = chosen
+            target = pairing.prefill
+            t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
+            headers = prefill_headers(request_id, target)
+            if auth:
+                headers.append(("Authorization", auth))
+            # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
+            secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
+            p_body = prefill_request(body, transfer_id, commitment)
+            p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
+            d_body = decode_request(body, transfer_id, target, secret)
+            d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(d_body), d_headers)
+
+            flight = Flight(asyncio.get_running_loop(), t)
+            p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
+            p_ex.set_deadline(self.config.prefill_timeout)
+            d_ex.set_deadline(self.config.decode_first_byte_timeout)
+
+            def client_gone() -> None:
+                flight.client_gone = True
+                p_ex.abort()
+                d_ex.abort()
+
+            conn.on_disconnect = client_gone
+            self.backends.begin(pairing, d_state)
+            try:
+                t.prefill_dispatched = time.time()
+                p_state.pool.send(p_ex, p_bytes)
+                t.decode_dispatched = time.time()
+                d_state.pool.send(d_ex, d_bytes)
+                fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+                if t.error is not None or fallback is not None:
+                    # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
+                    # P closed the transfer and the release is a no-op): P may free its blocks now.
+                    if self.config.connector is KvConnector.PDKV:  # vLLM's connector would not understand it
+                        release_at_prefill(p_state.workers.get(target.dp_rank, []), t.transfer_id, fields.n or 1, secret)
+                if fallback is not None:
+                    await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
+            finally:
+                self.backends.end(pairing, p_state, d_state)
+                if self.kv is not None:
+                    self.kv.finished(t)
         finally:
             self.metrics.observe(t)
-
-    async def _route(self, req: Request, conn: ServerConnection, t: ProxyTiming) -> None:
-        """Answer one recorded request: refused, from D alone, or through a P/D pair."""
-        request_id, transfer_id, endpoint = t.request_id, t.transfer_id, t.endpoint
-        try:
-            body = _json_decode(req.body)
-        except msgspec.DecodeError as exc:
-            body = exc
-        if not isinstance(body, dict):
-            self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
-            return
-        try:
-            fields = msgspec.convert(body, CompletionFields)
-        except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
-            self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
-            return
-        why = unsupported_field(body, self.config.connector)
-        if why is not None:
-            self._finish_error(conn, t, 400, "bad_request", why)
-            return
-        t.stream = stream = bool(fields.stream)
-        auth = req.headers.get("authorization")
-        d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
-        kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
-        if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
-            await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
-            return
-        chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
-        if chosen is None:
-            reason = self.backends.readiness()[1]
-            d_state = self.backends.live_decode() if self.config.local_fallback else None
-            if d_state is None:
-                self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
-            else:
-                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
-            return
-        pairing, p_state, d_state = chosen
-        target = pairing.prefill
-        t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
-        headers = prefill_headers(request_id, target)
-        if auth:
-            headers.append(("Authorization", auth))
-        # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
-        secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
-        p_body = prefill_request(body, transfer_id, commitment)
-        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
-        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target, secret)), d_headers)
-
-        flight = Flight(asyncio.get_running_loop(), t)
-        p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
-        p_ex.set_deadline(self.config.prefill_timeout)
-        d_ex.set_deadline(self.config.decode_first_byte_timeout)
-
-        def client_gone() -> None:
-            flight.client_gone = True
-            p_ex.abort()
-            d_ex.abort()
-
-        conn.on_disconnect = client_gone
-        self.backends.begin(pairing, d_state)
-        try:
-            t.prefill_dispatched = time.time()
-            p_state.pool.send(p_ex, p_bytes)
-            t.decode_dispatched = time.time()
-            d_state.pool.send(d_ex, d_bytes)
-            fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
-            if t.error is not None or fallback is not None:
-                # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
-                # P closed the transfer and the release is a no-op): P may free its blocks now.
-                if self.config.connector is KvConnector.PDKV:  # vLLM's connector would not understand it
-                    release_at_prefill(p_state.workers.get(target.dp_rank, []), t.transfer_id, fields.n or 1, secret)
-            if fallback is not None:
-                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
-        finally:
-            self.backends.end(pairing, p_state, d_state)
-            if self.kv is not None:
-                self.kv.finished(t)
 
     async def _local(self, conn: ServerConnection, t: ProxyTiming, body: dict[str, Any], endpoint: str, d_state: BackendState,
                      d_headers: list[tuple[str, str]], stream: bool, reason: str) -> None:
