@@ -168,9 +168,8 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
                     console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
             if trace:
                 _run_trace_hook(parts, emit, json_out)
-            if once:
-                return
-            run.watch()
+            if not once:
+                run.watch()
         except KeyboardInterrupt:
             if not json_out:
                 err_console.print("stopping every part ...")
