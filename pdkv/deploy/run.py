@@ -193,8 +193,9 @@ class PartsRun:
 
     Inside the `with`, SIGTERM stops cleanly like Ctrl-C (KeyboardInterrupt), also when the shell started
     `pdkv up` with SIGINT ignored; leaving it stops every part with both signals ignored (a second Ctrl-C
-    must not orphan an engine), then restores the handlers. `on_line(name, line)` gets every output line,
-    `on_event` every PartEvent of the watch, `on_change()` runs after each state change.
+    must not orphan an engine), then puts SIGTERM's handler back and SIGINT's to KeyboardInterrupt.
+    `on_line(name, line)` gets every output line, `on_event` every PartEvent of the watch, `on_change()`
+    runs after each state change.
     """
 
     def __init__(
