@@ -42,7 +42,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
     first worker runs one on `bootstrap_port`. `transport` is how the KV moves (the deployment file's
-    `protocol` and the CLI's `--protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps).
+    `protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps; the CLI's `--transport`).
     """
 
     model: str
@@ -163,7 +163,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     if transport in ("ipc", "cma") and spec.connector != "pdkv":
         raise UsageError(
             f"protocol {transport} is pdkv's own transport",
-            hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector",
+            hint="use --connector pdkv, or --transport tcp/rdma with vLLM's MooncakeConnector",
         )
     # vLLM's key, which both connectors read (pdkv's also reads `transport`)
     extra: dict[str, Any] = {"mooncake_protocol": transport}

@@ -47,7 +47,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     role: str | None = None
     model: str | None = None
     connector: str = "pdkv"
-    transport: str | None = None  # how the KV moves (the file's and the CLI's `protocol`)
+    transport: str | None = None  # how the KV moves (the file's `protocol`, the CLI's `--transport`)
     device: str = ""
     gpu: str | None = None
     port: int | None = None
@@ -78,7 +78,7 @@ class UpPlan(msgspec.Struct, kw_only=True):
 
 def _check_options(o: UpOptions, gpus: int) -> None:
     for value, allowed, flag in ((o.connector, ("pdkv", "mooncake"), "--connector"),
-                                 (o.transport, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
+                                 (o.transport, ("rdma", "tcp", "ipc", "cma", None), "--transport"),
                                  (o.platform, ("gpu", "cpu", None), "--platform"), (o.restart, ("on-failure", "no", None), "--restart")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
@@ -89,10 +89,10 @@ def _check_options(o: UpOptions, gpus: int) -> None:
     if o.host is not None and o.file is None and o.role is None:
         raise UsageError("--host goes with -f FILE (a [[hosts]] name) or --role (a listen address)")
     if o.transport == "ipc" and (o.platform == "cpu" or (o.platform is None and not gpus)):
-        raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp or cma on CPU hosts")
+        raise UsageError("--transport ipc moves KV between GPUs, and no GPU is in use here", hint="use --transport tcp or cma on CPU hosts")
     if o.transport == "cma" and (o.platform == "gpu" or (o.platform is None and gpus)):
-        raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU",
-                         hint="use --protocol ipc between GPUs of this host")
+        raise UsageError("--transport cma moves KV in host memory, and these engines keep it on a GPU",
+                         hint="use --transport ipc between GPUs of this host")
 
 
 def select_parts(parts: Sequence[Part], hosts: set[str] | None) -> list[Part]:

@@ -151,7 +151,7 @@ def doctor_container(k: KubernetesEntry, protocol: str, device: str, ports: list
     stderr (the one-line "pdkv: error: ..." and its hint) goes to the termination log, which Kubernetes shows as the
     init container's message (`kubectl describe pod`); the check table stays in the container's log.
     """
-    argv = ["pdkv", "doctor", "--protocol", protocol]
+    argv = ["pdkv", "doctor", "--transport", protocol]
     if device:
         argv += ["--device", device]
     for p in ports:

@@ -226,7 +226,7 @@ def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_p
     yama.mkdir(parents=True)
     (yama / "ptrace_scope").write_text("3\n")
     [problem] = check_cma(cma, proc_root=str(tmp_path / "proc"))
-    assert "ptrace_scope is 3" in problem.what and "--protocol tcp" in problem.fix
+    assert "ptrace_scope is 3" in problem.what and "--transport tcp" in problem.fix
 
 
 def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonpath(tmp_path: Path) -> None:
