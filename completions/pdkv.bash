@@ -40,7 +40,7 @@ _pdkv() {
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
-        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
+        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
         *) words="bench bootstrap doctor k8s model plan proxy status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

@@ -165,6 +165,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l gpu
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l host-ip
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l listen
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l log-dir
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l model

@@ -196,8 +196,10 @@ def up(
     port: Annotated[int | None, typer.Option("--port",
         help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
     host: Annotated[str | None, typer.Option("--host",
-        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). With --role: the "
-        "address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
+        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). "
+        "With --role it is the older name of --listen.", show_default=False)] = None,
+    listen: Annotated[str | None, typer.Option("--listen",
+        help="With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
     host_ip: Annotated[str | None, typer.Option("--host-ip",
         help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
     bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port",
@@ -230,9 +232,9 @@ def up(
     from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
     options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport or protocol, device=device,
-                        gpu=gpu, port=port, host=host, host_ip=host_ip, bootstrap_port=bootstrap_port, bootstrap=bootstrap,
-                        members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind, timeout=timeout,
-                        restart=restart, extra=tuple(extra or ()))
+                        gpu=gpu, port=port, host=host, listen=listen, host_ip=host_ip, bootstrap_port=bootstrap_port,
+                        bootstrap=bootstrap, members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind,
+                        timeout=timeout, restart=restart, extra=tuple(extra or ()))
     plan = resolve(options, log_dir)
     for line in hand_out_key(plan.token, plan.parts):
         if json_out:

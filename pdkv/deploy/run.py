@@ -51,7 +51,8 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     device: str = ""
     gpu: str | None = None
     port: int | None = None
-    host: str | None = None  # with `file`: a [[hosts]] name; with `role`: the engine's listen address
+    host: str | None = None  # with `file`: a [[hosts]] name (with `role`: the older name of `listen`)
+    listen: str | None = None  # with `role`: the address the engine listens on
     host_ip: str | None = None
     bootstrap_port: int | None = None
     bootstrap: str | None = None
@@ -87,7 +88,9 @@ def _check_options(o: UpOptions, gpus: int) -> None:
     if o.members is not None and o.role is None:
         raise UsageError("--members goes with --role", hint="a deployment file's engines join its first bootstrap's registry by themselves")
     if o.host is not None and o.file is None and o.role is None:
-        raise UsageError("--host goes with -f FILE (a [[hosts]] name) or --role (a listen address)")
+        raise UsageError("--host goes with -f FILE (a [[hosts]] name)", hint="an engine's listen address is --listen, with --role")
+    if o.listen is not None and o.role is None:
+        raise UsageError("--listen goes with --role", hint="a deployment file's parts listen on its `host`")
     if o.transport == "ipc" and (o.platform == "cpu" or (o.platform is None and not gpus)):
         raise UsageError("--transport ipc moves KV between GPUs, and no GPU is in use here", hint="use --transport tcp or cma on CPU hosts")
     if o.transport == "cma" and (o.platform == "gpu" or (o.platform is None and gpus)):
@@ -134,7 +137,7 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
             role,
             o.members,
             model=o.model or str(tiny_model_path()),
-            host=o.host or "0.0.0.0",
+            host=o.listen or o.host or "0.0.0.0",
             port=o.port or (8100 if role == "prefill" else 8200),
             connector=o.connector,
             transport=o.transport or ("tcp" if plat == "cpu" else "rdma"),
