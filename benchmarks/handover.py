@@ -43,7 +43,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.process import ManagedProcess
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
@@ -101,7 +102,7 @@ PHASES = (
 
 def connector_records(bootstrap_url: str) -> dict[str, dict[str, float]]:
     """transfer_id -> events, from every P worker registered at `bootstrap_url`."""
-    from pdkv.connector.side_channel import request_once
+    from pdkv.side_channel import request_once
     from pdkv.protocol import StatsQuery, StatsReply
 
     engines = httpx.get(f"{bootstrap_url}/query", timeout=5).json()
@@ -125,7 +126,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs: Path, extra: dict | None = None) -> dict:
-    from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+    from pdkv.proxy.config import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
     label, plus, _ = label.partition("+key")
@@ -235,7 +236,7 @@ def key_cost_us(n: int = 20_000) -> dict[str, float]:
     and P opens it, P seals its DONE reply and D opens it (pdkv's own messages, 63 blocks as in the seed).
     Interleaved with the same encoding without the key, so that both see the same machine; microseconds."""
     from pdkv.auth import FrameSealer, new_binding
-    from pdkv.connector.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
+    from pdkv.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
     from pdkv.protocol import PullReply, PullRequest, PullStatus
 
     pull = PullRequest(transfer_id=f"xfer-{'ab' * 16}", d_req_id="cmpl-" + "c" * 40, session="127.0.0.1:15000", tp_rank=0,

@@ -70,7 +70,8 @@ from pathlib import Path
 import numpy as np
 from routing_workloads import SERVED, counters, free_port, multi_turn, rate, unique
 
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan, kv_events_endpoints
+from pdkv.deploy.engine import EngineSpec, engine_plan, kv_events_endpoints
+from pdkv.deploy.process import ManagedProcess
 
 BLOCK = 32
 

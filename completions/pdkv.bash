@@ -26,23 +26,23 @@ _pdkv() {
     done
     local words
     case "$path" in
-        "bench run") words="--baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --protocol --seed --src --sweep --target --warmup --help" ;;
-        "bench serve") words="--advertise --device --dst --host --json --mc --once --port --protocol --help" ;;
+        "bench run") words="--baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --src --sweep --target --transport --warmup --help" ;;
+        "bench serve") words="--advertise --device --dst --host --json --mc --once --port --transport --help" ;;
         "bootstrap deregister") words="--json --retries --timeout --token --url --help" ;;
         "bootstrap query") words="--json --retries --timeout --help" ;;
         "k8s render") words="--file --json --namespace --out --help" ;;
         "model random") words="--config --json --no-weights --seed --weights --help" ;;
         "model tiny") words="--json --seed --std --help" ;;
-        "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --protocol --seed --src --sweep --target --warmup --help" ;;
+        "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --src --sweep --target --transport --warmup --help" ;;
         "bootstrap") words="deregister query --host --json --port --probe-failures --probe-interval --probe-timeout --quiet --token --help" ;;
-        "doctor") words="--device --json --mooncake-timeout --port --protocol --skip-mooncake --help" ;;
+        "doctor") words="--device --json --mooncake-timeout --port --skip-mooncake --transport --help" ;;
         "k8s") words="render --help" ;;
         "model") words="random tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
-        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;
+        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
         *) words="bench bootstrap doctor k8s model plan proxy status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))

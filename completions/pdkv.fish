@@ -30,11 +30,11 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l link-gbps
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l model
-complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l seed
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l target
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l warmup
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l baseline
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l block-size
@@ -53,11 +53,11 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomma
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l link-gbps
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l model
-complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l seed
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l target
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l warmup
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l advertise
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l device
@@ -67,7 +67,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomma
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l once
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l port
-complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l protocol
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bootstrap; and not __fish_seen_subcommand_from deregister query' -a deregister
 complete -c pdkv -n '__fish_seen_subcommand_from bootstrap; and not __fish_seen_subcommand_from deregister query' -a query
 complete -c pdkv -n '__fish_seen_subcommand_from bootstrap; and not __fish_seen_subcommand_from deregister query' -l host
@@ -90,8 +90,8 @@ complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l device
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l mooncake-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l port
-complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l skip-mooncake
+complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and not __fish_seen_subcommand_from render' -a render
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l json
@@ -171,6 +171,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l gpu
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l host
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l host-ip
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l listen
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l log-dir
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l model
@@ -178,10 +179,10 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l omp-bind
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l once
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l platform
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l port
-complete -c pdkv -n '__fish_seen_subcommand_from up' -l protocol
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l quiet
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l restart
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l role
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l tp
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l trace
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l transport

@@ -102,7 +102,7 @@ class TimeoutError_(PdkvError):  # noqa: N801 - avoid shadowing the builtin
 
 class UpstreamError(UnreachableError):
     """A proxied exchange with a backend failed without an HTTP answer. `cause`: connect, timeout,
-    disconnect or cancelled (pdkv.proxy.http sets it; pdkv.proxy.errors words it for the client)."""
+    disconnect or cancelled (pdkv.proxy.http sets it; pdkv.proxy.error_answers words it for the client)."""
 
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(message)

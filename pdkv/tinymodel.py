@@ -10,7 +10,9 @@ to the same tokens, which would hide a KV cache that arrived wrong.
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import struct
 from pathlib import Path
 
@@ -200,3 +202,24 @@ def sample_text(words: int, seed: int = 1) -> str:
     """Deterministic text in the tiny model's vocabulary, about `words` words long."""
     rng = random.Random(seed)
     return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDKV_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkv")
+    return Path(root)
+
+
+def tiny_model_path() -> Path:
+    return cache_dir() / "tiny-model"
+
+
+def ensure_tiny_model(path: Path | None = None) -> Path:
+    """The embedded tiny model in the cache, written (atomically) when missing."""
+    path = path or tiny_model_path()
+    if (path / "config.json").exists() and (path / "model.safetensors").exists():
+        return path
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    write_tiny_model(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path

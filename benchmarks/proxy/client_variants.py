@@ -20,7 +20,8 @@ from aiohttp import web
 
 from pdkv.auth import new_binding
 from pdkv.protocol import new_transfer_id
-from pdkv.proxy.routing import PrefillTarget, decode_request, prefill_request
+from pdkv.proxy.rewrite import decode_request, prefill_request
+from pdkv.proxy.routing import PrefillTarget
 
 
 def build_app(args: argparse.Namespace) -> web.Application:

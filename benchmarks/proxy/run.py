@@ -35,7 +35,7 @@ CONCURRENCY = (1, 32, 128)
 TARGETS = ("direct", "example", "vllm-router", "pdkv", "aiohttp+httpx", "aiohttp+aiohttp")
 PDKV_LAUNCH = (
     "import sys, logging; logging.disable(logging.INFO)\n"
-    "from pdkv.proxy.routing import build_config\n"
+    "from pdkv.proxy.config import build_config\n"
     "from pdkv.proxy.server import serve\n"
     "serve(build_config([sys.argv[1]], [sys.argv[2]], port=int(sys.argv[3])))\n"
 )

@@ -6,3 +6,8 @@ channel), `baseline` (bare TransferEngine calls, transfer_engine_bench),
 `runner` (run_bench: one report for every case), `options` (the BenchSpec of
 `pdkv bench`'s options, for the CLI and `python -m pdkv.bench` alike).
 """
+
+from pdkv.bench.options import parse_settings, spec_from_options
+from pdkv.bench.runner import BenchReport, BenchSpec, run_bench, settings_from_env
+
+__all__ = ["BenchReport", "BenchSpec", "parse_settings", "run_bench", "settings_from_env", "spec_from_options"]

@@ -124,13 +124,13 @@ def check_spec(spec: BenchSpec) -> None:
     src, dst = parse_device(spec.src), parse_device(spec.dst)
     if spec.transport == "ipc":
         if not (src.startswith("cuda:") and dst.startswith("cuda:")):
-            raise UsageError("--protocol ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
+            raise UsageError("--transport ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
         return
     if spec.transport == "cma":
         if (src, dst) != ("cpu", "cpu"):
             raise UsageError(
-                "--protocol cma moves host memory between processes of this host",
-                hint="use --src cpu --dst cpu, or --protocol ipc for GPUs",
+                "--transport cma moves host memory between processes of this host",
+                hint="use --src cpu --dst cpu, or --transport ipc for GPUs",
             )
         return
     # Before any process starts: a wrong transport or a missing RDMA device fails here, in seconds.

@@ -29,15 +29,15 @@ Examples:
 
   pdkv bench --model ./Qwen3-8B --sweep blocks=1,16,63,256 --sweep layout=all --csv bench.csv
 
-  pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --protocol tcp --json
+  pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --transport tcp --json
 
-  pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --protocol ipc --layout all --baseline
+  pdkv bench --model ./Qwen3-8B --src cuda:0 --dst cuda:1 --transport ipc --layout all --baseline
 
-  pdkv bench --model ./Qwen3-8B --protocol cma --layout all --baseline
+  pdkv bench --model ./Qwen3-8B --transport cma --layout all --baseline
 
-  pdkv bench serve --host 0.0.0.0 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0
+  pdkv bench serve --host 0.0.0.0 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0
 
-  pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --protocol rdma --device mlx5_0 --src cuda:0
+  pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --transport rdma --device mlx5_0 --src cuda:0
 """
 
 SERVE_HELP = """Run the decode side of a two-host benchmark: answers `pdkv bench run --target`
@@ -48,7 +48,7 @@ Examples:
 
   pdkv bench serve --host 0.0.0.0 --port 18600
 
-  pdkv bench serve --host 10.0.0.2 --port 18600 --protocol rdma --device mlx5_0 --dst cuda:0 --json
+  pdkv bench serve --host 10.0.0.2 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0 --json
 """
 
 PROTOCOL_HELP = "tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."
@@ -65,7 +65,8 @@ def bench(
     head_dim: HeadDimOpt = None,
     dtype: DtypeOpt = None,
     block_size: BlockSizeOpt = 16,
-    protocol: str = typer.Option("tcp", "--protocol", help=PROTOCOL_HELP),
+    transport: str = typer.Option("tcp", "--transport", help=PROTOCOL_HELP),
+    protocol: str | None = typer.Option(None, "--protocol", hidden=True, help="The older name of --transport."),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0; also where the link rate is read."),
     src: str = typer.Option("cpu", "--src", help="Where P's KV lives: cpu or cuda:N."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N (local target only)."),
@@ -84,12 +85,13 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
+    transport = protocol or transport
     from pdkv.bench.options import spec_from_options
     from pdkv.bench.runner import run_bench
 
     spec = spec_from_options(
         model=model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, blocks=blocks,
-        layout=layout, sweep=sweep, protocol=protocol, device=device, src=src, dst=dst, iters=iters, warmup=warmup, seed=seed,
+        layout=layout, sweep=sweep, transport=transport, device=device, src=src, dst=dst, iters=iters, warmup=warmup, seed=seed,
         link_gbps=link_gbps, baseline=baseline, target=target, hostname=hostname, mc=mc,
     )  # fmt: skip
     with Progress(
@@ -201,7 +203,8 @@ def serve(
     advertise: str | None = typer.Option(
         None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."
     ),
-    protocol: str = typer.Option("tcp", "--protocol", help=PROTOCOL_HELP),
+    transport: str = typer.Option("tcp", "--transport", help=PROTOCOL_HELP),
+    protocol: str | None = typer.Option(None, "--protocol", hidden=True, help="The older name of --transport."),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
@@ -212,6 +215,7 @@ def serve(
     from pdkv.bench.options import parse_settings
     from pdkv.bench.runner import settings_from_env
 
+    protocol = protocol or transport
     with BenchTarget(
         host, port, advertise=advertise, transport=protocol, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
     ) as target:

@@ -24,7 +24,8 @@ def command_tree() -> dict[str, Any]:
 
 
 def _node(cmd: Any) -> dict[str, Any]:
-    options = sorted({o for p in getattr(cmd, "params", []) for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
+    params = [p for p in getattr(cmd, "params", []) if not getattr(p, "hidden", False)]  # an older name stays unoffered
+    options = sorted({o for p in params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")})
     subs = getattr(cmd, "commands", {}) or {}
     return {"options": options, "commands": {name: _node(sub) for name, sub in sorted(subs.items())}}
 

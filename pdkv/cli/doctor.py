@@ -22,9 +22,9 @@ Examples:
 
   pdkv doctor --device mlx5_0
 
-  pdkv doctor --protocol tcp --skip-mooncake
+  pdkv doctor --transport tcp --skip-mooncake
 
-  pdkv doctor --protocol cma
+  pdkv doctor --transport cma
 
   pdkv doctor --device mlx5_0 --port 8000 --port 8998 --port 8100 --port 8200 --json
 """
@@ -42,10 +42,10 @@ DeviceOpt = Annotated[
     str | None,
     typer.Option("--device", "-d", help="RDMA device the deployment uses (Mooncake's device_name), e.g. mlx5_0; commas for several."),
 ]
-ProtocolOpt = Annotated[
+TransportOpt = Annotated[
     ProtocolName,
     typer.Option(
-        "--protocol", "-p",
+        "--transport", "-p",
         help="KV transport: rdma or tcp (Mooncake), or cma (P and D on one CPU host); tcp and cma skip the RDMA-only checks.",
     ),
 ]
@@ -59,7 +59,8 @@ MooncakeTimeoutOpt = Annotated[float, typer.Option("--mooncake-timeout", help="S
 
 def doctor(
     device: DeviceOpt = None,
-    protocol: ProtocolOpt = ProtocolName.rdma,
+    transport: TransportOpt = ProtocolName.rdma,
+    protocol: Annotated[ProtocolName | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
     port: PortOpt = None,
     skip_mooncake: SkipMooncakeOpt = False,
     mooncake_timeout: MooncakeTimeoutOpt = 30.0,
@@ -71,7 +72,7 @@ def doctor(
     if port and any(not 0 < p < 65536 for p in port):
         raise UsageError(f"--port must be 1-65535, got {', '.join(map(str, port))}")
     options = DoctorOptions(
-        protocol=protocol.value,
+        protocol=(protocol or transport).value,
         device=device,
         ports=tuple(port) if port else DEFAULT_PORTS,
         skip_mooncake=skip_mooncake,

@@ -46,7 +46,7 @@ NamespaceOpt = Annotated[
 def render_command(file: FileOpt, out: OutOpt = None, namespace: NamespaceOpt = None, json_out: JsonOpt = False) -> None:
     import sys
 
-    from pdkv.deploy.topology import load_deployment
+    from pdkv.deploy.loader import load_deployment
     from pdkv.k8s.render import render
     from pdkv.k8s.write import file_name, write_manifests, yaml_stream
 

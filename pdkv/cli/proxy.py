@@ -159,7 +159,7 @@ def proxy(
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.proxy.guard import load_guard, server_ssl
-    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.config import build_config
     from pdkv.proxy.server import serve
 
     guard = load_guard(api_key, api_key_file, admin_key)

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shlex
-import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
+
+if TYPE_CHECKING:
+    from pdkv.deploy import Part, PartEvent, Supervisor
+    from pdkv.deploy.run import UpPlan
 
 HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a whole local 1P1D.
 
@@ -47,7 +49,6 @@ Examples:
 """
 
 COLORS = {"bootstrap": "magenta", "prefill": "cyan", "decode": "green", "proxy": "yellow"}
-STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
 STATE_STYLE = {"waiting": "dim", "starting": "yellow", "ready": "green", "restarting": "yellow", "failed": "red", "exited": "red",
                "stopped": "dim"}
 
@@ -56,13 +57,13 @@ def _command_line(env: dict[str, str], argv: list[str]) -> str:
     return shlex.join([f"{k}={v}" for k, v in env.items()] + argv)
 
 
-def _part_doc(part: Any, restart: str | None) -> dict[str, Any]:
+def _part_doc(part: Part, restart: str | None) -> dict[str, Any]:
     plan = part.plan
     return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env,
             "command": _command_line(plan.env, plan.argv), "restart": restart or part.restart}
 
 
-def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
+def _status_table(sup: Supervisor, kinds: dict[str, str]) -> Table:
     table = Table(title="pdkv up", show_header=True, expand=False)
     for col in ("part", "state", "url", "pid", "ready after"):
         table.add_column(col)
@@ -79,7 +80,7 @@ def _status_table(sup: Any, kinds: dict[str, str]) -> Table:
     return table
 
 
-def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
+def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
     proxy = next((p for p in parts if p.kind == "proxy"), None)
     target = proxy or next((p for p in parts if p.kind in ("prefill", "decode")), None)
     if target is None:  # a fleet host with only a bootstrap server
@@ -96,7 +97,7 @@ def _ready_message(parts: list[Any], served: str | None) -> list[Text]:
     return lines
 
 
-def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
+def _run_trace_hook(parts: list[Part], emit: Callable[..., None], json_out: bool) -> None:
     """`--trace`: send one request through the ready deployment and print its timeline (`pdkv trace`)."""
     import msgspec
 
@@ -114,20 +115,12 @@ def _run_trace_hook(parts: list[Any], emit: Any, json_out: bool) -> None:
         render_trace(trace)
 
 
-def _served_model(parts: list[Any], served: str | None) -> str:
-    if served:
-        return served
-    return next(p for p in parts if p.spec is not None).spec.model
+def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, trace: bool, once: bool = False,
+               restart: str | None = None) -> None:
+    """Start, warm up, (trace,) watch and stop the plan's parts, rendering each step."""
+    from pdkv.deploy.run import PartsRun
 
-
-def _supervise(
-    parts: list[Any], *, log_dir: Path, timeout: float, json_out: bool, show_logs: bool, served: str | None, trace: bool,
-    once: bool = False, restart: str | None = None,
-) -> None:
-    from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
-    from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
-    from pdkv.errors import PdkvError
-
+    parts = plan.parts
     kinds = {p.plan.name: p.kind for p in parts}
     width = max(len(n) for n in kinds)
     live: Live | None = None
@@ -148,64 +141,44 @@ def _supervise(
             style = {"restarted": "green", "gave-up": "bold red"}.get(event.kind, "yellow")
             err_console.print(Text(f"pdkv up: {event.message}", style=style), highlight=False, soft_wrap=True)
 
-    # Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
-    stages = [STAGES[p.kind] for p in parts]
-    policies = [RestartPolicy(restart or p.restart) for p in parts]  # type: ignore[arg-type]
-    restart_with: dict[str, list[str]] = {}
-    for p in parts:
-        if p.registers_with:
-            restart_with.setdefault(p.registers_with, []).append(p.plan.name)
-    sup = Supervisor([p.plan for p in parts], log_dir, on_line=on_line if show_logs and not json_out else None, stages=stages,
-                     restart=policies, restart_with=restart_with, on_event=on_event)
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops cleanly, like Ctrl-C
-    # A shell starting `pdkv up &` hands it SIGINT ignored; Ctrl-C / kill -INT must still stop everything.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        if not json_out:
-            live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
-            sup.on_change = lambda: live.update(_status_table(sup, kinds)) if live is not None else None
-            live.start()
-        emit("starting", parts=[{"name": p.plan.name, "url": p.plan.url} for p in parts], log_dir=str(log_dir))
+    run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if show_logs and not json_out else None,  # type: ignore[arg-type]
+                   on_event=on_event)
+    sup = run.supervisor
+    with run:
         try:
-            total = sup.start_all(timeout)
+            if not json_out:
+                live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
+                sup.on_change = lambda: live.update(_status_table(sup, kinds)) if live is not None else None
+                live.start()
+            emit("starting", parts=[{"name": p.plan.name, "url": p.plan.url} for p in parts], log_dir=str(log_dir))
+            try:
+                total = run.start(plan.timeout)
+            finally:
+                if live is not None:
+                    live.stop()
+                    live = None
+            warmup_ms = run.warm_up(plan.served, plan.timeout)
+            emit("ready", ready_s=round(total, 1), warmup_ms=[round(ms, 1) for ms in warmup_ms],
+                 parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
+            if not json_out:
+                took = ", ".join(f"{ms:.0f}" for ms in warmup_ms)
+                warmed = f" (warm-up request{'s' * (len(warmup_ms) > 1)} {took} ms)" if warmup_ms else ""
+                console.print(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/")
+                for line in _ready_message(parts, plan.served):
+                    console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
+            if trace:
+                _run_trace_hook(parts, emit, json_out)
+            if not once:
+                run.watch()
+        except KeyboardInterrupt:
+            if not json_out:
+                err_console.print("stopping every part ...")
         finally:
             if live is not None:
                 live.stop()
-                live = None
-        warmup_ms = warm_up_deployment(parts, _served_model(parts, served), timeout=min(timeout, WARMUP_TIMEOUT_S))
-        emit("ready", ready_s=round(total, 1), warmup_ms=[round(ms, 1) for ms in warmup_ms],
-             parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
-        if not json_out:
-            warmed = f" (warm-up request{'s' * (len(warmup_ms) > 1)} {', '.join(f'{ms:.0f}' for ms in warmup_ms)} ms)" if warmup_ms else ""
-            console.print(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/")
-            for line in _ready_message(parts, served):
-                console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
-        if trace:
-            _run_trace_hook(parts, emit, json_out)
-        if once:
-            return
-        dead = sup.watch()
-        assert dead is not None  # watch returns None only when asked to stop
-        why = "no part is left running" if sup.states[dead.name] == "failed" else "it is not restarted"
-        raise PdkvError(f"{dead.name} exited with code {dead.poll()} and {why}; stopping the rest.\n{dead.log_tail(20)}",
-                        hint=f"read {dead.log_path}")
-    except KeyboardInterrupt:
-        if not json_out:
-            err_console.print("stopping every part ...")
-    finally:
-        if live is not None:
-            live.stop()
-        # A second Ctrl-C or a SIGTERM must not cut the shutdown short and orphan an engine.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            sup.stop_all()
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, previous)
-        emit("stopped", pids=sup.pids())
-        if not json_out:
-            err_console.print("stopped.")
+    emit("stopped", pids=sup.pids())
+    if not json_out:
+        err_console.print("stopped.")
 
 
 def up(
@@ -214,16 +187,19 @@ def up(
     model: Annotated[str | None, typer.Option("--model", "-m",
         help="Model directory or hub id (default: the embedded tiny model).")] = None,
     connector: Annotated[str, typer.Option("--connector", help="KV connector: pdkv or mooncake (vLLM's own).")] = "pdkv",
-    protocol: Annotated[str | None, typer.Option("--protocol",
-        help="KV transport: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
+    transport: Annotated[str | None, typer.Option("--transport",
+        help="How the KV moves: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
         "(host memory between processes of this host, CPU). Local 1P1D on CPU: cma.")] = None,
+    protocol: Annotated[str | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
     port: Annotated[int | None, typer.Option("--port",
         help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
     host: Annotated[str | None, typer.Option("--host",
-        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). With --role: the "
-        "address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
+        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). "
+        "With --role it is the older name of --listen.", show_default=False)] = None,
+    listen: Annotated[str | None, typer.Option("--listen",
+        help="With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
     host_ip: Annotated[str | None, typer.Option("--host-ip",
         help="Address peers reach this engine at (VLLM_HOST_IP); detected if unset.")] = None,
     bootstrap_port: Annotated[int | None, typer.Option("--bootstrap-port",
@@ -251,82 +227,23 @@ def up(
     json_out: JsonOpt = False,
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
-    from pdkv.deploy import (deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment,
-                             preflight, raise_problems, tiny_model_path)
-    from pdkv.deploy.fleet import chosen_hosts, local_addresses, select_parts
-    from pdkv.deploy.single import role_parts, split_cores, with_cores, with_extra
-    from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
-    from pdkv.errors import UsageError
+    from pdkv.auth import TOKEN_ENV
+    from pdkv.deploy.run import UpOptions, hand_out_key, prepare, resolve
+    from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
-    for value, allowed, flag in ((connector, ("pdkv", "mooncake"), "--connector"),
-                                 (protocol, ("rdma", "tcp", "ipc", "cma", None), "--protocol"),
-                                 (platform, ("gpu", "cpu", None), "--platform"), (restart, ("on-failure", "no", None), "--restart")):
-        if value not in allowed:
-            raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
-    if file is not None and role is not None:
-        raise UsageError("give either -f FILE or --role, not both")
-    if members is not None and role is None:
-        raise UsageError("--members goes with --role", hint="a deployment file's engines join its first bootstrap's registry by themselves")
-    if host is not None and file is None and role is None:
-        raise UsageError("--host goes with -f FILE (a [[hosts]] name) or --role (a listen address)")
-    gpus = gpu_count()
-    if protocol == "ipc" and (platform == "cpu" or (platform is None and not gpus)):
-        raise UsageError("--protocol ipc moves KV between GPUs, and no GPU is in use here", hint="use --protocol tcp or cma on CPU hosts")
-    if protocol == "cma" and (platform == "gpu" or (platform is None and gpus)):
-        raise UsageError("--protocol cma moves KV in host memory, and these engines keep it on a GPU",
-                         hint="use --protocol ipc between GPUs of this host")
-    served: str | None = None
-    uses_tiny = model is None and file is None
-    token: str | None = None
-    if file is not None:
-        dep = load_deployment(file)
-        token = dep.token
-        if extra:
-            dep = with_extra(dep, list(extra))
-        # A fleet file: the parts of this host (--host NAME, else the hosts with one of this machine's addresses).
-        here = chosen_hosts(dep, host, local_addresses() if host is None and dep.hosts else ())
-        parts = select_parts(deployment_parts(dep), here)
-        boots, served, timeout = external_bootstraps(dep), dep.served_model_name, min(timeout, dep.startup_timeout)
-        if not any(p.spec is not None for p in parts):  # a fleet host with no engine (its proxy warms up by the deployment's model)
-            served = served or dep.model
-    elif role is not None:
-        plat = platform or ("gpu" if gpus else "cpu")
-        parts, boots = role_parts(
-            role,
-            members,
-            model=model or str(tiny_model_path()),
-            host=host or "0.0.0.0",
-            port=port or (8100 if role == "prefill" else 8200),
-            connector=connector,
-            transport=protocol or ("tcp" if plat == "cpu" else "rdma"),
-            device=device,
-            platform=plat,
-            gpu=gpu,
-            tp=tp,
-            block_size=block_size if block_size is not None else (32 if plat == "cpu" else None),
-            # P's in-worker bootstrap port is set explicitly, so two prefills on one host never share 8998 by accident.
-            bootstrap_port=bootstrap_port if bootstrap_port is not None or role == "decode" or bootstrap else DEFAULT_BOOTSTRAP_PORT,
-            bootstrap_url=bootstrap,
-            host_ip=host_ip,
-            omp_bind=omp_bind,
-            served_model_name="tiny" if uses_tiny else None,
-            extra_args=tuple(extra or ()),
-        )
-        served = "tiny" if uses_tiny else None
-    else:
-        dep = local_deployment(gpus=0 if platform == "cpu" else gpus, model=model, connector=connector,  # type: ignore[arg-type]
-                               transport=protocol, device=device, proxy_port=port or 8000)  # type: ignore[arg-type]
-        if dep.platform == "cpu":
-            p_cores, d_cores = split_cores()
-            dep = with_cores(dep, p_cores, d_cores)
-        if extra:
-            dep = with_extra(dep, list(extra))
-        parts, boots, served = deployment_parts(dep), [], dep.served_model_name
-    parts = with_vllm_logging(parts, log_dir)
-    _hand_out_key(token, parts, json_out)
+    options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport or protocol, device=device,
+                        gpu=gpu, port=port, host=host, listen=listen, host_ip=host_ip, bootstrap_port=bootstrap_port,
+                        bootstrap=bootstrap, members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind,
+                        timeout=timeout, restart=restart, extra=tuple(extra or ()))
+    plan = resolve(options, log_dir)
+    for line in hand_out_key(plan.token, plan.parts):
+        if json_out:
+            sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
+        else:
+            err_console.print(Text(f"pdkv up: warning: {line} (set {TOKEN_ENV}; docs/security.md)", style="yellow"), soft_wrap=True)
 
     if dry_run:
-        docs = [_part_doc(p, restart) for p in parts]
+        docs = [_part_doc(p, restart) for p in plan.parts]
         if json_out:
             print_json({"parts": docs})
             return
@@ -335,30 +252,11 @@ def up(
             console.print(doc["command"], highlight=False, markup=False, soft_wrap=True)
         return
 
-    if uses_tiny:
+    if plan.uses_tiny:
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
-    raise_problems(preflight(parts, boots))
-    write_logging_config(parts, log_dir)
-    _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once,
-               restart=restart)
-
-
-def _hand_out_key(token: str | None, parts: list[Any], json_out: bool) -> str | None:
-    """Put the deployment key (the file's, else PDKV_TOKEN's) in the environment every part inherits; warn about
-    side channels and bootstraps beyond loopback without one."""
-    from pdkv.auth import TOKEN_ENV, token_from_env
-    from pdkv.deploy.exposure import exposure_warnings
-
-    token = token or token_from_env()
-    if token:
-        os.environ[TOKEN_ENV] = token  # never in a plan's env: plans are printed (--dry-run)
-    for line in exposure_warnings(parts, keyed=bool(token)):
-        if json_out:
-            sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
-        else:
-            err_console.print(Text(f"pdkv up: warning: {line} (set {TOKEN_ENV}; docs/security.md)", style="yellow"), soft_wrap=True)
-    return token
+    prepare(plan, log_dir)
+    _supervise(plan, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart)
 
 
 def register(app: typer.Typer) -> None:

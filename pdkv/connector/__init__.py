@@ -2,18 +2,21 @@
 
 Loaded by vLLM through
 `--kv-transfer-config '{"kv_connector":"PdkvConnector","kv_connector_module_path":"pdkv.connector",...}'`.
-`PdkvConnector` is imported lazily so the pure parts (state, config,
-side-channel messages) load without vLLM.
+`PdkvConnector` is imported on first use, so the pure modules load without vLLM.
 
-    state.py         per-transfer state machines (pure)
-    config.py        kv_connector_extra_config and kv_transfer_params (pure)
-    side_channel.py  ZMQ ROUTER/DEALER on a private asyncio loop
-    sender.py        P's worker: hold blocks, push them to D
-    receiver.py      D's worker: ask P, wait within bounds
-    timing.py        per-transfer traces and metrics
-    layout.py        vLLM KV tensors -> transport regions
-    scheduler.py     scheduler-side hooks
-    worker.py        worker-side hooks
+    config.py          kv_connector_extra_config and kv_transfer_params (pure)
+    send_table.py      P's per-transfer state machine, SendTable (pure)
+    pulls.py           D's pulls: PullSpec, PullTracker (pure)
+    checks.py          what P checks of an announcement and a pull (pure)
+    layout.py          vLLM KV tensors -> transport regions, start-up refusals
+    side_channel.py    the side channel's server (P) and peer (D) on a private asyncio loop
+                       (its wire and one-shot client: pdkv.side_channel)
+    registration.py    the standing registrations with the bootstrap server
+    sender.py          P's worker: hold blocks, push them to D
+    receiver.py        D's worker: ask P, wait within bounds
+    timing.py          per-transfer traces and metrics
+    scheduler.py       scheduler-side hooks
+    worker.py          worker-side hooks
     vllm_connector.py  the KVConnectorBase_V1 subclass
 """
 
@@ -24,6 +27,8 @@ from typing import Any
 __all__ = ["PdkvConnector"]
 
 
+# The one package whose public name is imported on first use: PdkvConnector subclasses vLLM's connector base,
+# and the pure modules must load where vLLM is not installed (the proxy, pdkv trace, the unit tests).
 def __getattr__(name: str) -> Any:
     if name == "PdkvConnector":
         from pdkv.connector.vllm_connector import PdkvConnector

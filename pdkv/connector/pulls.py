@@ -1,4 +1,4 @@
-"""D's side of the per-transfer state, pure as P's (pdkv.connector.state): what D's scheduler asks its
+"""D's side of the per-transfer state, pure as P's (pdkv.connector.send_table): what D's scheduler asks its
 workers to pull (`PullSpec`), and the pulls in flight (`PullTracker`, keyed by D's request id). A pull is
 live while P keeps answering; silence longer than `liveness_s` fails it.
 """

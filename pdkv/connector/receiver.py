@@ -18,7 +18,7 @@ from typing import Any
 
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
-from pdkv.connector.state import PullOutcome, PullSpec, PullTracker
+from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport

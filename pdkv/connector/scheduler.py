@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params
-from pdkv.connector.state import PullSpec
+from pdkv.connector.pulls import PullSpec
 from pdkv.geometry import blocks_for
 from pdkv.protocol import DecodeParams, PrefillParams
 

@@ -20,7 +20,7 @@ from typing import Any
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 from pdkv.connector.checks import check_announce, check_pull
-from pdkv.connector.state import Free, Reply, SendLimits, SendTable, StartSend
+from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import (

@@ -20,16 +20,13 @@ from typing import Any
 
 import msgspec
 
-from pdkv.auth import FrameSealer, RefusalLog, sealer_from_env
+from pdkv.auth import FrameSealer, RefusalLog
 from pdkv.errors import StartError
-from pdkv.protocol import ErrorReply, SideChannelReply, SideChannelRequest
+from pdkv.protocol import ErrorReply
 from pdkv.service import EventLoopThread  # the sender's and receiver's loop: one home, in pdkv.service
+from pdkv.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
 
 log = logging.getLogger("pdkv.connector")
-
-_request_decoder = msgspec.msgpack.Decoder(SideChannelRequest)
-_reply_decoder = msgspec.msgpack.Decoder(SideChannelReply)
-_encoder = msgspec.msgpack.Encoder()
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a pull for a million blocks is ~10 MB; anything larger is hostile
 # D's DEALER pings P's connection this often and drops it when no answer comes for the timeout (a cut link).
@@ -37,26 +34,7 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 
 
-def encode(msg: Any) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode_request(frame: bytes) -> Any:
-    """Decode one D->P frame; raises msgspec.DecodeError (bad msgpack) or ValidationError (bad types/bounds)."""
-    return _request_decoder.decode(frame)
-
-
-def decode_reply(frame: bytes) -> Any:
-    return _reply_decoder.decode(frame)
-
-
 Handler = Callable[[bytes, Any], Awaitable[None]]
-TO_P, TO_D = b"q", b"r"  # the sealed direction of a frame
-_FROM_ENV: Any = object()  # default of `sealer`: the deployment key from the environment, if set
-
-
-def _sealer(sealer: Any) -> FrameSealer | None:
-    return sealer_from_env() if sealer is _FROM_ENV else sealer
 
 
 def _peer_address(frame: Any) -> str:
@@ -268,51 +246,3 @@ class SideChannelPeer:
                 self._sock.disable_monitor()
             self._monitor.close(linger=0)  # now: the context's term() waits for every socket
         self._sock.close(linger=0)
-
-
-async def request_once(address: str, msg: Any, timeout: float, *, sealer: Any = _FROM_ENV) -> Any:
-    """Send one message to a P worker and wait for one reply (for stats queries and probes).
-
-    `sealer` defaults to the deployment key in the environment (pdkv.auth); a reply whose seal fails is
-    skipped, so the wait may run out (asyncio.TimeoutError)."""
-    import zmq
-    import zmq.asyncio
-
-    sealer = _sealer(sealer)
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(address)
-        body = encode(msg)
-        await sock.send(sealer.seal(body, TO_P) if sealer is not None else body)
-        async with asyncio.timeout(timeout):
-            while True:
-                frame = await sock.recv()
-                if sealer is None:
-                    return decode_reply(frame)
-                body, _why = sealer.open(frame, TO_D)
-                if body is not None:
-                    return decode_reply(body)
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-
-
-def send_once(address: str, msgs: list[Any], linger_ms: int = 500, *, sealer: Any = _FROM_ENV) -> None:
-    """Send messages that want no reply to a P worker (blocking, at most about `linger_ms`): run it off the loop.
-    `sealer` defaults to the deployment key in the environment."""
-    import zmq
-
-    sealer = _sealer(sealer)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    try:
-        sock.connect(address)
-        for msg in msgs:
-            body = encode(msg)
-            sock.send(sealer.seal(body, TO_P) if sealer is not None else body)
-    finally:
-        sock.close(linger=linger_ms)
-        ctx.term()
-

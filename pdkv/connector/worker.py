@@ -19,7 +19,7 @@ from pdkv.connector.layout import TensorInfo, memory_ranges, regions_for_caches
 from pdkv.connector.receiver import KVReceiver, Results
 from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
-from pdkv.connector.state import SendLimits
+from pdkv.connector.send_table import SendLimits
 from pdkv.connector.timing import TraceLog
 from pdkv.protocol import RegisterRequest
 

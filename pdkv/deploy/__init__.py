@@ -1,51 +1,65 @@
-"""A P/D deployment on one host: topology, pre-flight, supervision, status.
+"""A P/D deployment: its file, its plan, and running it on this host (`pdkv up`), pre-flight and status.
 
-- `topology`: `Deployment` (deploy.toml or the built-in local 1P1D) and
-  `deployment_parts`, the exact launch plan of every part in start order;
+- `schema`: the deployment file's tables as frozen Structs (`Deployment`, `KubernetesEntry` among them);
+- `loader`: `load_deployment`, a file read and validated;
+- `fleet`: the `[[hosts]]` of a file across several hosts, and which of them this `pdkv up` starts;
+- `engine`: `EngineSpec` -> `LaunchPlan`, one vLLM engine's exact command and environment;
+- `args`: pieces of the parts' command lines that `pdkv up` and `pdkv k8s render` share;
+- `topology`: the planner, `deployment_parts` (every part's launch plan, in start order) and the local 1P1D;
+- `machine`: what this machine has (GPUs, RDMA devices, addresses);
+- `single`: one engine by role (`pdkv up --role`), the local 1P1D's core split;
 - `preflight`: every reason it would fail to start, found before anything starts;
 - `process`: `ManagedProcess`, one supervised child (process group, log, health, bounded stop);
 - `restart`: `RestartPolicy`, when a part that died starts again (pure);
 - `supervisor`: start the parts in order, each healthy before the next, restart what dies, stop in reverse;
+- `run`: `pdkv up` as a library: `resolve` the parts to start, `PartsRun` to start, watch and stop them;
+- `warmup`, `vllm_logging`, `exposure`: the first request, the engines' logs, parts reachable without a key;
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
+from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_plan
+from pdkv.deploy.loader import deployment_from_dict, load_deployment
+from pdkv.deploy.machine import gpu_count, local_addresses, rdma_devices
 from pdkv.deploy.preflight import Problem, preflight, raise_problems
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
+from pdkv.deploy.run import PartsRun, UpOptions, UpPlan, resolve
+from pdkv.deploy.schema import Deployment, EngineEntry, HostEntry, KubernetesEntry
 from pdkv.deploy.status import StatusReport, collect_status, status_targets
 from pdkv.deploy.supervisor import PartEvent, Supervisor
-from pdkv.deploy.topology import (
-    Deployment,
-    Part,
-    deployment_parts,
-    ensure_tiny_model,
-    external_bootstraps,
-    gpu_count,
-    load_deployment,
-    local_deployment,
-    tiny_model_path,
-)
+from pdkv.deploy.topology import Part, deployment_parts, external_bootstraps, local_deployment
 
 __all__ = [
     "Deployment",
+    "EngineEntry",
+    "EngineSpec",
+    "HostEntry",
+    "KubernetesEntry",
+    "LaunchPlan",
     "ManagedProcess",
     "Part",
     "PartEvent",
+    "PartsRun",
     "Problem",
     "RestartDecision",
     "RestartPolicy",
     "StatusReport",
     "Supervisor",
+    "UpOptions",
+    "UpPlan",
     "Verdict",
     "collect_status",
+    "deployment_from_dict",
     "deployment_parts",
-    "ensure_tiny_model",
+    "engine_plan",
     "external_bootstraps",
     "gpu_count",
     "load_deployment",
+    "local_addresses",
     "local_deployment",
     "preflight",
     "raise_problems",
+    "rdma_devices",
+    "resolve",
     "status_targets",
-    "tiny_model_path",
 ]

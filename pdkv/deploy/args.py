@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from pdkv.deploy.engine import EngineSpec, data_parallel_size
+from pdkv.deploy.schema import Deployment, EngineEntry
 from pdkv.errors import ConfigError
-
-if TYPE_CHECKING:
-    from pdkv.deploy.topology import Deployment, EngineEntry
-    from pdkv.launch import EngineSpec
 
 
 def bootstrap_args(host: str, port: int) -> list[str]:
@@ -40,9 +36,7 @@ def check_one_instance_per_table(dep: Deployment) -> None:
 
 def kv_events_port_of(dep: Deployment, entry: EngineEntry, k: int) -> int | None:
     """Engine k's KV events port (prefills first, then decodes), or None with events off: after the ports of the
-    engines before it, each taking two per DP rank (pdkv.launch.kv_events_config)."""
-    from pdkv.launch import data_parallel_size
-
+    engines before it, each taking two per DP rank (pdkv.deploy.engine.kv_events_config)."""
     if not dep.kv_events:
         return None
     if entry.kv_events_port is not None:

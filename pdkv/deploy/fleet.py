@@ -17,31 +17,21 @@
 Every part names its host (`host = NAME`) once the file has `[[hosts]]`; a
 part is reached at, and advertises to its peers, its host's address. A file
 without `[[hosts]]` is one host, as before. `check_hosts` validates a file
-and `select_parts` picks the parts one `pdkv up` starts: pure, both.
+and `chosen_hosts` names the hosts one `pdkv up` starts the parts of
+(pdkv.deploy.run.select_parts picks them): pure, both.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
-import msgspec
-
+from pdkv.deploy.schema import Deployment
 from pdkv.errors import ConfigError, UsageError
 
-if TYPE_CHECKING:
-    from pdkv.deploy.topology import Deployment, Part
 
 # pdkv's own transports move KV inside one host (process memory, CUDA IPC).
 ONE_HOST_TRANSPORTS = ("cma", "ipc")
-
-
-class HostEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One [[hosts]] table: a name the parts use, and the address peers reach it at."""
-
-    name: str
-    address: str
 
 
 def _part_hosts(dep: Deployment) -> list[tuple[str, str | None]]:
@@ -123,24 +113,3 @@ def chosen_hosts(dep: Deployment, host: str | None, local_addresses: Iterable[st
         raise UsageError(f"no host of the deployment file has an address of this machine ({addrs})",
                          hint="pass --host NAME to say which host this is")
     return mine
-
-
-def select_parts(parts: Sequence[Part], hosts: set[str] | None) -> list[Part]:
-    """The parts on `hosts` (all when None). A prefill whose bootstrap runs elsewhere no longer restarts with it."""
-    if hosts is None:
-        return list(parts)
-    chosen = [p for p in parts if p.host in hosts]
-    if not chosen:
-        raise UsageError(f"host {', '.join(sorted(hosts))} runs no part of the deployment",
-                         hint="give it a part (host = NAME) or pass another --host")
-    here = {p.plan.name for p in chosen}
-    return [p if p.registers_with is None or p.registers_with in here else msgspec.structs.replace(p, registers_with=None) for p in chosen]
-
-
-def local_addresses() -> list[str]:
-    """Every address of this machine's interfaces (in its network namespace)."""
-    import socket
-
-    import psutil
-
-    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]

@@ -1,6 +1,6 @@
 """A supervised child process: its own process group, a log file, a health URL, a bounded stop.
 
-`ManagedProcess(plan, log)` starts `plan.argv` (a `pdkv.launch.LaunchPlan`)
+`ManagedProcess(plan, log)` starts `plan.argv` (a `pdkv.deploy.engine.LaunchPlan`)
 in its own process group, logs it to a file (and optionally line by line to
 a callback), binds it to the plan's cores, waits for its HTTP health
 endpoint with a bound, and stops the whole group (SIGTERM to the process,
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pdkv.errors import StartError
 
 if TYPE_CHECKING:
-    from pdkv.launch import LaunchPlan
+    from pdkv.deploy.engine import LaunchPlan
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -112,7 +112,7 @@ class ManagedProcess:
             try:
                 os.sched_setaffinity(self.proc.pid, self.plan.cpus)
             except OSError as exc:
-                logging.getLogger("pdkv.launch").warning("%s: could not bind to cores %s: %s", self.name, self.plan.cpus, exc)
+                logging.getLogger("pdkv.deploy").warning("%s: could not bind to cores %s: %s", self.name, self.plan.cpus, exc)
         self.started_at = time.monotonic()
         if self.on_line:
             self._pump = threading.Thread(target=self._tee, args=(log,), name=f"pdkv-log-{self.name}", daemon=True)

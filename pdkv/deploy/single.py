@@ -7,9 +7,10 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.topology import Deployment, Part
+from pdkv.deploy.engine import EngineSpec, engine_plan, http_url, joining
+from pdkv.deploy.schema import Deployment
+from pdkv.deploy.topology import Part
 from pdkv.errors import UsageError
-from pdkv.launch import EngineSpec, engine_plan, http_url, joining
 
 
 def split_cores() -> tuple[str, str]:
@@ -22,7 +23,7 @@ def split_cores() -> tuple[str, str]:
     return one(0, half - 1), one(half, n - 1)
 
 
-def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Any], list[str]]:
+def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Part], list[str]]:
     """One P or D engine started by flags (`pdkv up --role`), joining `members` when given; and the bootstraps it names."""
     if role not in ("prefill", "decode"):
         raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
@@ -34,7 +35,7 @@ def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[A
         if spec.connector != "pdkv":
             raise UsageError("--members needs pdkv's connector",
                              hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
-        from pdkv.proxy.routing import parse_decode
+        from pdkv.proxy.config import parse_decode  # the proxy's parser of a URL; imported only for --members
 
         reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
         plan = joining(plan, parse_decode(members), reached)

@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.topology import Deployment, deployment_parts
+from pdkv.deploy.schema import Deployment
+from pdkv.deploy.topology import deployment_parts
 
 
 class PartHealth(msgspec.Struct, frozen=True):

@@ -14,7 +14,7 @@ import msgspec
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan
+from pdkv.deploy.engine import LaunchPlan
 
 log = logging.getLogger("pdkv.deploy")
 

@@ -1,52 +1,24 @@
-"""A P/D deployment on one host: its topology (from deploy.toml or built in)
-and the launch plan of every part.
+"""The launch plan of every part of a deployment (pure, but for asking which address is routable): the
+planner from a `Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
 Each prefill gets its own bootstrap: vLLM's registry holds one engine per
 DP rank, so two prefills sharing one would refuse each other.
-
-    model = "/models/Qwen3-8B"   # every engine's default
-    connector = "pdkv"           # or "mooncake"
-    protocol = "rdma"            # or "tcp"
-    [bootstrap]                  # mode = "standalone" | "in-worker" | "external"
-    port = 8998
-    [[prefill]]
-    gpu = "0"
-    port = 8100
-    [[decode]]
-    gpu = "2"
-    port = 8200
-    [proxy]
-    port = 8000
-
-`restart = "on-failure" | "no"` at the top sets every part's restart policy;
-a [[prefill]], [[decode]], [bootstrap] or [proxy] table may set its own.
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
 import sys
-import tomllib
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, events_ports, kv_events_port_of, proxy_args
-from pdkv.deploy.fleet import HostEntry, check_hosts, host_address
-from pdkv.deploy.restart import RestartMode
-from pdkv.errors import ConfigError
-from pdkv.k8s.settings import KubernetesEntry
-from pdkv.transport import TransportName
-from pdkv.launch import (
+from pdkv.deploy.engine import (
     Connector,
     EngineSpec,
     LaunchPlan,
-    Platform,
     bootstrap_address,
     connect_host,
     engine_plan,
@@ -55,82 +27,16 @@ from pdkv.launch import (
     kv_events_endpoints,
     routable_ip,
 )
+from pdkv.deploy.fleet import host_address
+from pdkv.deploy.machine import rdma_devices
+from pdkv.deploy.restart import RestartMode
+from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
+from pdkv.tinymodel import tiny_model_path
+from pdkv.transport import TransportName
 
-BootstrapMode = Literal["standalone", "in-worker", "external"]
 PartKind = Literal["bootstrap", "prefill", "decode", "proxy"]
 TINY_SERVED_NAME = "tiny"
 CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend accepts only multiples of 32
-
-
-class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One [[prefill]] or [[decode]] table; unset fields fall back to the deployment's."""
-
-    port: int
-    gpu: str | None = None
-    omp_bind: str | None = None
-    model: str | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    tp: int = 1
-    max_model_len: int | None = None
-    bootstrap_url: str | None = None
-    extra_args: list[str] = []
-    env: dict[str, str] = {}
-    restart: RestartMode | None = None
-    host: str | None = None  # a [[hosts]] name
-    replicas: int = 1  # instances of this engine in Kubernetes (`pdkv k8s render`); `pdkv up` starts one
-    kv_events_port: int | None = None  # its KV events publisher (replay on the next port); default: from kv_events_port
-
-
-class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    mode: BootstrapMode = "standalone"
-    port: int = DEFAULT_BOOTSTRAP_PORT
-    url: str | None = None
-    restart: RestartMode | None = None
-    host: str | None = None  # a [[hosts]] name (standalone mode)
-
-
-class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    port: int = 8000
-    policy: Literal["round-robin", "least-outstanding", "kv-aware"] | None = None
-    local_prefill_tokens: int | None = None  # kv-aware: D computes the prompt alone when it lacks at most this many tokens
-    extra_args: list[str] = []
-    restart: RestartMode | None = None
-    host: str | None = None  # a [[hosts]] name
-
-
-class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything `pdkv up -f deploy.toml` starts on this host."""
-
-    model: str
-    served_model_name: str | None = None
-    connector: Connector = "pdkv"
-    # How the KV moves (pdkv.transport.TransportName); the file's key is Mooncake's word, `protocol`.
-    transport: TransportName = msgspec.field(default="rdma", name="protocol")
-    device: str = ""
-    platform: Platform = "gpu"
-    host: str = "0.0.0.0"
-    host_ip: str | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    max_model_len: int | None = None
-    startup_timeout: float = 900.0
-    restart: RestartMode = "on-failure"
-    bootstrap: BootstrapEntry = BootstrapEntry()
-    prefill: list[EngineEntry] = []
-    decode: list[EngineEntry] = []
-    proxy: ProxyEntry | None = ProxyEntry()
-    extra_args: list[str] = []
-    env: dict[str, str] = {}
-    hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
-    kubernetes: KubernetesEntry = KubernetesEntry()  # read by `pdkv k8s render` only (pdkv.k8s)
-    # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
-    # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
-    token: str | None = None
-    # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
-    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
-    kv_events: bool = True
-    kv_events_port: int = 5557
 
 
 class Part(msgspec.Struct, frozen=True):
@@ -148,75 +54,6 @@ class Part(msgspec.Struct, frozen=True):
     restart: RestartMode = "on-failure"
     registers_with: str | None = None
     host: str | None = None  # its [[hosts]] name in a fleet
-
-
-def load_deployment(path: str | Path) -> Deployment:
-    """Read and validate a deploy.toml; every problem is a ConfigError naming the file."""
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no deployment file at {path}", hint="pass -f deploy.toml (see examples/deploy.toml)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    return deployment_from_dict(data, source=str(path))
-
-
-def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") -> Deployment:
-    try:
-        dep = msgspec.convert(data, Deployment)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {exc}", hint="see examples/deploy.toml for the fields") from None
-    if not dep.prefill or not dep.decode:
-        raise ConfigError(f"{source}: a deployment needs at least one [[prefill]] and one [[decode]]")
-    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
-        for i, e in enumerate(entries):
-            if e.replicas < 1:
-                raise ConfigError(f"{source}: [[{role}]] {i + 1} has replicas = {e.replicas}", hint="write 1 or more")
-    if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
-        raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
-    check_hosts(dep, source=source)
-    return dep
-
-
-# --- the built-in local topology -----------------------------------------------
-
-
-def gpu_count() -> int:
-    """How many NVIDIA GPUs this host shows, without starting CUDA."""
-    devices = [d for d in glob.glob("/dev/nvidia[0-9]*") if d[len("/dev/nvidia"):].isdigit()]
-    if devices:
-        return len(devices)
-    return 0 if shutil.which("nvidia-smi") is None else 1
-
-
-def rdma_devices() -> list[str]:
-    return sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PDKV_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkv")
-    return Path(root)
-
-
-def tiny_model_path() -> Path:
-    return cache_dir() / "tiny-model"
-
-
-def ensure_tiny_model(path: Path | None = None) -> Path:
-    """The embedded tiny model in the cache, written (atomically) when missing."""
-    from pdkv.tinymodel import write_tiny_model
-
-    path = path or tiny_model_path()
-    if (path / "config.json").exists() and (path / "model.safetensors").exists():
-        return path
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    write_tiny_model(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    return path
 
 
 def local_deployment(

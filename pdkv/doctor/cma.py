@@ -1,4 +1,4 @@
-"""The cma check: can a process of this host write into another's memory, as P does into D's with `--protocol cma`?"""
+"""The cma check: can a process of this host write into another's memory, as P does into D's with `--transport cma`?"""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ sys.stdin.readline()
 print("ok" if bytes(buf) == bytes([0x5A]) * n else "wrong", flush=True)
 """
 PROBE_BYTES = 1 << 20
-FIX = "run P and D as one user in one pid namespace (in containers, let seccomp allow process_vm_writev), or use --protocol tcp"
+FIX = "run P and D as one user in one pid namespace (in containers, let seccomp allow process_vm_writev), or use --transport tcp"
 
 
 def probe_cma(timeout_s: float) -> tuple[bool, str]:
@@ -67,7 +67,7 @@ def cma_verdict(scope: int | None, timeout_s: float) -> tuple[bool, str, str]:
         return (
             False,
             f"kernel.yama.ptrace_scope is {scope}: no process may write into another's memory without CAP_SYS_PTRACE",
-            "sysctl -w kernel.yama.ptrace_scope=1 (pdkv's D then lets processes of its user write into it), or use --protocol tcp",
+            "sysctl -w kernel.yama.ptrace_scope=1 (pdkv's D then lets processes of its user write into it), or use --transport tcp",
         )
     ok, detail = probe_cma(timeout_s)
     if not ok:

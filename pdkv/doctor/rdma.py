@@ -138,7 +138,7 @@ def check_rdma_devices(host: Host, options: DoctorOptions) -> CheckResult:
             name,
             Status.FAIL,
             f"no RDMA devices under /{IB_CLASS}",
-            "load the NIC's RDMA driver (e.g. modprobe mlx5_ib), expose the NIC to this container, or use --protocol tcp",
+            "load the NIC's RDMA driver (e.g. modprobe mlx5_ib), expose the NIC to this container, or use --transport tcp",
         )
     ports = [p for d in devices for p in d.ports]
     seen = "; ".join(p.describe() + (f" NUMA {d.numa_node}" if d.numa_node is not None else "") for d in devices for p in d.ports)

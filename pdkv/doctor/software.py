@@ -116,7 +116,7 @@ def check_mooncake(host: Host, options: DoctorOptions) -> CheckResult:
                 name,
                 Status.FAIL,
                 f"{call} returned 0 but found no RDMA NIC and fell back to TCP",
-                "make an RDMA NIC usable here (see the RDMA checks) or choose --protocol tcp",
+                "make an RDMA NIC usable here (see the RDMA checks) or choose --transport tcp",
             )
         wanted = [d for d in device.split(",") if d]
         if missing := [d for d in wanted if d not in hcas]:

@@ -1,12 +1,17 @@
 """A deployment file as Kubernetes objects (`pdkv k8s render`).
 
-- `settings`: the file's `[kubernetes]` table (`KubernetesEntry`) and its checks;
+- `settings`: the checks of the file's `[kubernetes]` table (`KubernetesEntry`, pdkv.deploy.schema);
 - `pods`: the parts of a pod every engine needs for P/D (resources, env, ports, probes, doctor);
 - `render`: `render(dep)`, the objects as plain dicts, pure;
 - `write`: YAML files plus a kustomization.yaml.
 
-The engines' argv and kv-transfer-config come from `pdkv.launch` and
+The engines' argv and kv-transfer-config come from `pdkv.deploy.engine` and
 `pdkv.deploy.topology.engine_spec`, the code `pdkv up` runs them with.
-This package imports neither typer nor rich; `settings` imports nothing of
-pdkv's beyond its errors, so the deployment file's schema can name it.
+This package sits above pdkv.deploy and imports neither typer nor rich.
 """
+
+from pdkv.k8s.render import render
+from pdkv.k8s.settings import check_kubernetes
+from pdkv.k8s.write import file_name, write_manifests, yaml_stream
+
+__all__ = ["check_kubernetes", "file_name", "render", "write_manifests", "yaml_stream"]

@@ -14,7 +14,8 @@ import msgspec
 
 from pdkv import __version__
 from pdkv.errors import ConfigError
-from pdkv.k8s.settings import MOONCAKE_PORTS_PER_GPU, KubernetesEntry
+from pdkv.deploy.schema import KubernetesEntry
+from pdkv.k8s.settings import MOONCAKE_PORTS_PER_GPU
 
 Role = Literal["bootstrap", "prefill", "decode", "proxy", "config"]
 ROLE_LABEL = "pdkv/role"
@@ -150,7 +151,7 @@ def doctor_container(k: KubernetesEntry, protocol: str, device: str, ports: list
     stderr (the one-line "pdkv: error: ..." and its hint) goes to the termination log, which Kubernetes shows as the
     init container's message (`kubectl describe pod`); the check table stays in the container's log.
     """
-    argv = ["pdkv", "doctor", "--protocol", protocol]
+    argv = ["pdkv", "doctor", "--transport", protocol]
     if device:
         argv += ["--device", device]
     for p in ports:

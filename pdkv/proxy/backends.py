@@ -1,38 +1,24 @@
-"""Which backends are up, their prefill engine ids, and the health loop that keeps both current.
+"""Which backends are up and how busy they are: the live view the request path routes by.
 
-A prefill server is routable when its /health answers 200 and its bootstrap
-/query names at least one engine; each DP rank becomes one PrefillTarget. The
-engine ids are re-read on every health round (a restarted P registers a new
-one) and dropped at once when the query fails, so D is never told to pull
-from an engine that is gone. A decode server is routable when /health answers.
-
-A backend is taken out after `unhealthy_after` failed rounds in a row, at
-once when a request cannot connect to it, or when `probe_failures` liveness
-probes in a row (a TCP connect every `probe_interval`, cheap enough to run
-often) fail: then the requests in flight on it end at once with a clear error
-instead of waiting on a host that is gone. It is put back by the first round
-that passes.
-
-With `members` URLs the proxy follows those bootstrap servers' members
-registries (pdkv.bootstrap.members): a server that joins is health-checked at
-once and routed to when it passes; one that leaves, or whose lease expires,
-gets no new requests (those in flight finish). Backends given on the command
-line stay whatever the registry says. A P and a D are paired only when their
-compatibility keys agree (pdkv.proxy.membership).
+`Backends` holds every known prefill server (each DP rank of one becomes a
+PrefillTarget once its bootstrap names an engine) and decode server, the
+requests in flight on each, and the pairs that may be routed to (a P and a D
+are paired only when their compatibility keys agree: pdkv.proxy.membership).
+What is up is decided by pdkv.proxy.health through `mark`, `add_prefill`,
+`add_decode`, `retire` and `rebuild`; the request path takes a backend out at
+once through `connect_failed`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from pdkv.errors import PdkvError
-from pdkv.proxy.http import UpstreamError, UpstreamPool, connect_bounded, fetch
-from pdkv.proxy.membership import CompatKey, Membership, compatible, unmatched
-from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget, ProxyConfig
+from pdkv.proxy.config import ProxyConfig
+from pdkv.proxy.http import UpstreamPool
+from pdkv.proxy.membership import CompatKey, compatible, unmatched
+from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -64,7 +50,7 @@ class PrefillState(BackendState):
 
 
 class Backends:
-    """The live view the request path routes by; `run_health()` keeps it current."""
+    """The live view the request path routes by; pdkv.proxy.health keeps it current."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
@@ -78,19 +64,47 @@ class Backends:
         self._target_load: dict[tuple[str, int], int] = {}
         self._live_decodes: list[BackendState] = []
         self._retired: list[BackendState] = []  # left the registry; closed once idle
-        self._wake = asyncio.Event()
-        self._clients: dict[str, object] = {}
+        # Set when a health round should run before its interval is up (a connect failure, a join).
+        self.wake = asyncio.Event()
         self.notes: list[str] = []  # pairing mismatches and registry conflicts, as /health shows them
         self._noted: set[str] = set()
-        self.membership_version: tuple[int, ...] = ()
-        self._conflicts: list[str] = []
-        # Engine URL -> (KV events publisher, replay) from the registry, and who follows them (the kv-aware policy).
-        self.events: dict[str, tuple[str, str | None]] = {}
-        self.on_events: Callable[[str, str | None, str | None], None] | None = None
-        self.rounds = 0
+        self.conflicts: list[str] = []  # the members registries' conflicts (pdkv.proxy.health)
 
     def _pool(self, url: str) -> UpstreamPool:
         return UpstreamPool(url, connect_timeout=self.config.connect_timeout)
+
+    # --- membership (decided by pdkv.proxy.health)
+    def add_prefill(self, url: str, bootstrap_url: str, key: CompatKey | None) -> PrefillState:
+        """A prefill server learnt at run time (not from the command line); not routed to before it is marked up."""
+        state = PrefillState(url, bootstrap_url, self._pool(url), static=False)
+        state.key = key
+        self.prefills.append(state)
+        return state
+
+    def add_decode(self, url: str, key: CompatKey | None) -> BackendState:
+        """A decode server learnt at run time; not routed to before it is marked up."""
+        state = BackendState("decode", url, self._pool(url), static=False)
+        state.key = key
+        self.decodes.append(state)
+        return state
+
+    def retire(self, gone: list[BackendState]) -> None:
+        """Route nothing new to `gone`; each one's pool closes once its requests in flight end (`close_retired`)."""
+        for b in gone:
+            b.up = False
+        self._retired += gone
+        self.prefills = [p for p in self.prefills if p not in gone]
+        self.decodes = [d for d in self.decodes if d not in gone]
+
+    def close_retired(self) -> None:
+        keep = []
+        for b in self._retired:
+            busy = b.outstanding if b.role == "decode" else sum(n for (u, _), n in self._target_load.items() if u == b.url)
+            if busy:
+                keep.append(b)
+            else:
+                b.pool.close()
+        self._retired = keep
 
     # --- request path
     def pair(self) -> tuple[Pairing, PrefillState, BackendState] | None:
@@ -130,9 +144,9 @@ class Backends:
 
     def connect_failed(self, state: BackendState, reason: str) -> None:
         """A request could not connect: take the backend out now and check it again soon."""
-        self._mark(state, False, reason, immediate=True)
-        self._rebuild()
-        self._wake.set()
+        self.mark(state, False, reason, immediate=True)
+        self.rebuild()
+        self.wake.set()
 
     def readiness(self) -> tuple[bool, str]:
         if self._targets and self._live_decodes and not any(self._target_decodes):
@@ -168,8 +182,9 @@ class Backends:
     def any_decode(self) -> BackendState | None:
         return self._live_decodes[0] if self._live_decodes else (self.decodes[0] if self.decodes else None)
 
-    # --- health
-    def _mark(self, state: BackendState, ok: bool, reason: str, *, immediate: bool = False) -> None:
+    # --- health (decided by pdkv.proxy.health)
+    def mark(self, state: BackendState, ok: bool, reason: str, *, immediate: bool = False) -> None:
+        """One check's outcome: up at once when `ok`; out after `unhealthy_after` failures in a row, or at once."""
         if ok:
             if not state.up:
                 log.info("%s %s is up", state.role, state.url)
@@ -183,7 +198,8 @@ class Backends:
         if isinstance(state, PrefillState) and not state.up:
             state.engines = {}
 
-    def _rebuild(self) -> None:
+    def rebuild(self) -> None:
+        """Recompute the routable targets and pairs from the backends' states; call it after a change."""
         targets, owners = [], []
         for p in self.prefills:
             if not p.up:
@@ -200,147 +216,7 @@ class Backends:
             if note not in self._noted:
                 self._noted.add(note)
                 log.warning("%s: it gets no requests", note)
-        self.notes = notes + self._conflicts
-
-    async def _health(self, state: BackendState) -> str | None:
-        try:
-            ex = await fetch(state.pool, "GET", "/health", timeout=self.config.health_timeout)
-        except UpstreamError as exc:
-            return f"/health: {exc}"
-        return None if 200 <= ex.status < 300 else f"/health answered {ex.status}"
-
-    async def _check_prefill(self, p: PrefillState) -> None:
-        from pdkv.bootstrap.client import AsyncBootstrapClient
-
-        reason = await self._health(p)
-        if reason is not None:
-            self._mark(p, False, reason)
-            return
-        client = self._clients.get(p.bootstrap_url)
-        if client is None:
-            client = self._clients[p.bootstrap_url] = AsyncBootstrapClient(
-                p.bootstrap_url, timeout=self.config.health_timeout, retries=0
-            )
-        try:
-            entries = await client.query()  # type: ignore[attr-defined]
-        except PdkvError as exc:
-            # Never keep engine ids we could not confirm: a restarted P has new ones.
-            p.engines = {}
-            self._mark(p, False, f"bootstrap {p.bootstrap_url}/query: {exc.message}", immediate=True)
-            return
-        engines = {rank: entry.engine_id for rank, entry in entries.items()}
-        if not engines:
-            p.engines = {}
-            self._mark(p, False, f"bootstrap {p.bootstrap_url} has no engine registered yet", immediate=True)
-            return
-        if engines != p.engines and p.engines:
-            log.info("prefill %s engine ids changed: %s -> %s", p.url, p.engines, engines)
-        p.engines = engines
-        p.workers = {rank: [a for tp in entry.worker_addr.values() for a in tp.values()] for rank, entry in entries.items()}
-        self._mark(p, True, "ok")
-
-    async def _check_decode(self, d: BackendState) -> None:
-        reason = await self._health(d)
-        self._mark(d, reason is None, reason or "ok")
-
-    # --- membership (pdkv.proxy.follow)
-    def apply_membership(self, view: Membership) -> bool:
-        from pdkv.proxy.follow import apply_membership
-
-        return apply_membership(self, view)
-
-    async def refresh_members(self) -> bool:
-        from pdkv.proxy.follow import refresh_members
-
-        return await refresh_members(self)
-
-    # --- liveness
-    async def probe_once(self) -> None:
-        """One TCP connect to every backend that is up; `probe_failures` failures in a row take it out and
-        end its requests in flight."""
-        live = [b for b in (*self.prefills, *self.decodes) if b.up]
-        results = await asyncio.gather(*(self._reachable(b) for b in live))
-        changed = False
-        for b, reason in zip(live, results, strict=True):
-            if reason is None:
-                b.probe_failures = 0
-                continue
-            b.probe_failures += 1
-            if b.probe_failures >= self.config.probe_failures and b.up:
-                why = f"unreachable: {reason} ({b.probe_failures} probes in a row)"
-                self._mark(b, False, why, immediate=True)
-                n = b.pool.fail_all(UpstreamError("unreachable", f"{b.role} {b.url} {why}"))
-                log.warning("%s %s %s; %d request(s) in flight on it ended", b.role, b.url, why, n)
-                changed = True
-        if changed:
-            self._rebuild()
-            self._wake.set()
-
-    async def _reachable(self, b: BackendState) -> str | None:
-        try:
-            transport, _ = await connect_bounded(asyncio.Protocol, b.pool.host, b.pool.port, self.config.probe_interval)
-        except asyncio.TimeoutError:
-            return f"no TCP connection within {self.config.probe_interval:g} s"
-        except OSError as exc:
-            return f"TCP connect failed: {exc.strerror or exc}"
-        transport.close()
-        return None
-
-    # --- loops
-    async def check_once(self) -> None:
-        """One health round over every backend, concurrently, then the routing view is rebuilt."""
-        if self.config.members:
-            await self.refresh_members()
-        await asyncio.gather(*(self._check_prefill(p) for p in self.prefills), *(self._check_decode(d) for d in self.decodes))
-        self._rebuild()
-        self._close_retired()
-        self.rounds += 1
-
-    def _close_retired(self) -> None:
-        keep = []
-        for b in self._retired:
-            busy = b.outstanding if b.role == "decode" else sum(n for (u, _), n in self._target_load.items() if u == b.url)
-            if busy:
-                keep.append(b)
-            else:
-                b.pool.close()
-        self._retired = keep
-
-    async def run_health(self) -> None:
-        """Health rounds every `health_interval` seconds (sooner after a connect failure or a join), the members
-        registry every `members_interval`, liveness probes every `probe_interval`; until cancelled."""
-        await asyncio.gather(self._health_loop(), self._members_loop(), self._probe_loop())
-
-    async def _health_loop(self) -> None:
-        while True:
-            try:
-                await self.check_once()
-            except Exception:  # a bug in one round must not stop health checking
-                log.exception("health round failed")
-            self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.health_interval)
-
-    async def _members_loop(self) -> None:
-        if not self.config.members:
-            return
-        while True:
-            await asyncio.sleep(self.config.members_interval)
-            try:
-                if await self.refresh_members():
-                    self._wake.set()
-            except Exception:  # noqa: BLE001 - the next read tries again
-                log.exception("members refresh failed")
-
-    async def _probe_loop(self) -> None:
-        if self.config.probe_interval <= 0:
-            return
-        while True:
-            await asyncio.sleep(self.config.probe_interval)
-            try:
-                await self.probe_once()
-            except Exception:  # noqa: BLE001
-                log.exception("liveness probe round failed")
+        self.notes = notes + self.conflicts
 
     async def close(self) -> None:
         for b in (*self.prefills, *self.decodes, *self._retired):
@@ -348,7 +224,3 @@ class Backends:
         # Aborted transports close their sockets in a callback: let it run before the loop ends.
         for _ in range(3):
             await asyncio.sleep(0)
-        for client in self._clients.values():
-            with contextlib.suppress(Exception):
-                await client.close()  # type: ignore[attr-defined]
-        self._clients.clear()

@@ -2,13 +2,13 @@
 
 Token ids come from an engine's own `/tokenize` (the chat template applied
 exactly as the engine applies it: the same code, the same tokenizer); the
-block keys are chained over them (pdkv.proxy.prefix) in the key space the
+block keys are chained over them (pdkv.proxy.kv.prefix) in the key space the
 event subscriber builds from BlockStored's token ids. The plan is
-pdkv.proxy.kv_policy's. Once routed, the request's blocks are predicted on
+pdkv.proxy.kv.policy's. Once routed, the request's blocks are predicted on
 the chosen engines until their events confirm them.
 
 Each engine's own /metrics is read every `metrics_interval_s`
-(pdkv.proxy.engine_metrics): D's KV usage and its running and waiting
+(pdkv.proxy.kv.load): D's KV usage and its running and waiting
 requests (from every client, not only this proxy's) enter D's cost, and
 the prefix-cache hits each engine itself counts are exported beside the
 hits the proxy predicted, so a drift between the two shows.
@@ -31,20 +31,32 @@ import msgspec
 
 from pdkv.errors import ConfigError
 from pdkv.protocol import ProxyTiming
-from pdkv.proxy.engine_metrics import EngineLoad, counter_delta, parse_engine_metrics
+from pdkv.proxy.config import Policy, ProxyConfig, parse_decode
 from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.kv_metrics import KvMetrics
-from pdkv.proxy.kv_policy import DecodeCandidate, KvConfig, PrefillCandidate, RoutePlan, plan_route
-from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber
-from pdkv.proxy.prefix import BlockKey, block_keys
-from pdkv.proxy.tokenize import LocalTokenizer
+from pdkv.proxy.kv import (
+    BlockKey,
+    DecodeCandidate,
+    EngineLoad,
+    EventSource,
+    KvConfig,
+    KvEventSubscriber,
+    KvIndex,
+    KvMetrics,
+    LocalTokenizer,
+    PrefillCandidate,
+    RoutePlan,
+    block_keys,
+    completion_prompt,
+    counter_delta,
+    parse_engine_metrics,
+    plan_route,
+)
+from pdkv.proxy.routing import Pairing
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
     from pdkv.proxy.backends import Backends, BackendState, PrefillState
-    from pdkv.proxy.routing import Pairing, ProxyConfig
 
 log = logging.getLogger("pdkv.proxy.kv")
 _json_decode = msgspec.json.Decoder().decode
@@ -60,8 +72,6 @@ SELF_CHECK_TEXT = ("the prefill engine computes the prompt and the decode engine
 
 def parse_event_source(spec: str) -> EventSource:
     """`ENGINE_URL=tcp://HOST:PORT[,tcp://HOST:REPLAY]` (the replay defaults to PORT + 1)."""
-    from pdkv.proxy.routing import parse_decode
-
     url, sep, rest = spec.partition("=")
     pub, _, replay = rest.partition(",")
     pub, replay = pub.strip(), replay.strip()
@@ -104,8 +114,6 @@ class KvRouter:
     @classmethod
     def for_config(cls, config: ProxyConfig, registry: CollectorRegistry) -> KvRouter | None:
         """The router for a proxy whose policy is kv-aware, else None."""
-        from pdkv.proxy.routing import Policy
-
         return cls(config.kv, registry) if config.policy is Policy.KV_AWARE else None
 
     def start(self, backends: Backends) -> None:
@@ -120,8 +128,6 @@ class KvRouter:
     def follow(self, engine_url: str, kv_events: str | None, kv_events_replay: str | None) -> None:
         """Follow (or, with `kv_events` None, stop following) an engine learnt at run time, e.g. a members-registry
         record's `url`, `kv_events` and `kv_events_replay`."""
-        from pdkv.proxy.routing import parse_decode
-
         url = parse_decode(engine_url)
         if kv_events is None:
             self.subscriber.unfollow(url)
@@ -151,8 +157,6 @@ class KvRouter:
                 return None
             req = {k: body[k] for k in _CHAT_FIELDS if k in body}
         else:
-            from pdkv.proxy.tokenize import completion_prompt
-
             prompt = completion_prompt(body)
             if not isinstance(prompt, str):
                 return prompt
@@ -250,8 +254,6 @@ class KvRouter:
 
     def pairing(self, choice: KvChoice | None, backends: Backends, t: ProxyTiming) -> tuple[Pairing, PrefillState, BackendState] | None:
         """The P/D pair of `choice` (recorded as routed), or None if there is none."""
-        from pdkv.proxy.routing import Pairing
-
         targets, owners, _ = backends.routable()
         if choice is None or choice.prefill is None or choice.prefill >= len(targets):
             return None

@@ -64,6 +64,11 @@ class ServerConnection(asyncio.Protocol):
         self._failed = False  # a limit or a parse error answered: the rest of the input is ignored
 
     # --- asyncio.Protocol
+    @property
+    def busy(self) -> bool:
+        """A request on this connection is being handled (a graceful stop waits for it)."""
+        return self._busy
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self._connections.add(self)

@@ -7,7 +7,7 @@ Histograms (seconds), the TTFT split of one request:
     pdkv_proxy_request_seconds        proxy received -> last byte to the client
 Counters: pdkv_proxy_requests_total{status}, pdkv_proxy_errors_total{cause},
 pdkv_proxy_local_prefill_total{reason} (requests D computed alone: no_prefill, prefill_failed, kv_local:
-the kv-aware policy found D holding all but a few of the prompt's tokens; pdkv.proxy.kv_metrics has its other metrics).
+the kv-aware policy found D holding all but a few of the prompt's tokens; pdkv.proxy.kv.metrics has its other metrics).
 Gauges: pdkv_proxy_backend_up{role,url}, pdkv_proxy_outstanding{role,url}.
 
 `observe` runs once per request on the proxy's loop: every labelled child it

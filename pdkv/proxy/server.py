@@ -8,15 +8,14 @@ for tests and embedding.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from pdkv.proxy.app import ProxyApp
+from pdkv.proxy.config import ProxyConfig
 from pdkv.proxy.guard import HttpGuard
 from pdkv.proxy.listener import ServerConnection
-from pdkv.proxy.routing import ProxyConfig
 from pdkv.service import BackgroundLoop, listen, stop_on_signals
 
 DEFAULT_SHUTDOWN_TIMEOUT = 5.0
@@ -34,42 +33,26 @@ class ProxyServer:
         self.sock = sock if sock is not None else listen(config.host, config.port, backlog=2048)
         self.port: int = self.sock.getsockname()[1]
         self._server: asyncio.AbstractServer | None = None
-        self._health: asyncio.Task | None = None
         self._connections: set[ServerConnection] = set()
 
     async def start(self) -> None:
-        """Listen, and return after the first health round (bounded by the health timeout) so
+        """Listen, then start the app: return after its first health round (bounded by the health timeout) so
         readiness is known."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
+        self._server = await asyncio.get_running_loop().create_server(
             lambda: ServerConnection(self.app.handle, self._connections), sock=self.sock, ssl=self.ssl
         )
-        self._health = loop.create_task(self.app.backends.run_health())
-        if self.app.kv is not None:
-            self.app.kv.start(self.app.backends)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._first_round(), self.config.health_timeout + 1.0)
-
-    async def _first_round(self) -> None:
-        while self.app.backends.rounds == 0:
-            await asyncio.sleep(0.01)
+        await self.app.start()
 
     async def stop(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-        """Stop accepting, let requests in flight finish for up to `timeout` s, then close everything."""
+        """Stop accepting, let requests in flight finish for up to `timeout` s, then close the app."""
         if self._server is not None:
             self._server.close()
         deadline = asyncio.get_running_loop().time() + timeout
-        while any(c._busy for c in self._connections) and asyncio.get_running_loop().time() < deadline:
+        while any(c.busy for c in self._connections) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         for conn in list(self._connections):
             conn.abort()
         await asyncio.sleep(0)
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
-        if self.app.kv is not None:
-            await self.app.kv.close()
         await self.app.close()
 
 

@@ -6,28 +6,9 @@
     html.py      a self-contained HTML timeline chart (pure)
 """
 
-from __future__ import annotations
+from pdkv.trace.assemble import assemble, summarize
+from pdkv.trace.collect import TraceSession, run_trace, run_traces
+from pdkv.trace.html import render_html
+from pdkv.trace.model import Trace, TraceResult
 
-from typing import Any
-
-__all__ = ["Trace", "TraceResult", "assemble", "render_html", "run_trace", "run_traces", "summarize"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("run_trace", "run_traces", "TraceSession"):
-        from pdkv.trace import collect
-
-        return getattr(collect, name)
-    if name in ("assemble", "summarize"):
-        from pdkv.trace import assemble
-
-        return getattr(assemble, name)
-    if name == "render_html":
-        from pdkv.trace.html import render_html
-
-        return render_html
-    if name in ("Trace", "TraceResult"):
-        from pdkv.trace import model
-
-        return getattr(model, name)
-    raise AttributeError(f"module 'pdkv.trace' has no attribute {name!r}")
+__all__ = ["Trace", "TraceResult", "TraceSession", "assemble", "render_html", "run_trace", "run_traces", "summarize"]

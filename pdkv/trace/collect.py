@@ -24,8 +24,9 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from pdkv.errors import RemoteError, TimeoutError_, UnreachableError, UsageError
-from pdkv.protocol import ProxyTiming, StatsQuery, StatsReply, TransferTrace
+from pdkv.errors import PdkvError, RemoteError, TimeoutError_, UnreachableError, UsageError
+from pdkv.protocol import ProxyTiming, StatsReply, TransferTrace
+from pdkv.side_channel import query_stats
 from pdkv.trace.assemble import assemble, summarize
 from pdkv.trace.model import ClientTiming, Trace, TraceResult
 
@@ -48,17 +49,10 @@ def one_host(proxy_url: str, backend_urls: list[str]) -> bool:
 
 async def _stats(addr: str, since: float, timeout: float) -> StatsReply | str:
     """One P worker's StatsReply, or why there is none."""
-    from pdkv.connector.side_channel import request_once
-
     try:
-        reply = await request_once(addr, StatsQuery(since=since, limit=1000), timeout)
-    except TimeoutError:
-        return f"prefill worker {addr} did not answer pdkv's stats query within {timeout:g} s"
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return f"prefill worker {addr} answers in another protocol: not pdkv's connector (vLLM's MooncakeConnector?)"
-    if not isinstance(reply, StatsReply):
-        return f"prefill worker {addr} answered the stats query with {type(reply).__name__}"
-    return reply
+        return await query_stats(addr, since=since, limit=1000, timeout=timeout)
+    except PdkvError as exc:
+        return exc.message
 
 
 class TraceSession:

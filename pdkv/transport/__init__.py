@@ -20,6 +20,8 @@ from pdkv.transport.base import Transport
 TransportName = Literal["tcp", "rdma", "ipc", "cma"]
 TRANSPORTS: tuple[TransportName, ...] = get_args(TransportName)
 
+__all__ = ["TRANSPORTS", "Transport", "TransportName", "open_transport"]
+
 
 def open_transport(
     transport: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,

@@ -99,7 +99,7 @@ if [[ " $STEPS " == *" tests "* ]]; then
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
     $PY benchmarks/gpu_pd.py --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$OUT/gpu_pd.stderr" || { rc=1; tail -n 20 "$OUT/gpu_pd.stderr" >> "$SUMMARY"; }
-    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --protocol ipc --src cuda:0 --dst cuda:0 --layout contiguous \
+    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
         --baseline --iters 30 --json > "$OUT/bench-ipc.json" 2> "$OUT/bench-ipc.stderr" || rc=1
     $PY - "$OUT/bench-ipc.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys

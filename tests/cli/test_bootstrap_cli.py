@@ -16,13 +16,9 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.cli import run
 from pdkv.protocol import RegisterRequest
+from support.ports import free_port
 
 NO_SWEEP = ProbePolicy(interval=0)
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import run
+from support import ports
 
 SYS = Path(__file__).parents[1] / "fixtures" / "sys"
 
@@ -20,11 +21,9 @@ def plain_env(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
 
 
-@pytest.fixture
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(name="free_port")
+def _free_port() -> int:
+    return ports.free_port()
 
 
 def checks_of(out: str) -> dict[str, dict]:

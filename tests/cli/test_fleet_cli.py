@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 
 from pdkv.cli import run
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port
 
 
 def write_fleet(

@@ -21,8 +21,8 @@ from pdkv.cli import run
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "k8s"
 EXAMPLES = ("k8s-1p1d", "k8s-4p2d")
-sys.path.insert(0, str(ROOT / "tests" / "unit"))
-from k8s_objects import K8S_VERSIONS, validate
+from support.k8s_objects import K8S_VERSIONS, validate
+from support.ports import free_port
 
 
 def render_into(tmp_path: Path, example: str, capsys, *extra: str) -> Path:
@@ -154,14 +154,6 @@ def test_the_doctor_init_container_fails_a_node_without_rdma_with_one_line(tmp_p
     assert first.startswith("pdkv: error: ") and "rdma_devices: no RDMA devices under /sys/class/infiniband" in first
     assert [line for line in rest if not line.startswith("  hint: ")] == []
     assert "rdma_devices" in proc.stdout  # the table stays in the container's log
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_shows_the_tables_and_examples(capsys, monkeypatch):

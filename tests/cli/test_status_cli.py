@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import httpx
@@ -12,12 +11,7 @@ import pytest
 from pdkv.bootstrap.server import ProbePolicy, make_app
 from pdkv.cli import run
 from pdkv.service import BackgroundService
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.ports import free_port
 
 
 @pytest.fixture
@@ -47,7 +41,7 @@ def test_status_from_a_deploy_file(capsys, bootstrap, tmp_path: Path) -> None:
 
 
 def test_status_discovers_parts_through_the_proxy(capsys, bootstrap) -> None:
-    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.config import build_config
     from pdkv.proxy.server import BackgroundProxy
 
     p_url, d_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import io
 import socket
-import sys
-from pathlib import Path
 
 from rich.console import Console
 
 from pdkv.cli import run
 from pdkv.cli.trace import render_summary, render_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_trace_assemble import client_timing, connector_record, proxy_record  # noqa: E402
+from support.trace_records import client_timing, connector_record, proxy_record
 
 from pdkv.trace.assemble import assemble, summarize  # noqa: E402
 
@@ -47,7 +44,7 @@ def test_unreachable_proxy_is_one_line_with_a_hint(capsys) -> None:
 
 
 def test_unready_proxy_says_why(capsys) -> None:
-    from pdkv.proxy.routing import build_config
+    from pdkv.proxy.config import build_config
     from pdkv.proxy.server import BackgroundProxy
 
     dead = f"http://127.0.0.1:{closed_port()}"

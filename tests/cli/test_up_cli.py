@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import run
+from support.ports import free_port
 
 
 # pdkv up's own vLLM logging configuration (pdkv.deploy.vllm_logging), under the default --log-dir.
 LOGGING = {"VLLM_LOGGING_CONFIG_PATH": str(Path(".pdkv/logs").resolve() / "vllm-logging.json")}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dry_run(capsys, *args: str) -> list[dict]:
@@ -268,3 +263,12 @@ def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints
     assert os.environ["PDKV_TOKEN"] == "s3cret-key"  # what every part inherits (ManagedProcess copies os.environ)
     assert "s3cret-key" not in json.dumps(docs)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_listen_is_the_address_of_an_engine_started_by_role_and_host_its_older_name(capsys) -> None:
+    (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--listen", "127.0.0.2", "--transport", "tcp")
+    assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.2"
+    (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--host", "127.0.0.3", "--transport", "tcp")
+    assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.3"
+    assert run(["up", "--listen", "127.0.0.1", "--dry-run"]) == 2
+    assert "--listen goes with --role" in capsys.readouterr().err

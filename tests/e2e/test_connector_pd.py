@@ -12,6 +12,7 @@ answer within seconds (D runs kv_load_failure_policy "fail" here).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import threading
@@ -21,41 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
-from ports import free_port
-
 from pdkv.geometry import geometry_from_model, plan_transfer
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from pdkv.deploy.engine import engine_plan
+from pdkv.deploy.process import ManagedProcess
+from support.engines import BLOCK, LENGTHS, LOGPROB_TOL, PDKV_EXTRA, SHIM, START_S, answer, body, complete, prompt_ids, spec
+from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
-
-BLOCK = 32
-LENGTHS = (1, 15, 16, 17, 31, 32, 33, 1000)
-MAX_TOKENS = 8
-LOGPROB_TOL = 0.02  # bf16: D's one-token forward vs the colocated prefill of the same position
-SHIM = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
-START_S = float(os.environ.get("PDKV_E2E_START_TIMEOUT", "300"))
-PDKV_EXTRA = {"unknown_wait_s": 4, "expiry_s": 20, "liveness_s": 5, "heartbeat_s": 0.5}
-
-
-
-
-def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in rng.integers(100, vocab - 100, size=n)]
-
-
-def complete(url: str, body: dict, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
-
-
-def answer(r: httpx.Response) -> tuple[list[str], list[dict[str, float]]]:
-    assert r.status_code == 200, r.text[:500]
-    lp = r.json()["choices"][0]["logprobs"]
-    return lp["tokens"], lp["top_logprobs"]
-
 
 def prompt_tokens_by_source(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -63,20 +38,6 @@ def prompt_tokens_by_source(url: str) -> dict[str, float]:
     assert found, "D exposes no vllm:prompt_tokens_by_source_total"
     return {k: float(v) for k, v in found}
 
-
-def body(model: str, ids: list[int], **kw) -> dict:
-    # Tokens as "token_id:N": the tiny tokenizer renders many ids as "", which would merge top-logprob keys.
-    return {
-        "model": model, "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 5,
-        "ignore_eos": True, "return_tokens_as_token_ids": True, **kw,
-    }
-
-
-def spec(model: Path, role: str, connector: str, omp: str, protocol: str = "tcp", **kw) -> EngineSpec:
-    return EngineSpec(
-        model=str(model), host="127.0.0.1", port=free_port(), role=role, connector=connector,  # type: ignore[arg-type]
-        transport=protocol, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +102,7 @@ def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pai
         d.wait_healthy(START_S)
         burl = f"http://127.0.0.1:{bport}"
         engine_id = httpx.get(f"{burl}/query", timeout=5).json()["0"]["engine_id"]
-        from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+        from pdkv.proxy.config import PrefillSpec, ProxyConfig
         from pdkv.proxy.server import BackgroundProxy
 
         with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:
@@ -199,9 +160,21 @@ def proxy_tid(pair: Pair, rid: str) -> str:
     return str(httpx.get(f"{pair.proxy_url}/pdkv/requests/{rid}", timeout=5).json()["transfer_id"])
 
 
-def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
-    from pdkv.connector.trace_client import fetch_stats
+def fetch_stats(bootstrap_url: str) -> list:
+    """Every registered prefill worker's StatsReply."""
+    from pdkv.bootstrap.client import BootstrapClient
+    from pdkv.side_channel import query_stats
 
+    with BootstrapClient(bootstrap_url, timeout=2.0, retries=1) as bs:
+        addrs = [a for entry in bs.query().values() for pps in entry.worker_addr.values() for a in pps.values()]
+
+    async def ask_all() -> list:
+        return list(await asyncio.gather(*(query_stats(a) for a in addrs)))
+
+    return asyncio.run(ask_all())
+
+
+def p_trace(pair: Pair, tid: str, timeout: float = 5.0):
     deadline = time.monotonic() + timeout
     while True:
         for reply in fetch_stats(pair.bootstrap_url):

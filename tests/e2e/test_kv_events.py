@@ -12,16 +12,16 @@ engine's next step) and an engine restart
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
-from ports import free_port_pair
+from support.ports import free_port_pair
+from support.waiting import wait_for
 
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber, StreamObserver
-from pdkv.proxy.prefix import block_keys
+from pdkv.proxy.kv.index import KvIndex
+from pdkv.proxy.kv.subscriber import EventSource, KvEventSubscriber, StreamObserver
+from pdkv.proxy.kv.prefix import block_keys
 from pdkv.tinymodel import sample_text
 
 pytestmark = pytest.mark.e2e
@@ -34,14 +34,6 @@ class Recorder(StreamObserver):
 
     def replay(self, engine: str, reason: str) -> None:
         self.replays.append(reason)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

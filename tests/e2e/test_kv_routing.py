@@ -21,14 +21,13 @@ import time
 import httpx
 import pytest
 
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.tinymodel import sample_text
 
-from loadclient import Case, run_load, same_greedy_answer
-from ports import free_port_pair
-from test_kv_events import wait_for
-from test_load import ENDPOINTS, PROMPTS, mixed_cases
+from support.loadclient import ENDPOINTS, PROMPTS, Case, mixed_cases, run_load, same_greedy_answer
+from support.ports import free_port_pair
+from support.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 SYSTEM = sample_text(220, seed=5)

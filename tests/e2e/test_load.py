@@ -20,7 +20,6 @@ its KV instead of leaving D waiting 480 s).
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,19 +27,16 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-import loadclient
-from loadclient import Answer, Case, free_port, kv_usage, one, prompts, run_load, same_greedy_answer
-from pdkv.launch import ManagedProcess
-from pdkv.proxy.routing import build_config
+from support import loadclient
+from support.loadclient import ENDPOINTS, PROMPTS, Answer, Case, kv_usage, mixed_cases, one, run_load, same_greedy_answer
+from support.ports import free_port
+from pdkv.deploy.process import ManagedProcess
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.e2e
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-WORD_COUNTS = [1, 4, 17, 40, 80, 150, 220, 270]  # 2 to ~990 tokens with the tiny model's tokenizer
-PROMPTS = prompts(7, WORD_COUNTS)
 DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma"), "pdkv-tcp": ("pdkv", "tcp"), "vllm-mooncake-tcp": ("mooncake", "tcp")}
-
 
 
 @dataclass
@@ -51,7 +47,6 @@ class Deployment:
     proxy_url: str
     model: str
     alone: dict[tuple[str, str], Answer]  # (endpoint, prompt) -> P alone's greedy answer
-
 
 
 def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
@@ -94,17 +89,6 @@ def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
     # Free the two cores for the next deployment.
     decode.stop(grace=15)
     prefill.stop(grace=15)
-
-
-def mixed_cases(n: int, seed: int, cancel_share: float = 0.0) -> list[Case]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        stream = i % 2 == 1
-        cancel = stream and rng.random() < cancel_share
-        out.append(Case(ENDPOINTS[(i // 2) % 2], PROMPTS[rng.randrange(len(PROMPTS))], stream,
-                        cancel_after=rng.randint(1, 6) if cancel else None))
-    return out
 
 
 def check_answers(dep: Deployment, cases: list[Case], answers: list[Answer]) -> None:

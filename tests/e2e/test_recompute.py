@@ -26,9 +26,10 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from loadclient import Answer, Case, free_port, kv_usage, prompts, run_load, same_greedy_answer
-from pdkv.launch import ManagedProcess
-from pdkv.proxy.routing import build_config
+from support.loadclient import Answer, Case, kv_usage, prompts, run_load, same_greedy_answer
+from support.ports import free_port
+from pdkv.deploy.process import ManagedProcess
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.e2e

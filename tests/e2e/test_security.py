@@ -26,10 +26,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_connector_pd import PDKV_EXTRA, START_S, answer, body, complete, free_port, prompt_ids, spec
 
 from pdkv.auth import new_binding
-from pdkv.launch import ManagedProcess, engine_plan
+from pdkv.deploy.engine import engine_plan
+from pdkv.deploy.process import ManagedProcess
+from support.engines import PDKV_EXTRA, START_S, answer, body, complete, prompt_ids, spec
+from support.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +56,7 @@ def keyed_pair(tiny_model: Path, tmp_path_factory) -> Iterator[dict]:
         d.wait_healthy(START_S)
         burl = f"http://127.0.0.1:{bport}"
         query = httpx.get(f"{burl}/query", timeout=5).json()
-        from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+        from pdkv.proxy.config import PrefillSpec, ProxyConfig
         from pdkv.proxy.server import BackgroundProxy
 
         with BackgroundProxy(ProxyConfig(prefill=(PrefillSpec(p.url, burl),), decode=(d.url,), port=0)) as proxy:

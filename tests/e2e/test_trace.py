@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from ports import free_port
+from support.ports import free_port
 
 from pdkv.geometry import geometry_from_model, plan_transfer
-from pdkv.launch import EngineSpec, ManagedProcess, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +62,7 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     from pdkv.bootstrap.server import start_background
-    from pdkv.proxy.routing import PrefillSpec, ProxyConfig
+    from pdkv.proxy.config import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
     logs = tmp_path_factory.mktemp("trace-e2e")

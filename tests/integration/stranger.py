@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from pdkv.auth import FrameSealer, token_from_env
-from pdkv.connector.side_channel import TO_D, TO_P, decode_reply, encode
+from pdkv.side_channel import TO_D, TO_P, decode_reply, encode
 from pdkv.protocol import Announce, PullRequest, Region
 from pdkv.transport import open_transport
 

@@ -20,6 +20,7 @@ from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
 from pdkv.protocol import EngineEntry, RegisterRequest
 from pdkv.service import BackgroundService
+from support.waiting import wait_until
 
 NO_SWEEP = ProbePolicy(timeout=0.3, interval=0)
 
@@ -199,15 +200,6 @@ def test_deregister_frees_the_rank_for_a_new_engine(server):
         assert client.query() == {}
         client.register(RegisterRequest("new", 0, 0, 0, b))
         assert client.query() == {0: EngineEntry("new", {"0": {"0": b}})}
-
-
-def wait_until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_sweep_drops_a_dead_engine_and_keeps_a_live_one():

@@ -21,7 +21,7 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec, Results
 from pdkv.connector.sender import KVSender
-from pdkv.connector.state import SendLimits
+from pdkv.connector.send_table import SendLimits
 from pdkv.protocol import RegisterRequest
 from pdkv.transport import open_transport
 from pdkv.transport.base import Region

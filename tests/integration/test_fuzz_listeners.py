@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from test_proxy_app import REQUEST, Deployment
+from support.proxy_stubs import REQUEST, Deployment
 
 from pdkv.auth import FrameSealer, new_binding
 from pdkv.bench.control import BenchTarget, Checksum, Refill, Setup, TargetClient
@@ -29,7 +29,7 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec
 from pdkv.connector.sender import KVSender
-from pdkv.connector.side_channel import decode_reply, encode
+from pdkv.side_channel import decode_reply, encode
 from pdkv.protocol import (
     Announce,
     PullReply,

@@ -7,25 +7,20 @@ does the same against a running engine.
 
 from __future__ import annotations
 
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.kv_subscriber import EventSource, KvEventSubscriber, StreamObserver
-from pdkv.proxy.prefix import block_keys
+from pdkv.proxy.kv.index import KvIndex
+from pdkv.proxy.kv.subscriber import EventSource, KvEventSubscriber, StreamObserver
+from pdkv.proxy.kv.prefix import block_keys
+from support.ports import free_port
+from support.waiting import wait_for
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 BS = 4
 ENGINE = "http://127.0.0.1:1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Recorder(StreamObserver):
@@ -42,14 +37,6 @@ class Recorder(StreamObserver):
 
     def decode_error(self, engine: str) -> None:
         self.errors += 1
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int]):

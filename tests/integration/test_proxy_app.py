@@ -4,7 +4,6 @@ failure coupling. Each test finishes in a few seconds; every wait is bounded."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import re
@@ -16,170 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from aiohttp import web
 
 from pdkv.auth import binding_matches
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
-from pdkv.service import BackgroundService
-
-EVENT = b'data: {"choices":[{"index":0,"text":"tok"}]}\n\n'
-
-
-class Stub:
-    """A P or D server whose behaviour a test changes between requests.
-
-    behaviour keys: status (int), delay (s before answering), hang (never answer), hang_pd (never answer a
-    P/D copy, one with kv_transfer_params),
-    chunks (SSE events when streaming), gap (s between them), first_then_hang
-    (stream one event, then wait), healthy (bool for /health), body (error body).
-    `seen` holds (headers, json body) per request; `cancelled` counts requests whose
-    client (the proxy) went away before the answer was complete.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.behaviour: dict[str, Any] = {"status": 200, "delay": 0.0, "chunks": 3, "gap": 0.0, "healthy": True}
-        self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
-        self.cancelled = 0
-        self.completed = 0
-        app = web.Application()
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.complete)
-        app.router.add_post("/v1/chat/completions", self.complete)
-        self.service = BackgroundService(app)
-
-    @property
-    def url(self) -> str:
-        return self.service.url
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({}, status=200 if self.behaviour["healthy"] else 503)
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": f"model-from-{self.name}"}]})
-
-    async def _wait(self, request: web.Request, seconds: float | None) -> bool:
-        """Sleep `seconds` (None: until the client goes); False if the client went away."""
-        end = None if seconds is None else time.monotonic() + seconds
-        while end is None or time.monotonic() < end:
-            if request.transport is None or request.transport.is_closing():
-                self.cancelled += 1
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
-    async def complete(self, request: web.Request) -> web.StreamResponse:
-        b = dict(self.behaviour)
-        body = await request.json()
-        self.seen.append(({k.lower(): v for k, v in request.headers.items()}, body))
-        if b.get("hang") or (b.get("hang_pd") and "kv_transfer_params" in body):
-            await self._wait(request, None)
-            return web.Response(status=499)
-        if b.get("error_event") and body.get("stream"):  # vLLM's way to fail a stream before its first token
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            await resp.write(b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n')
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        if b["status"] != 200:
-            if not await self._wait(request, b["delay"]):
-                return web.Response(status=499)
-            self.completed += 1
-            return web.json_response(b.get("body", {"error": {"message": f"{self.name} says no"}}), status=b["status"])
-        if not body.get("stream"):
-            if not await self._wait(request, b["delay"]):
-                return web.Response(status=499)
-            self.completed += 1
-            return web.json_response({"choices": [{"index": 0, "text": f"{self.name} answer", "finish_reason": "length"}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if not await self._wait(request, b["delay"]):
-            return resp
-        for i in range(b["chunks"]):
-            await resp.write(EVENT)
-            if b.get("first_then_hang"):
-                await self._wait(request, None)
-                return resp
-            if b["gap"] and not await self._wait(request, b["gap"]):
-                return resp
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        self.completed += 1
-        return resp
-
-
-def _wait_for(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Deployment:
-    """Stub P(s) and D(s), one real bootstrap server per P, and a proxy in front."""
-
-    def __init__(self, n_prefill: int = 1, n_decode: int = 1, engines: dict[int, str] | None = None, *, guard: Any = None,
-                 ssl: Any = None, **config: Any) -> None:
-        self.guard, self.ssl = guard, ssl
-        self.prefills = [Stub(f"p{i}") for i in range(n_prefill)]
-        self.decodes = [Stub(f"d{i}") for i in range(n_decode)]
-        self.engines = {0: "engine-a"} if engines is None else engines
-        self.config_overrides = {"health_interval": 0.1, "health_timeout": 1.0, "unhealthy_after": 1, **config}
-        self.bootstraps: list[Any] = []
-        self.proxy: BackgroundProxy | None = None
-
-    def register(self, index: int, engine_id: str, dp_rank: int = 0) -> None:
-        with BootstrapClient(self.bootstraps[index].url, retries=0) as bs:
-            # The side-channel address must accept TCP for the bootstrap's liveness probe:
-            # P's own HTTP port does.
-            port = self.prefills[index].service.port
-            bs.register(RegisterRequest(engine_id=engine_id, dp_rank=dp_rank, tp_rank=0, pp_rank=0,
-                                        addr=f"tcp://127.0.0.1:{port}"))
-
-    def deregister(self, index: int, engine_id: str) -> None:
-        with BootstrapClient(self.bootstraps[index].url, retries=0) as bs:
-            bs.deregister(engine_id)
-
-    def __enter__(self) -> Deployment:
-        for s in (*self.prefills, *self.decodes):
-            s.service.start()
-        for i, _ in enumerate(self.prefills):
-            self.bootstraps.append(start_background(probe=ProbePolicy(interval=0)))
-            for rank, engine in self.engines.items():
-                self.register(i, engine, rank)
-        cfg = build_config(
-            [f"{p.url},{b.url}" for p, b in zip(self.prefills, self.bootstraps)],
-            [d.url for d in self.decodes],
-            port=0,
-            **self.config_overrides,
-        )
-        self.proxy = BackgroundProxy(cfg, guard=self.guard, ssl=self.ssl).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        for b in self.bootstraps:
-            b.stop()
-        for s in (*self.prefills, *self.decodes):
-            s.service.stop()
-
-    @property
-    def url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
-
+from support.proxy_stubs import REQUEST, Deployment
+from support.waiting import wait_for
 
 @pytest.fixture
 def deployment() -> Iterator[Deployment]:
@@ -187,7 +30,6 @@ def deployment() -> Iterator[Deployment]:
         yield dep
 
 
-REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 16, "stream": True, "stop": ["\n\n"], "stop_token_ids": [7]}
 
 
 def _events(text: str) -> list[str]:
@@ -201,7 +43,7 @@ def test_stream_is_forwarded_and_both_copies_rewritten(deployment: Deployment):
     assert r.headers["x-request-id"] == "req-42"
     assert _events(r.text) == [json.dumps({"choices": [{"index": 0, "text": "tok"}]}, separators=(",", ":"))] * 3 + ["[DONE]"]
     # A stream ends with D's answer: P's copy may still be on its way to the stub.
-    _wait_for(lambda: len(deployment.prefills[0].seen) == 1, what="P's copy")
+    wait_for(lambda: len(deployment.prefills[0].seen) == 1, what="P's copy")
     (p_headers, p_body), = deployment.prefills[0].seen
     (d_headers, d_body), = deployment.decodes[0].seen
     assert p_body["max_tokens"] == 1 and p_body["min_tokens"] == 1 and p_body["stream"] is False
@@ -229,7 +71,7 @@ def test_timings_are_recorded_per_request(deployment: Deployment):
     with deployment.client() as c:
         assert c.post("/v1/completions", json=REQUEST, headers={"X-Request-Id": "t-1"}).status_code == 200
         # The client's stream ends with D's; the record has P's status once P answered too.
-        _wait_for(lambda: "prefill_status" in c.get("/pdkv/requests/t-1").json(), what="P's answer in the record")
+        wait_for(lambda: "prefill_status" in c.get("/pdkv/requests/t-1").json(), what="P's answer in the record")
         t = c.get("/pdkv/requests/t-1").json()
         assert c.get(f"/pdkv/requests/{t['transfer_id']}").json() == t
         recent = c.get("/pdkv/requests", params={"limit": 5}).json()
@@ -260,7 +102,7 @@ def test_not_ready_until_an_engine_registers_then_ready():
         refused = c.post("/v1/completions", json=REQUEST)
         assert refused.status_code == 503 and refused.json()["error"]["cause"] == "no_backend"
         dep.register(0, "engine-late")
-        _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
+        wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
         assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert dep.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-late"
 
@@ -269,7 +111,7 @@ def test_engine_id_is_reread_when_prefill_restarts(deployment: Deployment):
     with deployment.client() as c:
         deployment.deregister(0, "engine-a")
         deployment.register(0, "engine-b")
-        _wait_for(lambda: c.get("/health").json()["backends"][0]["engines"] == {"0": "engine-b"}, what="new engine id")
+        wait_for(lambda: c.get("/health").json()["backends"][0]["engines"] == {"0": "engine-b"}, what="new engine id")
         assert c.post("/v1/completions", json=REQUEST).status_code == 200
     assert deployment.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-b"
 
@@ -277,7 +119,7 @@ def test_engine_id_is_reread_when_prefill_restarts(deployment: Deployment):
 def test_failed_bootstrap_query_drops_the_engine_id(deployment: Deployment):
     with deployment.client() as c:
         deployment.bootstraps[0].stop()
-        _wait_for(lambda: c.get("/health").status_code == 503, what="prefill taken out")
+        wait_for(lambda: c.get("/health").status_code == 503, what="prefill taken out")
         body = c.get("/health").json()
         assert body["backends"][0]["engines"] == {} and "bootstrap" in body["reason"]
 
@@ -286,7 +128,7 @@ def test_dp_ranks_each_get_their_engine_id():
     with Deployment(engines={0: "engine-r0", 1: "engine-r1"}) as dep, dep.client() as c:
         for _ in range(4):
             assert c.post("/v1/completions", json=REQUEST).status_code == 200
-        _wait_for(lambda: len(dep.prefills[0].seen) == 4, what="P's copies")
+        wait_for(lambda: len(dep.prefills[0].seen) == 4, what="P's copies")
     pairs = [(h["x-data-parallel-rank"], d[1]["kv_transfer_params"]["remote_engine_id"])
              for (h, _), d in zip(dep.prefills[0].seen, dep.decodes[0].seen)]
     assert sorted(pairs) == [("0", "engine-r0"), ("0", "engine-r0"), ("1", "engine-r1"), ("1", "engine-r1")]
@@ -305,7 +147,7 @@ def test_prefill_error_cancels_decode_at_once(p_status: int, client_status: int,
         err = r.json()["error"]
         assert err["cause"] == "prefill_status" and "p0 says no" in err["message"]
         assert elapsed < 2.0
-        _wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
+        wait_for(lambda: deployment.decodes[0].cancelled == 1, what="D cancelled")
 
 
 def test_prefill_timeout_cancels_both():
@@ -317,7 +159,7 @@ def test_prefill_timeout_cancels_both():
         elapsed = time.monotonic() - t0
         assert r.status_code == 504 and r.json()["error"]["cause"] == "prefill_timeout"
         assert 0.4 < elapsed < 2.5
-        _wait_for(lambda: dep.decodes[0].cancelled == 1 and dep.prefills[0].cancelled == 1, what="both cancelled")
+        wait_for(lambda: dep.decodes[0].cancelled == 1 and dep.prefills[0].cancelled == 1, what="both cancelled")
         assert 'pdkv_proxy_errors_total{cause="prefill_timeout"} 1.0\n' in c.get("/metrics").text
 
 
@@ -340,7 +182,7 @@ def test_decode_error_reaches_the_client_and_cancels_prefill(deployment: Deploym
     with deployment.client() as c:
         r = c.post("/v1/completions", json=REQUEST)
         assert r.status_code == 400 and r.json() == {"error": {"message": "prompt too long for D"}}
-        _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P cancelled")
+        wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P cancelled")
         assert c.get("/pdkv/requests").json()[0]["error"] == "decode_status"
 
 
@@ -378,7 +220,7 @@ def _register_side_channel(dep: Deployment, addr: str) -> None:
     dep.deregister(0, "engine-a")
     with BootstrapClient(dep.bootstraps[0].url, retries=0) as bs:
         bs.register(RegisterRequest(engine_id="engine-a", dp_rank=0, tp_rank=0, pp_rank=0, addr=addr))
-    _wait_for(lambda: addr in json.dumps(httpx.get(f"{dep.bootstraps[0].url}/query").json()), what="registration")
+    wait_for(lambda: addr in json.dumps(httpx.get(f"{dep.bootstraps[0].url}/query").json()), what="registration")
     time.sleep(0.3)  # a health round picks up the worker's address
 
 
@@ -420,7 +262,7 @@ def test_decode_first_byte_timeout():
         dep.decodes[0].behaviour.update(hang=True)
         r = c.post("/v1/completions", json=REQUEST)
         assert r.status_code == 504 and r.json()["error"]["cause"] == "decode_timeout"
-        _wait_for(lambda: dep.decodes[0].cancelled == 1, what="D cancelled")
+        wait_for(lambda: dep.decodes[0].cancelled == 1, what="D cancelled")
 
 
 def test_client_disconnect_cancels_both_upstream_requests(deployment: Deployment):
@@ -431,21 +273,21 @@ def test_client_disconnect_cancels_both_upstream_requests(deployment: Deployment
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        _wait_for(lambda: len(deployment.decodes[0].seen) == 1 and len(deployment.prefills[0].seen) == 1, what="dispatch")
-    _wait_for(lambda: deployment.prefills[0].cancelled == 1 and deployment.decodes[0].cancelled == 1, what="both cancelled")
+        wait_for(lambda: len(deployment.decodes[0].seen) == 1 and len(deployment.prefills[0].seen) == 1, what="dispatch")
+    wait_for(lambda: deployment.prefills[0].cancelled == 1 and deployment.decodes[0].cancelled == 1, what="both cancelled")
     with deployment.client() as c:
-        _wait_for(lambda: c.get("/pdkv/requests/gone-1").json().get("error") == "client_disconnect", what="record")
+        wait_for(lambda: c.get("/pdkv/requests/gone-1").json().get("error") == "client_disconnect", what="record")
 
 
 def test_unhealthy_decode_is_taken_out_and_put_back():
     with Deployment(n_decode=2) as dep, dep.client() as c:
         dep.decodes[1].behaviour.update(healthy=False)
-        _wait_for(lambda: not c.get("/health").json()["backends"][2]["up"], what="d1 out")
+        wait_for(lambda: not c.get("/health").json()["backends"][2]["up"], what="d1 out")
         for _ in range(4):
             assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert len(dep.decodes[1].seen) == 0 and len(dep.decodes[0].seen) == 4
         dep.decodes[1].behaviour.update(healthy=True)
-        _wait_for(lambda: c.get("/health").json()["backends"][2]["up"], what="d1 back")
+        wait_for(lambda: c.get("/health").json()["backends"][2]["up"], what="d1 back")
         for _ in range(4):
             assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert len(dep.decodes[1].seen) == 2 and len(dep.decodes[0].seen) == 6
@@ -472,7 +314,7 @@ def test_unreachable_decode_is_taken_out_on_connect_failure():
 def _force_up(proxy: BackgroundProxy) -> None:
     for d in proxy.app.backends.decodes:
         d.up = True
-    proxy.app.backends._rebuild()
+    proxy.app.backends.rebuild()
 
 
 def test_least_outstanding_avoids_a_busy_decode():
@@ -487,7 +329,7 @@ def test_least_outstanding_avoids_a_busy_decode():
 
         thread = threading.Thread(target=slow)
         thread.start()
-        _wait_for(lambda: len(dep.decodes[0].seen) + len(dep.decodes[1].seen) == 1, what="first request")
+        wait_for(lambda: len(dep.decodes[0].seen) + len(dep.decodes[1].seen) == 1, what="first request")
         for d in dep.decodes:
             d.behaviour.update(delay=0.0)
         with dep.client() as c:
@@ -520,7 +362,7 @@ def test_shutdown_closes_upstream_requests_still_in_flight(deployment: Deploymen
         assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert time.monotonic() - t0 < 2.0
     deployment.proxy.stop()
-    _wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P's connection closed at shutdown")
+    wait_for(lambda: deployment.prefills[0].cancelled == 1, what="P's connection closed at shutdown")
 
 
 # --- what the client is told, and what only the log and the record hold --------------------------
@@ -544,13 +386,13 @@ def _proxy_with(dep: Deployment, prefill_url: str, decode_url: str) -> Iterator[
     cfg = build_config([f"{prefill_url},{dep.bootstraps[0].url}"], [decode_url], port=0, health_interval=30.0, unhealthy_after=5,
                        local_fallback=False)
     with BackgroundProxy(cfg) as proxy:
-        _wait_for(lambda: proxy.app.backends.rounds >= 1, what="first health round")
+        wait_for(lambda: proxy.app.health.rounds >= 1, what="first health round")
 
         def force_up() -> None:
             for b in (*proxy.app.backends.prefills, *proxy.app.backends.decodes):
                 b.up = True
             proxy.app.backends.prefills[0].engines = {0: "engine-a"}
-            proxy.app.backends._rebuild()
+            proxy.app.backends.rebuild()
 
         proxy.call(force_up)
         yield proxy
@@ -628,7 +470,7 @@ def test_prefill_failing_before_decodes_first_byte_is_served_by_decode_alone(str
             proxy.app.backends.prefills[0].up = True
             proxy.app.backends.prefills[0].engines = {0: "engine-a"}
             proxy.app.backends.decodes[0].up = True
-            proxy.app.backends._rebuild()
+            proxy.app.backends.rebuild()
             r = c.post("/v1/completions", json={**REQUEST, "stream": stream}, headers={"X-Request-Id": f"fb-{failure}-{stream}"})
             record = c.get(f"/pdkv/requests/fb-{failure}-{stream}").json()
             metrics = c.get("/metrics").text
@@ -639,7 +481,7 @@ def test_prefill_failing_before_decodes_first_byte_is_served_by_decode_alone(str
         cause = "prefill_connect" if failure == "connect" else "prefill_status"
         assert record["local_prefill"] == f"prefill_failed: {cause}" and record["status"] == 200 and "error" not in record
         assert 'pdkv_proxy_local_prefill_total{reason="prefill_failed"} 1.0\n' in metrics
-        _wait_for(lambda: dep.decodes[0].cancelled >= 1, what="the P/D copy on D cancelled")
+        wait_for(lambda: dep.decodes[0].cancelled >= 1, what="the P/D copy on D cancelled")
 
 
 def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
@@ -651,7 +493,7 @@ def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
         assert c.get("/pdkv/requests/alone-1").json()["local_prefill"] == "no_prefill"
         assert 'pdkv_proxy_local_prefill_total{reason="no_prefill"} 1.0\n' in c.get("/metrics").text
         dep.register(0, "engine-late")
-        _wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
+        wait_for(lambda: c.get("/health").status_code == 200, what="readiness")
         assert c.post("/v1/completions", json=REQUEST).status_code == 200
         assert dep.decodes[0].seen[-1][1]["kv_transfer_params"]["remote_engine_id"] == "engine-late"
 
@@ -669,11 +511,11 @@ def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deploymen
             r = c.post("/v1/completions", json={**REQUEST, "stream": False, "n": n, "temperature": 1.0},
                        headers={"X-Request-Id": f"rel-{n}"})
         assert r.status_code == 400
-        _wait_for(lambda: sum(isinstance(m, Release) for m in fate.seen) == n, what="the Releases at P")
+        wait_for(lambda: sum(isinstance(m, Release) for m in fate.seen) == n, what="the Releases at P")
         assert all(m.transfer_id == _transfer_id(deployment) for m in fate.seen if isinstance(m, Release))
         # The proxy's release proves the binding, as D's would.
         p_seen = deployment.prefills[0].seen
-        _wait_for(lambda: p_seen and p_seen[-1][1]["kv_transfer_params"]["transfer_id"] == _transfer_id(deployment), what="P's copy")
+        wait_for(lambda: p_seen and p_seen[-1][1]["kv_transfer_params"]["transfer_id"] == _transfer_id(deployment), what="P's copy")
         commitment = deployment.prefills[0].seen[-1][1]["kv_transfer_params"]["decode_binding"]
         assert all(binding_matches(m.binding, commitment) for m in fate.seen if isinstance(m, Release))
         deployment.decodes[0].behaviour.update(status=200)

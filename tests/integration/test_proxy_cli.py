@@ -13,7 +13,7 @@ import httpx
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
 
-from test_proxy_app import REQUEST, Stub  # noqa: E402 - the stub servers of the app tests
+from support.proxy_stubs import REQUEST, Stub
 
 
 def _read_line(proc: subprocess.Popen, timeout: float) -> str:

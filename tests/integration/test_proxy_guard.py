@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_proxy_app import REQUEST, Deployment
+from support.proxy_stubs import REQUEST, Deployment
 
 from pdkv.deploy.status import collect_status
 from pdkv.errors import ConfigError

@@ -15,9 +15,10 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.members import MemberRecord
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
-from pdkv.proxy.routing import build_config
+from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
-from tests.integration.test_proxy_app import REQUEST, Stub, _wait_for
+from support.proxy_stubs import REQUEST, Stub
+from support.waiting import wait_for
 
 NO_SWEEP = ProbePolicy(interval=0)
 
@@ -94,7 +95,7 @@ def test_servers_that_join_take_requests_and_servers_that_leave_get_none(fleet: 
     fleet.join_prefill(p, "engine-p")
     fleet.join_decode(d1, "engine-d1")
     started = time.monotonic()
-    _wait_for(lambda: fleet.health()["status"] == "ok", timeout=5.0, what="the joined P and D to become routable")
+    wait_for(lambda: fleet.health()["status"] == "ok", timeout=5.0, what="the joined P and D to become routable")
     assert time.monotonic() - started < 5.0
     assert complete(fleet).status_code == 200
     (_, d_body), = d1.seen
@@ -103,13 +104,13 @@ def test_servers_that_join_take_requests_and_servers_that_leave_get_none(fleet: 
 
     d2 = fleet.stub("d2")
     fleet.join_decode(d2, "engine-d2")
-    _wait_for(lambda: sum(b["up"] for b in fleet.health()["backends"] if b["role"] == "decode") == 2, what="the second D")
+    wait_for(lambda: sum(b["up"] for b in fleet.health()["backends"] if b["role"] == "decode") == 2, what="the second D")
     for _ in range(6):
         assert complete(fleet).status_code == 200
     assert len(d2.seen) == 3 and len(d1.seen) == 4  # round-robin over both
 
     fleet.leave("engine-d1")
-    _wait_for(lambda: [b["url"] for b in fleet.health()["backends"] if b["role"] == "decode"] == [d2.url], what="D1 to go")
+    wait_for(lambda: [b["url"] for b in fleet.health()["backends"] if b["role"] == "decode"] == [d2.url], what="D1 to go")
     before = len(d1.seen)
     for _ in range(4):
         assert complete(fleet).status_code == 200
@@ -120,14 +121,14 @@ def test_a_p_and_a_d_that_disagree_are_never_paired_and_health_says_why(fleet: F
     p, d16, d32 = fleet.stub("p"), fleet.stub("d16"), fleet.stub("d32")
     fleet.join_prefill(p, "engine-p")
     fleet.join_decode(d16, "engine-d16", block_size=16)
-    _wait_for(lambda: any(b["up"] for b in fleet.health()["backends"] if b["role"] == "decode"), what="D16 up")
+    wait_for(lambda: any(b["up"] for b in fleet.health()["backends"] if b["role"] == "decode"), what="D16 up")
     health = fleet.health()
     assert health["status"] == "unavailable" and "may be paired" in health["reason"]
     assert any("block size 16" in n and d16.url in n for n in health["notes"])
     assert complete(fleet).status_code in (200, 503)  # D alone computes it (local fallback), never paired with P
     assert all("kv_transfer_params" not in body for _, body in d16.seen)
     fleet.join_decode(d32, "engine-d32")
-    _wait_for(lambda: fleet.health()["status"] == "ok", what="the matching D")
+    wait_for(lambda: fleet.health()["status"] == "ok", what="the matching D")
     for _ in range(4):
         assert complete(fleet).status_code == 200
     assert len(d32.seen) == 4 and all("kv_transfer_params" not in body for _, body in d16.seen)
@@ -137,8 +138,8 @@ def test_a_backend_that_stops_accepting_connections_is_taken_out_by_the_probes(f
     p, d = fleet.stub("p"), fleet.stub("d")
     fleet.join_prefill(p, "engine-p")
     fleet.join_decode(d, "engine-d")
-    _wait_for(lambda: fleet.health()["status"] == "ok", what="P and D")
+    wait_for(lambda: fleet.health()["status"] == "ok", what="P and D")
     d.service.stop()
-    _wait_for(lambda: fleet.health()["status"] == "unavailable", timeout=3.0, what="the probes to take D out")
+    wait_for(lambda: fleet.health()["status"] == "unavailable", timeout=3.0, what="the probes to take D out")
     reason = next(b["reason"] for b in fleet.health()["backends"] if b["role"] == "decode")
     assert "unreachable" in reason or "/health" in reason

@@ -15,8 +15,8 @@ import pytest
 import zmq
 
 from pdkv.connector.sender import KVSender
-from pdkv.connector.side_channel import decode_reply, encode
-from pdkv.connector.state import SendLimits
+from pdkv.side_channel import decode_reply, encode
+from pdkv.connector.send_table import SendLimits
 from pdkv.protocol import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
 from pdkv.transport.mooncake import MooncakeTransport
 

@@ -16,7 +16,8 @@ import pytest
 
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan
+from pdkv.deploy.engine import LaunchPlan
+from support.ports import free_port
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.
 HEALTH_SERVER = (
@@ -31,12 +32,6 @@ HEALTH_SERVER = (
     "print('serving pid', os.getpid(), 'value', os.environ['PDKV_TEST_VALUE'], flush=True)\n"
     "server.serve_forever()\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def bootstrap_plan(name: str) -> LaunchPlan:
@@ -219,3 +214,26 @@ def test_a_broken_status_view_does_not_stop_the_shutdown(tmp_path: Path) -> None
     sup.on_change = broken
     sup.stop_all()
     assert not [p for p in pids if _alive(p)]
+
+
+def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path):
+    """`pdkv up`'s run (pdkv.deploy.run.PartsRun): inside the `with`, SIGTERM stops like Ctrl-C; leaving it
+    stops every part, puts SIGTERM's handler back and leaves SIGINT raising KeyboardInterrupt; `watch` names
+    the part that died and is not started again."""
+    from pdkv.deploy.run import PartsRun
+    from pdkv.deploy.topology import Part
+    from pdkv.errors import PdkvError
+
+    plan = bootstrap_plan("bootstrap-0")
+    part = Part(kind="bootstrap", plan=plan, ports=[], restart="no")
+    before_term = signal.getsignal(signal.SIGTERM)
+    with PartsRun([part], tmp_path, restart="no") as run:
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+        assert run.start(30) > 0
+        pid = run.supervisor.procs[0].pid
+        assert httpx.get(f"{plan.url}/health", timeout=5).status_code == 200
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(PdkvError, match="bootstrap-0 exited"):
+            run.watch()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert signal.getsignal(signal.SIGTERM) is before_term and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -12,16 +12,12 @@ Tests that use it are marked `multihost` (and `e2e` when they start vLLM).
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-
-from netns import NetnsHost, TestBed, unavailable  # noqa: E402
+from netns import NetnsHost, TestBed, unavailable
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,9 @@ import httpx
 import msgspec
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script in a namespace: tests/ for support
 
-from loadclient import Case, one  # noqa: E402
+from support.loadclient import Case, one  # noqa: E402
 
 
 def prompt_ids(n: int, vocab: int, seed: int) -> list[int]:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script in a namespace: tests/ for support
 
-from loadclient import Case, one  # noqa: E402
+from support.loadclient import Case, one  # noqa: E402
 
 
 async def main() -> None:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from loadclient import Answer, same_greedy_answer
+from support.loadclient import Answer, same_greedy_answer
+from support.waiting import waited_for
 from netns import NetnsHost
 
 from pdkv.geometry import geometry_from_model, plan_transfer
@@ -195,14 +196,6 @@ def _kv_usage(host: NetnsHost, url: str) -> float:
     return float(done.stdout)
 
 
-def _until(predicate, bound_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < bound_s, f"{what} not within {bound_s:g} s"
-        time.sleep(0.5)
-    return time.monotonic() - start
-
-
 def test_every_engine_joins_the_members_registry_at_its_hosts_address(fleet: Fleet, measured: dict) -> None:
     a, b, c = (fleet.hosts[n].address for n in "ABC")
     records = {m["record"]["role"]: m["record"] for m in _get_json(fleet.hosts["A"], f"http://{a}:8998/pdkv/members")["members"]}
@@ -247,9 +240,9 @@ def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leave
         reader = threading.Thread(target=_read_events, args=(proc, events), daemon=True)
         reader.start()
         try:
-            _until(lambda: any(ev.get("event") == "ready" for ev in events) or proc.poll() is not None, READY_S, "D2 ready")
+            waited_for(lambda: any(ev.get("event") == "ready" for ev in events) or proc.poll() is not None, READY_S, "D2 ready")
             assert proc.poll() is None, (fleet.logs / "E.stderr").read_text()[-3000:]
-            took = _until(lambda: _decodes_up(fleet) == sorted([d1, d2]), 15, "the proxy routing to D2")
+            took = waited_for(lambda: _decodes_up(fleet) == sorted([d1, d2]), 15, "the proxy routing to D2")
             print(f"D2 routable {took:.1f} s after it was ready")
             doc = _answers(fleet, 8, seed=1)
             assert set(doc["decode_urls"]) == {d1, d2}, doc["decode_urls"]
@@ -263,7 +256,7 @@ def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leave
             reader.join(10)
             if proc.stdout is not None:
                 proc.stdout.close()
-    gone = _until(lambda: _decodes_up(fleet) == [d1], 10, "D2 to leave the proxy's view")
+    gone = waited_for(lambda: _decodes_up(fleet) == [d1], 10, "D2 to leave the proxy's view")
     print(f"D2 out of the proxy's view {gone:.1f} s after it stopped")
     doc = _answers(fleet, 4, seed=2)
     assert set(doc["decode_urls"]) == {d1}
@@ -296,7 +289,7 @@ def test_a_cut_link_ends_the_streams_on_it_within_5_s_and_the_host_comes_back(fl
             assert "unreachable" in reason or "/health" in reason, reason
         finally:
             subprocess.run(["ip", "-n", hosts["C"].netns, "link", "set", "eth0", "up"], check=True, timeout=30)
-        back = _until(lambda: _get_json(hosts["A"], f"{proxy}/health")["status"] == "ok", 30, "the proxy re-admitting D")
+        back = waited_for(lambda: _get_json(hosts["A"], f"{proxy}/health")["status"] == "ok", 30, "the proxy re-admitting D")
         print(f"D re-admitted {back:.1f} s after the link came back")
     finally:
         client.kill()
@@ -311,5 +304,5 @@ def test_a_cut_link_ends_the_streams_on_it_within_5_s_and_the_host_comes_back(fl
     done = subprocess.run(hosts["A"].argv(sys.executable, "-c", code, proxy), capture_output=True, text=True, timeout=90, check=False)
     assert done.stdout.strip() == "200", done.stderr[-2000:]
     # Nothing leaks on either side: D's cut streams end once its sockets learn the proxy is gone; P sent before the cut.
-    freed = _until(lambda: _kv_usage(hosts["A"], d_url) == 0.0 and _kv_usage(hosts["A"], p_url) == 0.0, 120, "P's and D's KV freed")
+    freed = waited_for(lambda: _kv_usage(hosts["A"], d_url) == 0.0 and _kv_usage(hosts["A"], p_url) == 0.0, 120, "P's and D's KV freed")
     print(f"KV freed on P and D {freed:.1f} s after the proxy was back")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from pdkv.auth import TRAILER, FrameSealer, NonceCache, bearer_ok, binding_matches, new_binding, token_from_env
-from pdkv.connector.state import Phase, Reply, SendTable, StartSend
+from pdkv.connector.send_table import Phase, Reply, SendTable, StartSend
 
 
 def test_a_sealed_frame_opens_once_and_only_with_the_same_key_and_direction():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pdkv.connector.state import Free, Phase, PullTracker, Reply, SendLimits, SendTable, StartSend
+from pdkv.connector.pulls import PullTracker
+from pdkv.connector.send_table import Free, Phase, Reply, SendLimits, SendTable, StartSend
 
 LIMITS = SendLimits(unknown_wait_s=2.0, expiry_s=5.0, tombstone_s=10.0)
 

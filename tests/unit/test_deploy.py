@@ -11,7 +11,7 @@ import pytest
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
 from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems
 from pdkv.deploy.status import parse_prometheus
-from pdkv.deploy.topology import deployment_from_dict
+from pdkv.deploy.loader import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deploy.toml"
@@ -136,7 +136,7 @@ def test_local_cpu_topology_with_vllms_connector_keeps_mooncake_tcp() -> None:
 
 def test_cma_with_vllms_connector_is_refused() -> None:
     from pdkv.errors import UsageError
-    from pdkv.launch import EngineSpec, kv_transfer_config
+    from pdkv.deploy.engine import EngineSpec, kv_transfer_config
 
     with pytest.raises(UsageError, match="protocol cma is pdkv's own transport"):
         kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", transport="cma", platform="cpu"))
@@ -226,7 +226,7 @@ def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_p
     yama.mkdir(parents=True)
     (yama / "ptrace_scope").write_text("3\n")
     [problem] = check_cma(cma, proc_root=str(tmp_path / "proc"))
-    assert "ptrace_scope is 3" in problem.what and "--protocol tcp" in problem.fix
+    assert "ptrace_scope is 3" in problem.what and "--transport tcp" in problem.fix
 
 
 def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonpath(tmp_path: Path) -> None:
@@ -280,7 +280,7 @@ def test_parse_prometheus_reads_escaped_labels_and_stops_at_unreadable_text() ->
 
 
 def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows_them() -> None:
-    from pdkv.launch import kv_events_config
+    from pdkv.deploy.engine import kv_events_config
 
     parts = deployment_parts(deployment_from_dict(_dep(proxy={"port": 8000, "policy": "kv-aware", "local_prefill_tokens": 128})))
     engines = [p for p in parts if p.kind in ("prefill", "decode")]

@@ -190,7 +190,7 @@ def test_cma_fails_where_yama_forbids_writing_into_another_process(tmp_path, sco
     host = Host(root=SysRoot(tmp_path), env={}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
     result = check_cma(host, DoctorOptions(protocol="cma"))
     assert result.status is Status.FAIL and f"ptrace_scope is {scope}" in result.detail
-    assert "--protocol tcp" in result.hint
+    assert "--transport tcp" in result.hint
 
 
 def test_cma_writes_into_a_real_child_process_and_checks_the_bytes(tmp_path):

@@ -1,4 +1,4 @@
-"""Reading an engine's /metrics for the kv-aware policy (pdkv.proxy.engine_metrics), and D's cost from it."""
+"""Reading an engine's /metrics for the kv-aware policy (pdkv.proxy.kv.load), and D's cost from it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdkv.proxy.engine_metrics import EngineLoad, counter_delta, parse_engine_metrics
-from pdkv.proxy.kv_policy import DecodeCandidate, KvConfig, KvWeights, plan_route
+from pdkv.proxy.kv.load import EngineLoad, counter_delta, parse_engine_metrics
+from pdkv.proxy.kv.policy import DecodeCandidate, KvConfig, KvWeights, plan_route
 
 # The shape of vLLM 0.32's exposition: HELP/TYPE lines, one sample per engine core, _created samples, histograms.
 TWO_CORES = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment
-from pdkv.deploy.fleet import chosen_hosts, select_parts
-from pdkv.deploy.topology import deployment_from_dict
+from pdkv.deploy.fleet import chosen_hosts
+from pdkv.deploy.run import select_parts
+from pdkv.deploy.loader import deployment_from_dict
 from pdkv.errors import ConfigError, UsageError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.toml"

@@ -10,12 +10,13 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from k8s_objects import EXAMPLES, K8S_VERSIONS, containers, env_of, flag, pod_templates, render_file, render_text, validate
+from support.k8s_objects import EXAMPLES, K8S_VERSIONS, containers, env_of, flag, pod_templates, render_file, render_text, validate
 
 from pdkv.bootstrap import TOKEN_ENV
-from pdkv.deploy.topology import deployment_parts, load_deployment
+from pdkv.deploy.loader import load_deployment
+from pdkv.deploy.topology import deployment_parts
 from pdkv.errors import ConfigError
-from pdkv.launch import kv_transfer_config
+from pdkv.deploy.engine import kv_transfer_config
 
 FILES = {"1p1d": EXAMPLES / "k8s-1p1d.toml", "4p2d": EXAMPLES / "k8s-4p2d.toml"}
 

@@ -8,9 +8,9 @@ import msgspec
 import pytest
 
 from pdkv.errors import EventDecodeError
-from pdkv.proxy.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
-from pdkv.proxy.kv_index import KvIndex
-from pdkv.proxy.prefix import ROOT_KEY, block_keys, cacheable_blocks, chain_key
+from pdkv.proxy.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, parse_seq
+from pdkv.proxy.kv.index import KvIndex
+from pdkv.proxy.kv.prefix import ROOT_KEY, block_keys, cacheable_blocks, chain_key
 
 BS = 4
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full blocks of 4 and a tail of 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.proxy.kv_policy import DecodeCandidate, KvWeights, PrefillCandidate, RouteReason, hit_tokens, plan_route
+from pdkv.proxy.kv.policy import DecodeCandidate, KvWeights, PrefillCandidate, RouteReason, hit_tokens, plan_route
 
 BS = 32
 W = KvWeights(local_prefill_tokens=64)

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from pdkv.bench.control import Checksum, Ready, Refill, Reply, Request, Setup
-from pdkv.connector.side_channel import decode_reply, decode_request
+from pdkv.side_channel import decode_reply, decode_request
 from pdkv.protocol import (
     MAX_N_SEQUENCES,
     MAX_RANK,

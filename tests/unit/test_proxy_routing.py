@@ -7,17 +7,9 @@ import copy
 import pytest
 
 from pdkv.errors import ConfigError
-from pdkv.proxy.routing import (
-    Chooser,
-    Policy,
-    PrefillTarget,
-    build_config,
-    decode_request,
-    parse_decode,
-    parse_prefill,
-    prefill_headers,
-    prefill_request,
-)
+from pdkv.proxy.config import Policy, build_config, parse_decode, parse_prefill
+from pdkv.proxy.rewrite import decode_request, prefill_headers, prefill_request
+from pdkv.proxy.routing import Chooser, PrefillTarget
 
 TARGET = PrefillTarget("http://10.0.0.2:8100", "http://10.0.0.2:8998", 1, 2, "engine-abc")
 
@@ -141,7 +133,7 @@ def test_n_choices_are_one_prefill_that_n_decode_requests_pull():
 
 
 def test_beam_search_is_refused_by_name():
-    from pdkv.proxy.routing import unsupported_field
+    from pdkv.proxy.rewrite import unsupported_field
 
     assert "use_beam_search" in unsupported_field({"use_beam_search": True})
     assert unsupported_field({"use_beam_search": False, "n": 4}) is None

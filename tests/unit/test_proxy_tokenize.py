@@ -1,4 +1,4 @@
-"""The proxy's own tokenizer (pdkv.proxy.tokenize) gives the token ids vLLM's renderer (transformers) gives, on the tiny model."""
+"""The proxy's own tokenizer (pdkv.proxy.kv.tokenize) gives the token ids vLLM's renderer (transformers) gives, on the tiny model."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.errors import ConfigError
-from pdkv.proxy.tokenize import LocalTokenizer
+from pdkv.proxy.kv.tokenize import LocalTokenizer
 from pdkv.tinymodel import sample_text
 
 transformers = pytest.importorskip("transformers")

@@ -1,10 +1,13 @@
 """Rules of the code's shape that a reviewer should not have to check by eye.
 
-- no import cycle among pdkv's module-level imports (an import inside a
-  function is the allowed way to reach up the layers, and is not counted);
+- no import cycle among pdkv's modules, counting every import: at module level, inside functions and
+  under `if TYPE_CHECKING:` (an import inside a function puts off loading a module; it does not break a cycle);
+- no import from a unit of a lower layer to one of its own layer or a higher one (support.import_graph.LAYERS,
+  drawn in docs/imports.svg);
 - no module under pdkv/ over 400 lines, but the known ones below;
 - lines fit in 140 columns (ruff's E501, configured in pyproject.toml);
-- every exception class lives in pdkv/errors.py, the one tree.
+- every exception class lives in pdkv/errors.py, the one tree;
+- every package lists its public surface in its `__init__`'s `__all__`.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import importlib.util
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from support.import_graph import LAYERS, cycles, dot, import_graph, unit_of, upward_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pdkv"
@@ -28,94 +31,57 @@ KNOWN_LONG = {
 }
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _module_level_imports(statements: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Imports run when the module is imported: top level, and inside top-level if/try (not `if TYPE_CHECKING:`)."""
-    for node in statements:
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            yield node
-        elif isinstance(node, ast.If):
-            test = node.test
-            type_checking = getattr(test, "id", getattr(test, "attr", None)) == "TYPE_CHECKING"
-            if not type_checking:
-                yield from _module_level_imports(node.body)
-            yield from _module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from _module_level_imports(block)
-
-
-def import_graph() -> dict[str, set[str]]:
-    """pdkv module -> the pdkv modules its module-level imports name (`from a import b` names a.b if that is a module)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        edges: set[str] = set()
-        for node in _module_level_imports(ast.parse(path.read_text()).body):
-            if isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name in modules)
-                continue
-            base = node.module or ""
-            if node.level:
-                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-                for _ in range(node.level - 1):
-                    package = package.rpartition(".")[0]
-                base = f"{package}.{base}" if base else package
-            for alias in node.names:
-                if f"{base}.{alias.name}" in modules:
-                    edges.add(f"{base}.{alias.name}")
-                elif base in modules:
-                    edges.add(base)
-        edges.discard(name)
-        graph[name] = edges
-    return graph
-
-
-def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected group of more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
-
-
 def test_the_cycle_finder_finds_a_cycle_and_nothing_else():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_cycle_among_module_level_imports():
-    graph = import_graph()
-    assert "pdkv.connector.state" in graph["pdkv.connector.scheduler"]  # the walk sees pdkv's imports at all
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "syn" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "syn"
+
+
+def test_a_cycle_hidden_inside_a_function_or_under_type_checking_is_found(tmp_path: Path):
+    in_function = _package(tmp_path / "f", {
+        "__init__.py": "",
+        "a.py": "from syn.b import helper\n",
+        "b.py": "def helper():\n    from syn import a\n    return a\n",
+    })
+    assert cycles(import_graph(in_function)) == [["syn.a", "syn.b"]]
+    type_checking = _package(tmp_path / "t", {
+        "__init__.py": "",
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from syn.b import B\n",
+        "b.py": "from . import a\nclass B: ...\n",
+    })
+    assert cycles(import_graph(type_checking)) == [["syn.a", "syn.b"]]
+    no_cycle = _package(tmp_path / "n", {"__init__.py": "", "a.py": "import syn.b\n", "b.py": "import json\n"})
+    assert cycles(import_graph(no_cycle)) == []
+
+
+def test_no_import_cycle_counting_every_import():
+    graph = import_graph(PACKAGE)
+    assert "pdkv.connector.pulls" in graph["pdkv.connector.scheduler"]  # the walk sees pdkv's imports at all
+    assert "pdkv.bootstrap.client" in graph["pdkv.proxy.health"]  # and those inside functions
     assert cycles(graph) == []
+
+
+def test_every_module_is_in_a_layer_and_no_import_goes_up_or_sideways():
+    graph = import_graph(PACKAGE)
+    for module in graph:
+        unit_of(module)  # KeyError names a module no layer holds
+    assert upward_imports(graph) == []
+    upward = upward_imports({"pdkv.errors": {"pdkv.cli.app"}, "pdkv.cli.app": set()})
+    assert upward == ["pdkv.errors -> pdkv.cli.app (pdkv.errors -> pdkv.cli)"]
+    assert len({u for layer in LAYERS for u in layer}) == sum(len(layer) for layer in LAYERS)
+
+
+def test_the_drawing_is_current():
+    """docs/imports.dot is what tests/support/import_graph.py draws today (docs/imports.svg is made from it)."""
+    assert (ROOT / "docs" / "imports.dot").read_text() == dot(import_graph(PACKAGE)), (
+        "run: python3 tests/support/import_graph.py --dot docs/imports.dot && dot -Tsvg docs/imports.dot -o docs/imports.svg")
 
 
 def test_no_module_over_400_lines_but_the_known_ones():
@@ -156,3 +122,10 @@ def test_every_exception_class_lives_in_pdkv_errors():
         if isinstance(node, ast.ClassDef) and any(_is_exception(b) for b in node.bases)
     ]
     assert elsewhere == []
+
+
+def test_every_package_lists_its_public_surface_in_all():
+    missing = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE
+               and not any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in n.targets)
+                           for n in ast.parse(p.read_text()).body)]
+    assert missing == []

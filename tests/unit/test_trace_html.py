@@ -9,7 +9,7 @@ import pytest
 
 from pdkv.trace.assemble import assemble, summarize
 from pdkv.trace.html import render_html, timeline_svg
-from test_trace_assemble import SEED_PHASES, client_timing, connector_record, proxy_record
+from support.trace_records import SEED_PHASES, client_timing, connector_record, proxy_record
 
 
 def trace(**kw):

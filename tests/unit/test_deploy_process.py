@@ -11,7 +11,9 @@ import psutil
 import pytest
 
 from pdkv.errors import StartError
-from pdkv.launch import LaunchPlan, ManagedProcess
+from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.process import ManagedProcess
+from support.waiting import wait_for
 
 # A parent that starts a grandchild in the same process group, prints both pids, then waits.
 FAMILY = (
@@ -33,18 +35,11 @@ def _plan(code: str, name: str = "child") -> LaunchPlan:
     return LaunchPlan(name=name, argv=[sys.executable, "-c", code], env={"PDKV_TEST_VALUE": "42"}, url="http://127.0.0.1:1")
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     lines: list[str] = []
     proc = ManagedProcess(_plan(FAMILY), tmp_path / "family.log", on_line=lines.append).start()
     try:
-        _wait_for(lambda: any(line.startswith("pids") for line in lines))
+        wait_for(lambda: any(line.startswith("pids") for line in lines))
         grandchild = int(next(line for line in lines if line.startswith("pids")).split()[1])
         assert os.getpgid(grandchild) == proc.pid  # its own group, led by the child
         assert _alive(grandchild)
@@ -52,7 +47,7 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
         code = proc.stop(grace=5)
     assert code is not None
     assert not _alive(proc.pid)
-    _wait_for(lambda: not _alive(grandchild), timeout=5)
+    wait_for(lambda: not _alive(grandchild), timeout=5)
     assert "pids" in (tmp_path / "family.log").read_text()  # tee'd to the log as well
 
 
@@ -60,7 +55,7 @@ def test_stop_kills_what_ignores_sigterm(tmp_path: Path) -> None:
     code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)\n"
     lines: list[str] = []
     proc = ManagedProcess(_plan(code), tmp_path / "stubborn.log", on_line=lines.append).start()
-    _wait_for(lambda: "ready" in lines)
+    wait_for(lambda: "ready" in lines)
     t0 = time.monotonic()
     assert proc.stop(grace=0.5) == -9
     assert time.monotonic() - t0 < 5
@@ -100,7 +95,7 @@ def test_cpu_engine_processes_are_bound_to_their_cores(tmp_path: Path) -> None:
     lines: list[str] = []
     proc = ManagedProcess(plan, tmp_path / "bound.log", on_line=lines.append).start()
     try:
-        _wait_for(lambda: any(line.startswith("pids") for line in lines))
+        wait_for(lambda: any(line.startswith("pids") for line in lines))
         grandchild = int(next(line for line in lines if line.startswith("pids")).split()[1])
         assert os.sched_getaffinity(proc.pid) == {core}
         assert os.sched_getaffinity(grandchild) == {core}
@@ -128,7 +123,7 @@ STOPS_ITS_CHILD = (
 def test_stop_signals_the_process_before_its_group(tmp_path: Path) -> None:
     lines: list[str] = []
     proc = ManagedProcess(_plan(STOPS_ITS_CHILD), tmp_path / "parent.log", on_line=lines.append).start()
-    _wait_for(lambda: "child ready" in lines)
+    wait_for(lambda: "child ready" in lines)
     assert proc.stop(grace=5) == 0
     log = (tmp_path / "parent.log").read_text()
     assert "child: stopped by its parent" in log and "parent: child stopped" in log
@@ -146,9 +141,9 @@ def test_stop_reaches_what_the_process_left_behind(tmp_path: Path) -> None:
     )
     lines: list[str] = []
     proc = ManagedProcess(_plan(code), tmp_path / "orphan.log", on_line=lines.append).start()
-    _wait_for(lambda: any(line.startswith("pids") for line in lines))
+    wait_for(lambda: any(line.startswith("pids") for line in lines))
     child = int(next(line for line in lines if line.startswith("pids")).split()[1])
     t0 = time.monotonic()
     assert proc.stop(grace=5) == 0
     assert time.monotonic() - t0 < 5
-    _wait_for(lambda: not _alive(child), timeout=5)
+    wait_for(lambda: not _alive(child), timeout=5)

@@ -38,8 +38,8 @@ from typing import Any
 import msgspec
 
 from pdkv.errors import EventDecodeError
-from pdkv.proxy.kv_events import END_SEQ, EventBatch, decode_batch, parse_seq
-from pdkv.proxy.kv_index import KvIndex
+from pdkv.proxy.kv.events import END_SEQ, EventBatch, decode_batch, parse_seq
+from pdkv.proxy.kv.index import KvIndex
 
 log = logging.getLogger("pdkv.proxy.kv")
 POLL_S = 0.1

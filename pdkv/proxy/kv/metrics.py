@@ -25,8 +25,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdkv.metrics import histogram
-from pdkv.proxy.kv_events import EventBatch
-from pdkv.proxy.kv_subscriber import StreamObserver
+from pdkv.proxy.kv.events import EventBatch
+from pdkv.proxy.kv.subscriber import StreamObserver
 
 
 class KvMetrics(StreamObserver):

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pdkv.proxy.prefix import cacheable_blocks
+from pdkv.proxy.kv.prefix import cacheable_blocks
 
 
 class RouteReason(enum.StrEnum):
@@ -159,7 +159,7 @@ class KvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     silent_after_s: float = 5.0
     tokenize_timeout_s: float = 2.0
     metrics_interval_s: float = 1.0  # how often each engine's /metrics is read (D's load and KV usage); 0: never
-    tokenizer: str | None = None  # a model folder: the proxy tokenizes itself (pdkv.proxy.tokenize); None: the engines' /tokenize
+    tokenizer: str | None = None  # a model folder: the proxy tokenizes itself (pdkv.proxy.kv.tokenize); None: the engines' /tokenize
     self_check: bool = True
 
     def weights(self) -> KvWeights:

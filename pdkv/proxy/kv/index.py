@@ -2,7 +2,7 @@
 
 Per engine, two views:
 - reported: what the engine's KV events say it stores (BlockStored adds,
-  BlockRemoved drops, AllBlocksCleared empties), keyed by pdkv.proxy.prefix
+  BlockRemoved drops, AllBlocksCleared empties), keyed by pdkv.proxy.kv.prefix
   keys chained over the events' token ids;
 - predicted: blocks the proxy has just routed there and whose events have
   not come yet (a request racing ahead of them), each expiring after
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from pdkv.proxy.kv_events import PRIMARY_MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, extra_of
-from pdkv.proxy.prefix import ROOT_KEY, BlockKey, chain_key
+from pdkv.proxy.kv.events import PRIMARY_MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event, extra_of
+from pdkv.proxy.kv.prefix import ROOT_KEY, BlockKey, chain_key
 
 MAX_PREDICTED = 200_000  # per engine: a sweep of expired entries runs past this
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdkv.proxy.errors import error_body, message_of, no_answer_message, redact, redact_body, status_message
+from pdkv.proxy.error_answers import error_body, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.http import UpstreamError
 
 

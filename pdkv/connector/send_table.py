@@ -1,4 +1,4 @@
-"""Per-transfer state on both sides, as pure state machines: events in, actions out.
+"""P's per-transfer state (`SendTable`), a pure state machine: events in, actions out.
 
 No sockets, threads or clocks: every event takes `now`, so each rule that
 keeps a request from hanging is a unit test.
@@ -25,7 +25,7 @@ gave only that D): a pull or release that does not carry the secret is
 refused and changes nothing, whatever the phase; pulls that arrive before the
 binding is known wait parked and are sifted when it comes.
 
-D side: pdkv.connector.pulls (`PullSpec`, `PullTracker`).
+D's side is pdkv.connector.pulls (`PullSpec`, `PullTracker`).
 """
 
 from __future__ import annotations
@@ -347,12 +347,3 @@ def _d_req_id(pull: Any) -> str:
 
 def _pull_id(pull: Any, index: int) -> str:
     return _d_req_id(pull) or f"#{index}"
-
-
-# D side: pdkv.connector.pulls, re-exported here for the callers that know both sides from one module.
-from pdkv.connector.pulls import PullEntry, PullOutcome, PullSpec, PullTracker  # noqa: E402
-
-__all__ = [
-    "Action", "Free", "Phase", "PullEntry", "PullOutcome", "PullSpec", "PullTracker", "Reply", "SendEntry", "SendLimits",
-    "SendTable", "StartSend",
-]

@@ -1,9 +1,9 @@
-"""Building vLLM (and pdkv service) launch plans.
+"""One vLLM engine's launch plan.
 
 `engine_plan(spec)` turns an `EngineSpec` into the exact argv and the
 environment variables pdkv sets (`LaunchPlan`), with no I/O beyond asking
 which vLLM launcher works and which address is routable. Running a plan is
-`pdkv.deploy.process.ManagedProcess` (still importable from here).
+`pdkv.deploy.process.ManagedProcess`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT  # noqa: F401 - pdkv.launch's name for it
+from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
 from pdkv.errors import StartError, UsageError
 from pdkv.transport import TransportName
 
@@ -42,7 +42,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
     first worker runs one on `bootstrap_port`. `transport` is how the KV moves (the deployment file's
-    `protocol` and the CLI's `--protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps).
+    `protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps; the CLI's `--transport`).
     """
 
     model: str
@@ -163,7 +163,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     if transport in ("ipc", "cma") and spec.connector != "pdkv":
         raise UsageError(
             f"protocol {transport} is pdkv's own transport",
-            hint="use --connector pdkv, or --protocol tcp/rdma with vLLM's MooncakeConnector",
+            hint="use --connector pdkv, or --transport tcp/rdma with vLLM's MooncakeConnector",
         )
     # vLLM's key, which both connectors read (pdkv's also reads `transport`)
     extra: dict[str, Any] = {"mooncake_protocol": transport}
@@ -303,17 +303,5 @@ def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
 def joining(plan: LaunchPlan, members_url: str, advertise_url: str | None = None) -> LaunchPlan:
     """`plan` with the environment that makes its engine (pdkv's connector) join the members registry at
     `members_url`, advertising `advertise_url` (default: the plan's own URL, the one its peers use)."""
-    from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
-
     env = {**plan.env, MEMBERS_URL_ENV: members_url, ADVERTISE_URL_ENV: advertise_url or plan.url}
     return msgspec.structs.replace(plan, env=env)
-
-
-def __getattr__(name: str) -> Any:
-    # ManagedProcess moved to pdkv.deploy.process; `from pdkv.launch import ManagedProcess` keeps working
-    # (imported on first use: pdkv.deploy imports this module).
-    if name == "ManagedProcess":
-        from pdkv.deploy.process import ManagedProcess
-
-        return ManagedProcess
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ports import free_port  # noqa: F401 - the load and recompute suites import it from here
 
 MAX_TOKENS = 8
 TIE_LOGPROB = 1e-3  # top-two logprobs closer than this are a tie: batch order may pick either
@@ -159,3 +158,18 @@ def kv_usage(url: str) -> float:
     assert values, f"{url}/metrics has no vllm:kv_cache_usage_perc"
     return max(values)
 
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+WORD_COUNTS = [1, 4, 17, 40, 80, 150, 220, 270]  # 2 to ~990 tokens with the tiny model's tokenizer
+PROMPTS = prompts(7, WORD_COUNTS)
+
+
+def mixed_cases(n: int, seed: int, cancel_share: float = 0.0) -> list[Case]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        stream = i % 2 == 1
+        cancel = stream and rng.random() < cancel_share
+        out.append(Case(ENDPOINTS[(i // 2) % 2], PROMPTS[rng.randrange(len(PROMPTS))], stream,
+                        cancel_after=rng.randint(1, 6) if cancel else None))
+    return out

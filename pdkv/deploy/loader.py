@@ -1,0 +1,46 @@
+"""Reading a deployment file: TOML in, a validated `Deployment` (pdkv.deploy.schema) out, every problem one
+ConfigError naming the file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from pdkv.deploy.fleet import check_hosts
+from pdkv.deploy.schema import Deployment
+from pdkv.errors import ConfigError
+
+
+def load_deployment(path: str | Path) -> Deployment:
+    """Read and validate a deploy.toml; every problem is a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no deployment file at {path}", hint="pass -f deploy.toml (see examples/deploy.toml)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return deployment_from_dict(data, source=str(path))
+
+
+def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") -> Deployment:
+    try:
+        dep = msgspec.convert(data, Deployment)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}", hint="see examples/deploy.toml for the fields") from None
+    if not dep.prefill or not dep.decode:
+        raise ConfigError(f"{source}: a deployment needs at least one [[prefill]] and one [[decode]]")
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas < 1:
+                raise ConfigError(f"{source}: [[{role}]] {i + 1} has replicas = {e.replicas}", hint="write 1 or more")
+    if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
+        raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
+    check_hosts(dep, source=source)
+    return dep

@@ -1,0 +1,28 @@
+"""What this machine has that a deployment's plan depends on: GPUs, RDMA devices, addresses (read, never changed)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+
+def gpu_count() -> int:
+    """How many NVIDIA GPUs this host shows, without starting CUDA."""
+    devices = [d for d in glob.glob("/dev/nvidia[0-9]*") if d[len("/dev/nvidia"):].isdigit()]
+    if devices:
+        return len(devices)
+    return 0 if shutil.which("nvidia-smi") is None else 1
+
+
+def rdma_devices() -> list[str]:
+    return sorted(os.listdir("/sys/class/infiniband")) if os.path.isdir("/sys/class/infiniband") else []
+
+
+def local_addresses() -> list[str]:
+    """Every address of this machine's interfaces (in its network namespace)."""
+    import socket
+
+    import psutil
+
+    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]

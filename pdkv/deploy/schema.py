@@ -1,0 +1,146 @@
+"""The deployment file's schema: one frozen Struct per table (pure; the loader is pdkv.deploy.loader).
+
+The same file drives `pdkv up -f` (pdkv.deploy.topology plans its parts),
+each host of a fleet (`[[hosts]]`, pdkv.deploy.fleet) and `pdkv k8s render`
+(the `[kubernetes]` table, checked by pdkv.k8s.settings).
+
+    model = "/models/Qwen3-8B"   # every engine's default
+    connector = "pdkv"           # or "mooncake"
+    protocol = "rdma"            # or "tcp"
+    [bootstrap]                  # mode = "standalone" | "in-worker" | "external"
+    port = 8998
+    [[prefill]]
+    gpu = "0"
+    port = 8100
+    [[decode]]
+    gpu = "2"
+    port = 8200
+    [proxy]
+    port = 8000
+
+`restart = "on-failure" | "no"` at the top sets every part's restart policy;
+a [[prefill]], [[decode]], [bootstrap] or [proxy] table may set its own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.engine import Connector, Platform
+from pdkv.deploy.restart import RestartMode
+from pdkv.transport import TransportName
+
+BootstrapMode = Literal["standalone", "in-worker", "external"]
+AntiAffinity = Literal["none", "preferred", "required"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+
+
+class HostEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One [[hosts]] table: a name the parts use, and the address peers reach it at."""
+
+    name: str
+    address: str
+
+
+class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One `[kubernetes]` table; every key has a default, so the table itself may be left out."""
+
+    name: str = "pdkv"
+    namespace: str = "default"
+    image: str = "pdkv-vllm:latest"  # vLLM (with CUDA) and pdkv in one image: docs/k8s.md builds it
+    service_image: str | None = None  # bootstrap and proxy (pdkv alone suffices); default: image
+    image_pull_policy: PullPolicy = "IfNotPresent"
+    gpus_per_node: int = 8
+    gpu_resource: str = "nvidia.com/gpu"
+    rdma_resource: str = "rdma/ib"  # the RDMA device plugin's name: rdma/ib, rdma/rdma_shared_device_a, ...
+    rdma_per_pod: int = 1
+    shm_size: str = "16Gi"  # /dev/shm (a memory emptyDir): NCCL and vLLM's shared-memory broadcast
+    anti_affinity: AntiAffinity = "none"
+    doctor: bool = True  # `pdkv doctor` as an init container of every engine pod
+    grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
+    mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
+    side_channel_port: int = 5600  # prefill pods: pdkv's side channel, TP rank r on side_channel_port + r
+    master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
+    proxy_replicas: int = 1
+    proxy_service_type: ServiceType = "ClusterIP"
+    token_secret: str | None = None  # a Secret holding the bootstrap token (created by the operator)
+    token_key: str = "token"
+    model_pvc: str | None = None  # a PersistentVolumeClaim holding the weights, mounted read-only at model_mount
+    model_mount: str = "/models"
+    node_selector: dict[str, str] = {}
+    service_account: str | None = None
+
+
+class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One [[prefill]] or [[decode]] table; unset fields fall back to the deployment's."""
+
+    port: int
+    gpu: str | None = None
+    omp_bind: str | None = None
+    model: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    tp: int = 1
+    max_model_len: int | None = None
+    bootstrap_url: str | None = None
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name
+    replicas: int = 1  # instances of this engine in Kubernetes (`pdkv k8s render`); `pdkv up` starts one
+    kv_events_port: int | None = None  # its KV events publisher (replay on the next port); default: from kv_events_port
+
+
+class BootstrapEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: BootstrapMode = "standalone"
+    port: int = DEFAULT_BOOTSTRAP_PORT
+    url: str | None = None
+    restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name (standalone mode)
+
+
+class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    port: int = 8000
+    policy: Literal["round-robin", "least-outstanding", "kv-aware"] | None = None
+    local_prefill_tokens: int | None = None  # kv-aware: D computes the prompt alone when it lacks at most this many tokens
+    extra_args: list[str] = []
+    restart: RestartMode | None = None
+    host: str | None = None  # a [[hosts]] name
+
+
+class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything `pdkv up -f deploy.toml` starts on this host."""
+
+    model: str
+    served_model_name: str | None = None
+    connector: Connector = "pdkv"
+    # How the KV moves (pdkv.transport.TransportName); the file's key is Mooncake's word, `protocol`.
+    transport: TransportName = msgspec.field(default="rdma", name="protocol")
+    device: str = ""
+    platform: Platform = "gpu"
+    host: str = "0.0.0.0"
+    host_ip: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    startup_timeout: float = 900.0
+    restart: RestartMode = "on-failure"
+    bootstrap: BootstrapEntry = BootstrapEntry()
+    prefill: list[EngineEntry] = []
+    decode: list[EngineEntry] = []
+    proxy: ProxyEntry | None = ProxyEntry()
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
+    kubernetes: KubernetesEntry = KubernetesEntry()  # read by `pdkv k8s render` only (pdkv.k8s)
+    # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
+    # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
+    token: str | None = None
+    # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
+    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
+    kv_events: bool = True
+    kv_events_port: int = 5557
