@@ -2,12 +2,15 @@
 
 Pure: no I/O, no torch. Runs of blocks that are consecutive on both sides
 coalesce into one descriptor per region, so 63 contiguous blocks of a
-36-layer model are 36 descriptors, not 2268.
+36-layer model are 36 descriptors, not 2268. Between P and D of different
+TP sizes (`HeadShare`) each block moves only the heads one P rank gives one
+D rank: one descriptor per region and block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region
@@ -36,21 +39,28 @@ def check_blocks(blocks: Sequence[int], num_blocks: int, side: str) -> None:
 
 
 def check_ranges(
-    local_blocks: Sequence[int], remote_blocks: Sequence[int], local_regions: Sequence[Region], remote_regions: Sequence[Region]
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    local_regions: Sequence[Region],
+    remote_regions: Sequence[Region],
+    heads: HeadShare | None = None,
 ) -> None:
     """The one rule every write obeys, whatever the transport: raise TransferError unless every range read lies
     in a local region and every range written lies in the remote region the peer announced.
 
-    Regions pair by position with equal block lengths; block ids pair one to one; every local id is inside
-    every local region, every remote id inside every remote region, and no remote id repeats (two sources
-    for one destination). KVSender checks it before a write starts; each transport checks it again on entry.
+    Regions pair by position with equal block lengths (with `heads`, a share of unequal TP: blocks of whole
+    heads of one size, the share inside both blocks, see check_share); block ids pair one to one; every local id
+    is inside every local region, every remote id inside every remote region, and no remote id repeats (two
+    sources for one destination). KVSender checks it before a write starts; each transport checks it again on entry.
     """
     if len(local_regions) != len(remote_regions):
         raise TransferError(f"{len(local_regions)} local regions cannot pair with {len(remote_regions)} remote regions")
     if len(local_blocks) != len(remote_blocks):
         raise TransferError(f"{len(local_blocks)} local blocks cannot pair with {len(remote_blocks)} remote blocks")
+    if heads is not None:
+        check_share(heads, local_regions, remote_regions)
     for i, (lr, rr) in enumerate(zip(local_regions, remote_regions, strict=True)):
-        if lr.block_len != rr.block_len:
+        if (heads is None or heads.whole) and lr.block_len != rr.block_len:
             raise TransferError(f"region {i}: block length differs: local {lr.block_len} B, remote {rr.block_len} B")
     if local_regions:
         check_blocks(local_blocks, min(r.num_blocks for r in local_regions), "local")
@@ -66,12 +76,16 @@ def plan_descriptors(
     remote_regions: Sequence[Region],
     *,
     coalesce: bool = True,
+    heads: HeadShare | None = None,
 ) -> list[Descriptor]:
-    """Descriptors that copy `local_blocks` of every local region into `remote_blocks` of its remote twin.
+    """Descriptors that copy `local_blocks` of every local region into `remote_blocks` of its remote twin; with
+    `heads` (not whole), only that share of each block: one descriptor per region and block, at the share's offset.
 
     `check_ranges` holds before anything is planned.
     """
-    check_ranges(local_blocks, remote_blocks, local_regions, remote_regions)
+    check_ranges(local_blocks, remote_blocks, local_regions, remote_regions, heads)
+    if heads is not None and not heads.whole:
+        return _plan_share(local_blocks, remote_blocks, local_regions, remote_regions, heads)
     runs = block_runs(local_blocks, remote_blocks)
     if not coalesce:
         runs = [(ls + i, rs + i, 1) for ls, rs, n in runs for i in range(n)]
@@ -80,3 +94,124 @@ def plan_descriptors(
         bl = lr.block_len
         out.extend(Descriptor(lr.base + ls * bl, rr.base + rs * bl, n * bl) for ls, rs, n in runs)
     return out
+
+
+def _plan_share(
+    local_blocks: Sequence[int], remote_blocks: Sequence[int], local_regions: Sequence[Region], remote_regions: Sequence[Region],
+    share: HeadShare,
+) -> list[Descriptor]:
+    out: list[Descriptor] = []
+    for lr, rr in zip(local_regions, remote_regions, strict=True):
+        unit = lr.block_len // share.src_heads  # one head's bytes, equal on both sides (check_share)
+        src_off, dst_off, length = share.src_first * unit, share.dst_first * unit, share.count * unit
+        out.extend(
+            Descriptor(lr.base + lb * lr.block_len + src_off, rr.base + rb * rr.block_len + dst_off, length)
+            for lb, rb in zip(local_blocks, remote_blocks, strict=True)
+        )
+    return out
+
+
+# --- heterogeneous TP: which heads of a block one P rank gives one D rank ---------------------------------------
+#
+# A TP rank holds a contiguous range of the model's KV heads (one head, replicated, once TP exceeds them), and in
+# every layout pdkv accepts the heads are the outermost axis inside a block: LBHNC's block is [H, N, C] with K and V
+# inside each head's C, the older [2, B, H, N, D] keeps K and V in two regions whose blocks are [H, N, D]. So the
+# heads a D rank takes from one P rank are one contiguous byte range of each block, on both sides: one descriptor per
+# (region, block) at an offset, where equal TP moves whole blocks and coalesces runs.
+
+
+class HeadShare(NamedTuple):
+    """The heads one P rank gives one D rank: `count` heads from head `src_first` of P's block (which holds
+    `src_heads`) into head `dst_first` of D's block (which holds `dst_heads`)."""
+
+    src_first: int
+    dst_first: int
+    count: int
+    src_heads: int
+    dst_heads: int
+
+    @property
+    def whole(self) -> bool:
+        """Both blocks move whole: the layouts match and runs coalesce as with equal TP."""
+        return self.src_first == self.dst_first == 0 and self.count == self.src_heads == self.dst_heads
+
+
+def rank_heads(total_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first, count): the model's KV heads TP rank `rank` of `tp` holds. Heads split evenly while TP does not
+    exceed them; beyond, each rank holds one head, replicated on tp / total_heads consecutive ranks (vLLM's rule).
+    Raises TransferError for sizes that cannot be split so."""
+    if total_heads <= 0 or tp <= 0 or not 0 <= rank < tp:
+        raise TransferError(f"TP rank {rank} of {tp} cannot hold heads of a model with {total_heads} KV heads")
+    if tp <= total_heads:
+        if total_heads % tp:
+            raise TransferError(f"{total_heads} KV heads do not split evenly over TP {tp}")
+        count = total_heads // tp
+        return rank * count, count
+    if tp % total_heads:
+        raise TransferError(f"TP {tp} is not a multiple of the {total_heads} KV heads it replicates")
+    return rank // (tp // total_heads), 1
+
+
+def check_tp_pair(p_tp: int, d_tp: int) -> str | None:
+    """Why P of TP `p_tp` and D of TP `d_tp` cannot pair, or None: one size must divide the other."""
+    if p_tp <= 0 or d_tp <= 0:
+        return f"TP sizes must be positive (P {p_tp}, D {d_tp})"
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        return f"TP sizes {p_tp} (P) and {d_tp} (D) do not divide each other, so KV heads cannot be mapped between ranks"
+    return None
+
+
+def head_shares(total_heads: int, p_tp: int, d_tp: int, d_rank: int) -> dict[int, HeadShare]:
+    """{P rank: its share}: where D rank `d_rank` takes each of its heads from. Equal TP pairs rank r with rank r;
+    otherwise each head comes from the first P rank that holds it. Pure; TransferError for sizes that cannot pair."""
+    why = check_tp_pair(p_tp, d_tp)
+    if why is not None:
+        raise TransferError(why)
+    d_first, d_count = rank_heads(total_heads, d_tp, d_rank)
+    if p_tp == d_tp:
+        return {d_rank: HeadShare(0, 0, d_count, d_count, d_count)}
+    out: dict[int, HeadShare] = {}
+    for head in range(d_first, d_first + d_count):
+        p_rank = next(r for r in range(p_tp) if _holds(total_heads, p_tp, r, head))
+        p_first, p_count = rank_heads(total_heads, p_tp, p_rank)
+        share = out.get(p_rank)
+        if share is None:
+            out[p_rank] = HeadShare(head - p_first, head - d_first, 1, p_count, d_count)
+        else:
+            out[p_rank] = share._replace(count=share.count + 1)
+    return out
+
+
+def _holds(total_heads: int, tp: int, rank: int, head: int) -> bool:
+    first, count = rank_heads(total_heads, tp, rank)
+    return first <= head < first + count
+
+
+def pullers(total_heads: int, p_tp: int, d_tp: int, p_rank: int) -> int:
+    """How many D ranks take heads from P rank `p_rank`: the pulls each D request makes there (0: none)."""
+    return sum(1 for r in range(d_tp) if p_rank in head_shares(total_heads, p_tp, d_tp, r))
+
+
+def check_share(share: HeadShare, local_regions: Sequence[Region], remote_regions: Sequence[Region]) -> None:
+    """Raise TransferError unless each region pair holds whole heads of one size on both sides and the share lies
+    inside both blocks: then every descriptor plan_descriptors makes from it stays inside one block of each side."""
+    if share.count <= 0 or share.src_first < 0 or share.dst_first < 0:
+        raise TransferError(f"head share {tuple(share)} is empty or negative")
+    if share.src_first + share.count > share.src_heads or share.dst_first + share.count > share.dst_heads:
+        raise TransferError(
+            f"heads {share.src_first}..{share.src_first + share.count - 1} of {share.src_heads} (P) into "
+            f"{share.dst_first}.. of {share.dst_heads} (D) leave a block"
+        )
+    if len(local_regions) != len(remote_regions):
+        raise TransferError(f"{len(local_regions)} local regions cannot pair with {len(remote_regions)} remote regions")
+    for i, (lr, rr) in enumerate(zip(local_regions, remote_regions, strict=True)):
+        if lr.block_len % share.src_heads or rr.block_len % share.dst_heads:
+            raise TransferError(
+                f"region {i}: a block of {lr.block_len} B (P) or {rr.block_len} B (D) is not "
+                f"{share.src_heads} (P) or {share.dst_heads} (D) heads of equal size"
+            )
+        if lr.block_len // share.src_heads != rr.block_len // share.dst_heads:
+            raise TransferError(
+                f"region {i}: one head is {lr.block_len // share.src_heads} B of P's block but "
+                f"{rr.block_len // share.dst_heads} B of D's: block size, dtype or model differ"
+            )
