@@ -101,12 +101,20 @@ class TraceLog:
                 self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - min(start)))
             self._write(t)
 
-    def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0) -> None:
+    def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0, d_rank: int | None = None) -> None:
+        """`d_rank`: the D rank written, where several D ranks take their heads from this P rank: the
+        transfer's bytes are then the sum over them (`d_rank_bytes`)."""
         with self._lock:
             t = self._get(tid)
             t.status, t.error = status, error
-            if nbytes:
+            if nbytes and d_rank is not None:
+                if str(d_rank) not in t.d_rank_bytes:
+                    t.descriptors += descriptors
+                t.d_rank_bytes[str(d_rank)] = nbytes
+                t.bytes = sum(t.d_rank_bytes.values())
+            elif nbytes:
                 t.bytes, t.descriptors = nbytes, descriptors
+            if nbytes:
                 self._bytes.inc(nbytes)
                 self._descriptors.inc(descriptors)
                 if "transfer_start" in t.events and "transfer_end" in t.events:
@@ -123,12 +131,12 @@ class TraceLog:
     def get(self, tid: str) -> TransferTrace | None:
         with self._lock:
             t = self._traces.get(tid)
-            return msgspec.structs.replace(t, events=dict(t.events)) if t else None
+            return msgspec.structs.replace(t, events=dict(t.events), d_rank_bytes=dict(t.d_rank_bytes)) if t else None
 
     def query(self, since: float = 0.0, limit: int = 1000) -> list[TransferTrace]:
         with self._lock:
             out = [
-                msgspec.structs.replace(t, events=dict(t.events))
+                msgspec.structs.replace(t, events=dict(t.events), d_rank_bytes=dict(t.d_rank_bytes))
                 for t in self._traces.values()
                 if max(t.events.values(), default=0.0) >= since
             ]

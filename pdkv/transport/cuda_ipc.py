@@ -28,7 +28,7 @@ from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session, process_start_time
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
-from pdkv.transport.planner import check_ranges
+from pdkv.transport.planner import check_ranges, plan_descriptors
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
 
@@ -271,22 +271,24 @@ class CudaIpcTransport:
         with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
-    def _write(self, peer: str, descriptors: list[Descriptor]) -> None:
+    def _write(self, peer: str, descriptors: list[Descriptor]) -> Written:
         self._bind_thread()
         entry = self._require(peer)
         chunks = plan_chunks(descriptors, self._local_map, entry.spans, self.chunk_bytes)
         if len(chunks):
             self._launch_chunks(self._launch_device(peer), chunks)
             self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
+        return Written(sum(d.length for d in descriptors), len(descriptors))
 
-    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
+    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None) -> Written:
         """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
 
-        Checks, before any copy: block ids inside both sides' regions, each
-        local region inside registered memory, each remote region inside the
-        peer's exported memory, equal block lengths. Safe to call from several threads.
-        """
+        Checks, before any copy: block ids inside both sides' regions, each local region inside registered memory, each
+        remote region inside the peer's exported memory, equal block lengths; a `heads` share (unequal TP) goes to the
+        chunk kernel as planned descriptors, each range checked (plan_chunks). Safe to call from several threads."""
         with self._watched.holding(self._lock, peer, self._disconnect):
+            if heads is not None and not heads.whole:
+                return self._write(peer, plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions, heads=heads))
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 
     def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
