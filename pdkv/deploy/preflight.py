@@ -176,16 +176,36 @@ def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config
             f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}",
             "set the same block_size on both",
         ))
-    if ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
-        out.append(Problem(pair, f"TP sizes differ: P {ps.tp}, D {ds.tp}; pdkv's connector moves KV between equal TP ranks only",
-                           "set the same tp on both, or connector = \"mooncake\" (vLLM's connector maps unequal TP)"))
-    elif max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
+    if max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
         out.append(Problem(
             pair,
             f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped",
             "use TP sizes where one divides the other",
         ))
+    elif ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
+        out += _head_split(pair, ps.tp, ds.tp, p_config)
     return out
+
+
+def _head_split(pair: str, p_tp: int, d_tp: int, config: dict[str, Any] | None) -> list[Problem]:
+    """P and D of different TP sizes with pdkv's connector: the model's KV heads must split over both sizes."""
+    from pdkv.errors import TransferError
+    from pdkv.transport.planner import rank_heads
+
+    if config is None:
+        return []  # a hub id: the engines check it when D first pulls
+    if config.get("kv_lora_rank"):
+        return [Problem(pair, f"TP sizes differ (P {p_tp}, D {d_tp}) on an MLA model, which pdkv's connector does not move",
+                        "use connector = \"mooncake\" (vLLM's connector) for MLA models")]
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads <= 0:
+        return []  # the engines say what is wrong with the config
+    for tp in (p_tp, d_tp):
+        try:
+            rank_heads(heads, tp, 0)
+        except TransferError as exc:
+            return [Problem(pair, f"{exc}, so P (TP {p_tp}) and D (TP {d_tp}) cannot split them", "use TP sizes that split the KV heads")]
+    return []
 
 
 def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:

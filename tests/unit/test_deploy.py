@@ -183,11 +183,23 @@ def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
     assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
 
 
-def test_unequal_tp_is_refused_at_start_up_for_pdkvs_connector(tmp_path: Path) -> None:
-    model = _model(tmp_path, "m")
+def test_unequal_tp_that_divides_is_accepted_for_either_connector(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")  # 2 KV heads
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        assert check_engines(_parts({"tp": p_tp}, {"tp": d_tp}, model=model)) == []
+        assert check_engines(_parts({"tp": p_tp}, {"tp": d_tp}, model=model, connector="mooncake")) == []
+
+
+def test_unequal_tp_whose_heads_do_not_split_is_refused_with_the_reason(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m", num_key_value_heads=6, num_attention_heads=12)
+    [problem] = check_engines(_parts({"tp": 1}, {"tp": 4}, model=model))
+    assert "6 KV heads do not split evenly over TP 4" in problem.what and "split the KV heads" in problem.fix
+
+
+def test_unequal_tp_of_an_mla_model_is_refused_for_pdkvs_connector(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m", kv_lora_rank=512, qk_rope_head_dim=64)
     [problem] = check_engines(_parts({"tp": 2}, {"tp": 1}, model=model))
-    assert "TP sizes differ: P 2, D 1" in problem.what and "mooncake" in problem.fix
-    assert check_engines(_parts({"tp": 2}, {"tp": 1}, model=model, connector="mooncake")) == []  # vLLM's maps it
+    assert "MLA" in problem.what and "mooncake" in problem.fix
 
 
 def test_same_config_under_another_path_is_the_same_model(tmp_path: Path) -> None:
