@@ -117,6 +117,12 @@ def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None)
     )]
 
 
+def _missing_cores(bind: str | None) -> list[int]:
+    from pdkv.launch import parse_cores
+
+    return [c for c in parse_cores(bind) or () if c >= (os.cpu_count() or 1)]
+
+
 def check_engines(parts: list[Part]) -> list[Problem]:
     """Model configs readable, CPU block sizes valid, and every D agrees with every P."""
     problems: list[Problem] = []
@@ -134,6 +140,12 @@ def check_engines(parts: list[Part]) -> list[Problem]:
                 part.plan.name,
                 f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs",
                 f"set block_size = {CPU_BLOCK_MULTIPLE}",
+            ))
+        if spec.platform == "cpu" and (missing := _missing_cores(spec.omp_bind)):
+            problems.append(Problem(
+                part.plan.name,
+                f"omp_bind {spec.omp_bind!r} names core(s) {', '.join(map(str, missing))}, and this host has {os.cpu_count()} cores",
+                f"bind its {spec.tp} rank(s) to cores 0-{(os.cpu_count() or 1) - 1}, one core at least each",
             ))
         if spec.transport == "cma" and spec.platform != "cpu":
             problems.append(Problem(

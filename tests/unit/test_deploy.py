@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
@@ -181,6 +182,14 @@ def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
     problems = check_engines(parts)
     text = " | ".join(p.what for p in problems)
     assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
+
+
+def test_cores_this_host_lacks_are_a_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    model = _model(tmp_path, "m")
+    [problem] = check_engines(_parts({"tp": 2, "omp_bind": "0-3"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32))
+    assert "names core(s) 2, 3, and this host has 2 cores" in problem.what and "cores 0-1" in problem.fix
+    assert check_engines(_parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
 
 
 def test_unequal_tp_that_divides_is_accepted_for_either_connector(tmp_path: Path) -> None:
