@@ -1,10 +1,9 @@
 """Everything that crosses a process boundary in pdkv, as msgspec Structs.
 
-In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap
-payloads (wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC
-exports (what D announces to P on one GPU host); kv_transfer_params, the only
-protocol between the proxy and a connector; the connector's side-channel
-messages between D's and P's workers; the proxy's per-request record.
+In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap payloads
+(wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC exports (what D announces to P on one GPU host);
+kv_transfer_params, the only protocol between the proxy and a connector; the connector's side-channel messages
+between D's and P's workers; the proxy's per-request record.
 """
 
 from __future__ import annotations
@@ -334,6 +333,7 @@ class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_step_tokens: Count = 0  # D's first step after the KV arrived: 1 means only the last prompt token
     events: dict[str, UnixTime] = {}
     session: str = ""  # on P: D's transfer-engine address ("host:port") it wrote the KV to
+    p_rank: Rank = 0  # on P: the TP rank of the worker that recorded it
     d_rank_bytes: dict[str, Count] = {}  # on P, D's TP larger than P's: bytes written into each D rank ("0", "1", ...)
 
 

@@ -35,7 +35,7 @@ class TraceLog:
     """Thread-safe store of TransferTrace records plus counters; bounded to MAX_TRACES."""
 
     def __init__(self, role: str, trace_dir: str | None = None, *, engine_id: str = "", tp_rank: int = 0) -> None:
-        self.role = role
+        self.role, self.tp_rank = role, tp_rank
         self._lock = threading.Lock()
         self._traces: OrderedDict[str, TransferTrace] = OrderedDict()
         self._file = None
@@ -76,7 +76,7 @@ class TraceLog:
     def _get(self, tid: str) -> TransferTrace:
         t = self._traces.get(tid)
         if t is None:
-            t = self._traces[tid] = TransferTrace(transfer_id=tid)
+            t = self._traces[tid] = TransferTrace(transfer_id=tid, p_rank=self.tp_rank if self.role == "prefill" else 0)
             while len(self._traces) > MAX_TRACES:
                 self._traces.popitem(last=False)
         return t
