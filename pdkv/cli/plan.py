@@ -98,8 +98,9 @@ def plan(
         for r in result.ranks:
             ranks.add_row(str(r.p_rank), str(r.d_rank), str(r.heads), f"{r.bytes:,}", str(r.descriptors))
         console.print(ranks)
+        total = sum(r.bytes for r in result.ranks)
         console.print(f"[dim]descriptors for contiguous blocks: one per layer where whole blocks move, else one per layer and "
-                      f"block (a rank's heads are part of each block); the ranks' bytes add up to {sum(r.bytes for r in result.ranks):,}[/]")
+                      f"block (a rank's heads are part of each block); the ranks' bytes add up to {total:,}[/]")
 
 
 def register(app: typer.Typer) -> None:
