@@ -22,7 +22,7 @@ from pdkv.connector.state import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
-from pdkv.transport.planner import head_shares
+from pdkv.transport.planner import head_shares, pullers
 
 log = logging.getLogger("pdkv.connector")
 
@@ -71,7 +71,8 @@ class KVReceiver:
         self._news = threading.Event()  # set when a pull concludes, cleared when results are taken
         self._loop = EventLoopThread("pdkv-receiver")
         self._peers: dict[str, SideChannelPeer] = {}
-        self._addr_cache: dict[tuple[str, str], list[str]] = {}
+        # (bootstrap, P engine) -> (side channels of the P ranks this D rank pulls, those of P ranks no D rank pulls)
+        self._addr_cache: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
         # d_req_id -> the P ranks' side channels it pulls from (several where P's TP is larger than D's)
         self._peer_of: dict[str, list[str]] = {}
         self._binding: dict[str, str] = {}  # d_req_id -> its transfer's binding secret, while its pull is live
@@ -147,9 +148,10 @@ class KVReceiver:
                     loop.create_task(self._peers[addr].send(report))
             self.trace.finish(tid, t.status if t else "sent")
 
-    async def _resolve(self, bootstrap: str, engine_id: str) -> list[str]:
+    async def _resolve(self, bootstrap: str, engine_id: str) -> tuple[list[str], list[str]]:
         """The side channels of the P ranks this D rank takes its heads from: P's rank of the same number for equal
-        TP, else those pdkv.transport.planner.head_shares names (one where D's TP is larger, several where P's is)."""
+        TP, else those pdkv.transport.planner.head_shares names (one where D's TP is larger, several where P's is);
+        and, for D rank 0, those of the P ranks no D rank takes heads from (heads replicated on P), which it releases."""
         key = (bootstrap, engine_id)
         if key in self._addr_cache:
             return self._addr_cache[key]
@@ -172,12 +174,15 @@ class KVReceiver:
                     sources = sorted(head_shares(self.kv_heads, p_tp, self.tp_size, self.tp_rank))
                 except TransferError as exc:
                     raise PdkvError(f"prefill engine {engine_id} has TP {p_tp}, this decode engine TP {self.tp_size}: {exc}") from None
-            addrs = []
-            for rank in sources:
-                addr = ranks.get(str(rank), {}).get("0")
-                if addr is None:
-                    raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {rank}")
-                addrs.append(addr)
+            unequal_rank0 = p_tp != self.tp_size and self.tp_rank == 0
+            idle = [r for r in range(p_tp) if unequal_rank0 and not pullers(self.kv_heads, p_tp, self.tp_size, r)]
+            addrs: tuple[list[str], list[str]] = ([], [])
+            for group, wanted in zip(addrs, (sources, idle), strict=True):
+                for rank in wanted:
+                    addr = ranks.get(str(rank), {}).get("0")
+                    if addr is None:
+                        raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {rank}")
+                    group.append(addr)
             self._addr_cache[key] = addrs
             return addrs
         raise PdkvError(f"prefill engine {engine_id} is not registered at {bootstrap}")
@@ -185,7 +190,8 @@ class KVReceiver:
     async def _release(self, spec: PullSpec) -> None:
         """Tell P that D will never pull `spec`'s KV, so that P frees its blocks now rather than at expiry."""
         try:
-            for addr in await self._resolve(spec.bootstrap_addr, spec.engine_id):
+            pulled, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+            for addr in pulled + idle:
                 await self._peer(addr).send(Release(
                     transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding,
                     tp_rank=self.tp_rank, tp_size=self.tp_size,
@@ -208,7 +214,7 @@ class KVReceiver:
 
     async def _start(self, spec: PullSpec) -> None:
         try:
-            addrs = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+            addrs, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
         except PdkvError as exc:
             self._conclude(self.tracker.finished(spec.d_req_id, f"cannot reach the prefill engine: {exc}"))
             return
@@ -228,7 +234,7 @@ class KVReceiver:
         if entry.aborted:
             release = Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
                               binding=spec.binding, tp_rank=self.tp_rank, tp_size=self.tp_size)
-            for peer in peers:
+            for peer in [*peers, *map(self._peer, idle)]:
                 await peer.send(release)
             return
         req = PullRequest(
@@ -248,6 +254,10 @@ class KVReceiver:
         self.trace.event(spec.transfer_id, "pull_sent")
         for peer in peers:
             await peer.send(req)
+        for addr in idle:  # P ranks holding only heads other P ranks give: nothing to wait for there
+            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, binding=spec.binding,
+                                                reason="decode takes no heads from this rank", tp_rank=self.tp_rank,
+                                                tp_size=self.tp_size))
 
     def _on_reply(self, msg: Any, addr: str = "") -> None:
         """A reply from the P rank at `addr`."""

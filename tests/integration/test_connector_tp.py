@@ -44,8 +44,8 @@ class Rank:
         return [Region(base + layer * per_layer, self.mem.shape[2] * UNIT, BLOCKS) for layer in range(LAYERS)]
 
 
-def make_rank(stack: ExitStack, tp: int, rank: int, protocol: str, fill: bool) -> Rank:
-    first, count = rank_heads(HEADS, tp, rank)
+def make_rank(stack: ExitStack, tp: int, rank: int, protocol: str, fill: bool, heads: int = HEADS) -> Rank:
+    first, count = rank_heads(heads, tp, rank)
     shape = (LAYERS, BLOCKS, count, UNIT)
     mem = np.random.default_rng(rank).integers(1, 255, size=shape, dtype=np.uint8) if fill else np.zeros(shape, np.uint8)
     t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
@@ -79,22 +79,22 @@ def wait_freed(sender: KVSender, want: str, timeout: float = 10.0) -> None:
 class Deployment:
     """P of TP p and D of TP d, every rank registered as the connector's workers do."""
 
-    def __init__(self, stack: ExitStack, p_tp: int, d_tp: int, protocol: str, *, d_kv_heads: int = HEADS) -> None:
+    def __init__(self, stack: ExitStack, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None) -> None:
         bs = start_background("127.0.0.1", 0)
         stack.callback(bs.stop)
         self.bootstrap = bs.url
-        self.ps = [make_rank(stack, p_tp, r, protocol, fill=True) for r in range(p_tp)]
-        self.ds = [make_rank(stack, d_tp, r, protocol, fill=False) for r in range(d_tp)]
+        self.ps = [make_rank(stack, p_tp, r, protocol, fill=True, heads=heads) for r in range(p_tp)]
+        self.ds = [make_rank(stack, d_tp, r, protocol, fill=False, heads=heads) for r in range(d_tp)]
         self.senders = []
         for r, p in enumerate(self.ps):
             sender = stack.enter_context(KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, tp_rank=r,
-                                                  tp_size=p_tp, kv_heads=HEADS, heartbeat_s=0.2))
+                                                  tp_size=p_tp, kv_heads=heads, heartbeat_s=0.2))
             with BootstrapClient(bs.url) as c:
                 c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=r, pp_rank=0, addr=sender.address))
             self.senders.append(sender)
         self.receivers = [
-            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=r, tp_size=d_tp, kv_heads=d_kv_heads,
-                                           liveness_s=3.0))
+            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=r, tp_size=d_tp,
+                                           kv_heads=heads if d_kv_heads is None else d_kv_heads, liveness_s=3.0))
             for r, d in enumerate(self.ds)
         ]
 
@@ -122,17 +122,7 @@ def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(p_t
         dep = Deployment(stack, p_tp, d_tp, protocol)
         for res in dep.transfer("x-tp", p_blocks, d_blocks):
             assert res.failed == {}
-        for d in dep.ds:
-            for layer in range(LAYERS):
-                for b in range(BLOCKS):
-                    for h in range(d.mem.shape[2]):
-                        got = d.mem[layer, b, h]
-                        if b not in d_blocks:
-                            assert not got.any(), f"block {b} of D was written"
-                            continue
-                        p, ph = dep.head(d.first_head + h)
-                        want = p.mem[layer, p_blocks[d_blocks.index(b)], ph]
-                        assert np.array_equal(got, want), f"layer {layer} block {b} head {d.first_head + h}"
+        assert_heads(dep, p_blocks, d_blocks)
         for sender in dep.senders:
             if sender.trace.get("x-tp") is not None and sender.trace.get("x-tp").bytes:
                 wait_freed(sender, "p1")
@@ -144,13 +134,31 @@ def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(p_t
             assert all(len(t.d_rank_bytes) == d_tp // p_tp for t in records)
 
 
-def test_a_p_rank_that_nobody_pulls_frees_its_blocks_at_expiry_only():
-    # P TP 4 over 4 heads and D TP 2: each D rank pulls two P ranks; every P rank serves one pull.
+def assert_heads(dep: Deployment, p_blocks: list[int], d_blocks: list[int]) -> None:
+    """Every D rank holds, in the blocks it asked for, exactly its heads from the P rank(s) holding them; nothing else."""
+    for d in dep.ds:
+        for layer in range(LAYERS):
+            for b in range(BLOCKS):
+                for h in range(d.mem.shape[2]):
+                    got = d.mem[layer, b, h]
+                    if b not in d_blocks:
+                        assert not got.any(), f"block {b} of D was written"
+                        continue
+                    p, ph = dep.head(d.first_head + h)
+                    want = p.mem[layer, p_blocks[d_blocks.index(b)], ph]
+                    assert np.array_equal(got, want), f"layer {layer} block {b} head {d.first_head + h}"
+
+
+def test_p_ranks_holding_replicated_heads_nobody_pulls_are_released_at_once():
+    # 2 KV heads over P TP 4: ranks 0-1 hold head 0, ranks 2-3 head 1. D TP 1 pulls ranks 0 and 2 and releases 1
+    # and 3, whose blocks are freed now rather than at expiry (120 s).
     with ExitStack() as stack:
-        dep = Deployment(stack, 4, 2, "tcp")
-        assert all(res.failed == {} for res in dep.transfer("x-4-2", [1], [2]))
+        dep = Deployment(stack, 4, 1, "cma", heads=2)
+        assert all(res.failed == {} for res in dep.transfer("x-4-1", [1, 2], [3, 4]))
+        assert_heads(dep, [1, 2], [3, 4])
         for sender in dep.senders:
-            wait_freed(sender, "p1")
+            wait_freed(sender, "p1", timeout=5.0)
+        assert [s.trace.get("x-4-1").bytes for s in dep.senders] == [2 * LAYERS * UNIT, 0, 2 * LAYERS * UNIT, 0]
 
 
 def test_a_d_whose_model_has_other_heads_is_refused_at_once():
