@@ -252,7 +252,7 @@ def up(
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.deploy import (deployment_parts, ensure_tiny_model, external_bootstraps, gpu_count, load_deployment, local_deployment,
-                             preflight, raise_problems, tiny_model_path)
+                             preflight, raise_problems, shared_cores, tiny_model_path)
     from pdkv.deploy.fleet import chosen_hosts, local_addresses, select_parts
     from pdkv.deploy.single import role_parts, split_cores, with_cores, with_extra
     from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
@@ -339,6 +339,11 @@ def up(
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
     raise_problems(preflight(parts, boots))
+    for line in shared_cores(parts):  # too few cores for every rank: it runs, slower
+        if json_out:
+            sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
+        else:
+            err_console.print(Text(f"pdkv up: warning: {line}", style="yellow"), soft_wrap=True)
     write_logging_config(parts, log_dir)
     _supervise(parts, log_dir=log_dir, timeout=timeout, json_out=json_out, show_logs=not quiet, served=served, trace=trace, once=once,
                restart=restart)

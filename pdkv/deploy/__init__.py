@@ -9,7 +9,7 @@
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
-from pdkv.deploy.preflight import Problem, preflight, raise_problems
+from pdkv.deploy.preflight import Problem, preflight, raise_problems, shared_cores
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
 from pdkv.deploy.status import StatusReport, collect_status, status_targets
@@ -46,6 +46,7 @@ __all__ = [
     "local_deployment",
     "preflight",
     "raise_problems",
+    "shared_cores",
     "status_targets",
     "tiny_model_path",
 ]

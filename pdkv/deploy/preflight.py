@@ -261,6 +261,26 @@ def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Pro
     return check_ports(parts) + check_connector(parts) + check_engines(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls))
 
 
+def shared_cores(parts: list[Part]) -> list[str]:
+    """One line per CPU engine whose cores (omp_bind) another engine of this host binds too: more TP ranks than
+    cores. Each engine still runs, but the forwards of the ranks sharing a core take turns on it."""
+    from pdkv.launch import parse_cores
+
+    owner: dict[int, str] = {}
+    out: list[str] = []
+    for part in parts:
+        if part.spec is None or part.spec.platform != "cpu":
+            continue
+        cores = parse_cores(part.spec.omp_bind) or []
+        if shared := sorted({c for c in cores if c in owner}):
+            ranks = sum(p.spec.tp for p in parts if p.spec is not None and p.spec.platform == "cpu")
+            out.append(f"{part.plan.name} shares core(s) {', '.join(map(str, shared))} with {owner[shared[0]]}: this host has "
+                       f"{os.cpu_count()} cores for {ranks} engine ranks, so their forwards take turns on them")
+        for c in cores:
+            owner.setdefault(c, part.plan.name)
+    return out
+
+
 def raise_problems(problems: list[Problem]) -> None:
     """Raise one PreflightError whose message holds each problem on its own line."""
     from pdkv.errors import PreflightError

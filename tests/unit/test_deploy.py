@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
-from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems
+from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems, shared_cores
 from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.topology import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
@@ -190,6 +190,16 @@ def test_cores_this_host_lacks_are_a_problem(tmp_path: Path, monkeypatch: pytest
     [problem] = check_engines(_parts({"tp": 2, "omp_bind": "0-3"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32))
     assert "names core(s) 2, 3, and this host has 2 cores" in problem.what and "cores 0-1" in problem.fix
     assert check_engines(_parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
+
+
+def test_more_ranks_than_cores_is_said_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    model = _model(tmp_path, "m")
+    parts = _parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)
+    assert check_engines(parts) == []
+    [line] = shared_cores(parts)
+    assert line.startswith("decode-0 shares core(s) 1 with prefill-0: this host has 2 cores for 3 engine ranks")
+    assert shared_cores(_parts({"omp_bind": "0"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
 
 
 def test_unequal_tp_that_divides_is_accepted_for_either_connector(tmp_path: Path) -> None:
