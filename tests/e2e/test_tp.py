@@ -3,7 +3,8 @@
 For P TP 1 with D TP 2 and P TP 2 with D TP 1, over cma and over Mooncake tcp: the deployment comes up
 (each TP rank on a core of its own where the host has the cores; on two cores P's and D's ranks share
 them); greedy answers through the proxy equal P alone's for prompts of 1, 17 and about 1,000 tokens and
-for 8 requests in flight; both engines' KV cache usage is back to 0 afterwards; and the trace of one
+for 8 requests in flight (first-token logprobs within loadclient's tolerance; tokens equal up to where P alone's
+top two nearly tie, CROSS_TP_TIE); both engines' KV cache usage is back to 0 afterwards; and the trace of one
 request shows the bytes each rank moved, equal to `pdkv plan --tp P:D`'s per rank and adding up to the
 prompt's KV.
 """
@@ -31,6 +32,10 @@ from ports import free_port
 pytestmark = pytest.mark.e2e
 
 READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
+# A TP 1 and a TP 2 engine sum a layer's partial results in other orders: their bf16 logprobs differ in the last
+# bits, so P alone's top two tokens may swap where they are this close. KV in the wrong blocks (or heads) moves the
+# first token's logprob far more (loadclient.FIRST_LOGPROB_TOL, checked on every answer).
+CROSS_TP_TIE = 2e-2
 BLOCK = 32
 CASES = {"p1-d2-cma": (1, 2, "cma"), "p2-d1-cma": (2, 1, "cma"), "p1-d2-tcp": (1, 2, "tcp"), "p2-d1-tcp": (2, 1, "tcp")}
 
@@ -175,7 +180,7 @@ def answers(base: str, cases: list[Case], concurrency: int) -> list[Answer]:
 def alone(dep: Deployment, cases: list[Case]) -> list[Answer]:
     async def each() -> list[Answer]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
-            return [await one(client, dep.prefill, c, "tiny") for c in cases]
+            return [await one(client, dep.prefill, c, "tiny", top=2) for c in cases]  # top two: where ties are
 
     return asyncio.run(each())
 
@@ -185,6 +190,9 @@ def assert_same(dep: Deployment, cases: list[Case], got: list[Answer], want: lis
         assert w.status == 200, f"P alone: {w.error}"
         assert g.status == 200 and not g.error, f"{dep.name}: {g.error}\n{dep.tails()}"
         why = same_greedy_answer(g, w)
+        if why is not None and why.startswith("token "):  # greedy answers may part where P alone's top two nearly tie
+            i = int(why.split(":")[0].split()[1])
+            why = None if w.top2_gap[i] < CROSS_TP_TIE else why
         assert why is None, f"{dep.name}, prompt of {len(case.prompt.split())} words: {why}"
 
 
