@@ -36,13 +36,14 @@ READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
 # bits, so P alone's top two tokens may swap where they are this close. KV in the wrong blocks (or heads) moves the
 # first token's logprob far more (loadclient.FIRST_LOGPROB_TOL, checked on every answer).
 CROSS_TP_TIE = 2e-2
-# Seen on the 2-core machine, twice over cma and twice over tcp: P's engine keeps stepping while it holds a finished
-# request's blocks for D (vLLM steps an engine whose finished requests wait on their connector), each empty step a
-# round trip to both of P's ranks, which then fill both cores; D (sharing one) and the bootstrap get next to none, D
-# schedules its pull only after P's blocks expired (120 s), and pdkv up's warm-up fails ("prefill side silent for
-# 10 s", "had no answer within 120 s"). P TP 1 with D TP 2 on two cores passes.
+# Seen on the 2-core machine, twice over cma and twice over tcp: after P's prefill, D's /health and the bootstrap
+# stopped answering for a minute or more, D scheduled its pull only once P's blocks had expired (120 s), and pdkv up's
+# warm-up failed ("prefill side silent for 10 s", "had no answer within 120 s"). The likely cause, from vLLM's
+# scheduler: an engine whose finished requests wait on their connector (P holding blocks for D) keeps stepping, each
+# empty step a round trip to every rank, so P's two ranks fill both cores and D, sharing one, starves. P TP 1 with
+# D TP 2 on two cores passes.
 STARVED = ("P TP {p_tp} beside D TP {d_tp} needs {p_tp} + {d_tp} cores, this host has {cores}: P's ranks step without pause "
-           "while they hold blocks for D and starve D's engine (see STARVED's comment)")
+           "while they hold blocks for D and D's engine starves (see STARVED's comment)")
 BLOCK = 32
 CASES = {"p1-d2-cma": (1, 2, "cma"), "p2-d1-cma": (2, 1, "cma"), "p1-d2-tcp": (1, 2, "tcp"), "p2-d1-tcp": (2, 1, "tcp")}
 
