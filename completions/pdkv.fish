@@ -34,6 +34,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l target
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l tp
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l warmup
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l baseline
@@ -57,6 +58,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomma
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l target
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l tp
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l warmup
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l advertise

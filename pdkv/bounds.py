@@ -21,6 +21,7 @@ MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES, the most choices
 
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_RANK)]
 RankCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_RANK)]
+KvHeads = Annotated[int, msgspec.Meta(ge=0, le=MAX_RANK)]  # a model's KV heads, all TP ranks together; 0: unknown
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=BLOCK_LIMIT)]
 BlockCount = Annotated[int, msgspec.Meta(gt=0, le=BLOCK_LIMIT)]
 # Addresses travel only in msgpack frames, which cannot carry an integer past 2**64 - 1: that is

@@ -71,6 +71,16 @@ class KVGeometry(msgspec.Struct, frozen=True):
         return block_size * self.bytes_per_token
 
 
+class RankTransfer(msgspec.Struct, frozen=True):
+    """What one P rank writes into one D rank for one request, P and D of TP sizes that may differ."""
+
+    p_rank: int
+    d_rank: int
+    heads: int  # KV heads of each block it writes (MLA: the one latent)
+    bytes: int
+    descriptors: int  # for contiguous blocks: one per layer when whole blocks move, else one per layer and block
+
+
 class TransferPlan(msgspec.Struct, frozen=True):
     """What one request moves from P to D, and the link's lower bound on it."""
 
@@ -87,6 +97,8 @@ class TransferPlan(msgspec.Struct, frozen=True):
     transfer_bytes: int
     floor_ms: float
     decode_blocks: int
+    # P and D of different TP sizes: every (P rank, D rank) write, whose bytes add up to transfer_bytes (all ranks).
+    ranks: list[RankTransfer] = []
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -283,3 +295,48 @@ def geometry_from_options(
 
 def geometry_from_model(model: str | Path, *, tp: int = 1, dtype: str | None = None) -> KVGeometry:
     return geometry_from_config(load_config(model), tp=tp, dtype=dtype)
+
+
+def parse_tp_pair(text: str) -> tuple[int, int]:
+    """`--tp N` (P and D alike) or `--tp P:D` -> (P's TP, D's TP); UsageError for anything else or sizes that do
+    not divide each other."""
+    from pdkv.tp_heads import check_tp_pair
+
+    p, sep, d = text.partition(":")
+    try:
+        pair = (int(p), int(d) if sep else int(p))
+    except ValueError:
+        raise UsageError(f"--tp {text!r} is not a TP size or a P:D pair", hint="write --tp 2, or --tp 1:2 for P TP 1 and D TP 2") from None
+    why = check_tp_pair(*pair)
+    if why is not None:
+        raise UsageError(why, hint="use TP sizes where one divides the other")
+    return pair
+
+
+def rank_transfers(geometry: KVGeometry, p_tp: int, d_tp: int, *, prompt_tokens: int, block_size: int) -> list[RankTransfer]:
+    """Every (P rank, D rank) write of one prompt, from the whole model's `geometry` (tp 1), in the layout pdkv's
+    connector moves (LBHNC: one region per layer, each block's heads one after another, K and V inside each head).
+    Dense heads split as pdkv.transport.planner.head_shares says; MLA's latent is whole on every rank, and each D
+    rank takes it from one P rank. Pure."""
+    from pdkv.errors import TransferError
+    from pdkv.tp_heads import head_shares
+
+    blocks = blocks_for(prompt_tokens, block_size)
+    per_layer = geometry.block_bytes_per_layer(block_size)  # one block of one layer, every head
+    out: list[RankTransfer] = []
+    for d_rank in range(d_tp):
+        if geometry.attention == "mla":
+            shares = {d_rank * p_tp // d_tp if d_tp >= p_tp else d_rank: None}
+        else:
+            try:
+                shares = head_shares(geometry.kv_heads, p_tp, d_tp, d_rank)
+            except TransferError as exc:
+                raise UsageError(str(exc), hint="use TP sizes that split the model's KV heads") from None
+        for p_rank, share in shares.items():
+            heads = geometry.kv_heads if share is None else share.count
+            whole = share is None or share.whole
+            out.append(RankTransfer(
+                p_rank=p_rank, d_rank=d_rank, heads=heads, bytes=blocks * geometry.layers * per_layer * heads // geometry.kv_heads,
+                descriptors=geometry.layers * (1 if whole or not blocks else blocks),
+            ))
+    return out

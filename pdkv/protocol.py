@@ -1,10 +1,9 @@
 """Everything that crosses a process boundary in pdkv, as msgspec Structs.
 
-In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap
-payloads (wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC
-exports (what D announces to P on one GPU host); kv_transfer_params, the only
-protocol between the proxy and a connector; the connector's side-channel
-messages between D's and P's workers; the proxy's per-request record.
+In the order of this file (the bounds every decoded number carries live in pdkv.bounds): bootstrap payloads
+(wire-compatible with vLLM's MooncakeBootstrapServer); CUDA IPC exports (what D announces to P on one GPU host);
+kv_transfer_params, the only protocol between the proxy and a connector; the connector's side-channel messages
+between D's and P's workers; the proxy's per-request record.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from pdkv.bounds import (  # noqa: F401 - re-exported: the wire types' bounds, n
     BlockId,
     Count,
     HttpStatus,
+    KvHeads,
     Length,
     Rank,
     RankCount,
@@ -217,11 +217,9 @@ def new_transfer_id() -> TransferId:
 
 # --- side channel (D's worker <-> P's worker, ZMQ DEALER -> ROUTER) ----------
 #
-# Every frame is one msgpack-encoded tagged Struct. D opens with a PullRequest;
-# P answers with PullReply frames: PENDING heartbeats while it waits for its
-# own request to finish, then exactly one DONE or ERROR. Decoding is strict
-# (types and bounds checked by msgspec), so a malformed frame never reaches
-# the transfer logic.
+# Every frame is one msgpack-encoded tagged Struct. D opens with a PullRequest; P answers with PullReply frames:
+# PENDING heartbeats while it waits for its own request to finish, then exactly one DONE or ERROR. Decoding is
+# strict (types and bounds checked by msgspec), so a malformed frame never reaches the transfer logic.
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -244,10 +242,8 @@ class Region(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Announce(msgspec.Struct, frozen=True, tag="announce", kw_only=True):
-    """D -> P, once per connection, before its first pull: the KV regions D registered at `session`.
-
-    P writes only inside the regions the latest announcement for a session names; a pull names blocks only.
-    """
+    """D -> P, once per connection, before its first pull: the KV regions D registered at `session`. P writes
+    only inside the regions the latest announcement for a session names; a pull names blocks only."""
 
     session: str  # D's transfer-engine address ("host:port"; cma: its process), where P writes
     tp_rank: Rank
@@ -255,6 +251,7 @@ class Announce(msgspec.Struct, frozen=True, tag="announce", kw_only=True):
     regions: list[Region]
     # Protocol ipc: the CUDA IPC handles of `regions`; P opens them once per D process.
     ipc: IpcExport | None = None
+    kv_heads: KvHeads = 0  # the model's, all ranks (0: unsaid; P then serves only its TP size): checks.announced_share
 
 
 class PullRequest(msgspec.Struct, frozen=True, tag="pull", kw_only=True):
@@ -283,6 +280,8 @@ class Release(msgspec.Struct, frozen=True, tag="release", kw_only=True):
     d_req_id: str
     reason: str = ""
     binding: Binding = ""  # the transfer's binding secret, as in PullRequest: a release must prove it too
+    tp_rank: Rank = 0  # the releasing D rank, of tp_size: where D's TP is larger, several D ranks pull one P rank
+    tp_size: RankCount = 1
 
 
 class TraceReport(msgspec.Struct, frozen=True, tag="trace", kw_only=True):
@@ -334,6 +333,8 @@ class TransferTrace(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_step_tokens: Count = 0  # D's first step after the KV arrived: 1 means only the last prompt token
     events: dict[str, UnixTime] = {}
     session: str = ""  # on P: D's transfer-engine address ("host:port") it wrote the KV to
+    p_rank: Rank = 0  # on P: the TP rank of the worker that recorded it
+    d_rank_bytes: dict[str, Count] = {}  # on P, D's TP larger than P's: bytes written into each D rank ("0", "1", ...)
 
 
 class StatsReply(msgspec.Struct, frozen=True, tag="stats_reply", kw_only=True):

@@ -1,6 +1,6 @@
 """What a benchmark case moves and how its timings read: block ids per layout, sweeps, statistics. Pure.
 
-Layouts, for `n` blocks:
+Layouts, for `n` blocks (P and D of different TP sizes: D rank 0's share of each block from each P rank):
 
     contiguous  P blocks 0..n-1 into D blocks 0..n-1: one descriptor per layer
     per-block   the same blocks, one descriptor per block per layer (no coalescing)
@@ -18,6 +18,8 @@ from typing import Literal
 import msgspec
 
 from pdkv.errors import UsageError
+from pdkv.geometry import KVGeometry, plan_transfer, rank_transfers
+from pdkv.tp_heads import HeadShare, head_shares, rank_heads
 
 Layout = Literal["contiguous", "per-block", "scattered"]
 LAYOUTS: tuple[Layout, ...] = ("contiguous", "per-block", "scattered")
@@ -144,3 +146,21 @@ def summarize(samples_ms: Sequence[float], nbytes: int, link_gbps: float) -> Tim
         gbps_run=gbytes_per_s(nbytes * len(s), total_ms),
         link_pct_p50=100 * gbps_p50 * 8 / link_gbps,
     )
+
+
+def tp_layout(g: KVGeometry, block_size: int, p_tp: int, d_tp: int) -> tuple[dict[int, HeadShare] | None, int, int]:
+    """(shares, P's block length, D's block length) of one layer: for P and D of different TP sizes (`g` the whole
+    model) {P rank: its share of D rank 0's heads} and each rank's bytes of a block; for equal TP (None, both whole)."""
+    whole = g.block_bytes_per_layer(block_size)
+    if p_tp == d_tp:
+        return None, whole, whole
+    unit = whole // g.kv_heads
+    return head_shares(g.kv_heads, p_tp, d_tp, 0), unit * rank_heads(g.kv_heads, p_tp, 0)[1], unit * rank_heads(g.kv_heads, d_tp, 0)[1]
+
+
+def case_plan_bytes(g: KVGeometry, tp: tuple[int, int], block_size: int, blocks: int) -> int:
+    """`pdkv plan`'s bytes for a case: the prompt's, or (TP sizes differ) what D rank 0 receives from all P ranks."""
+    tokens = blocks * block_size
+    if tp[0] == tp[1]:
+        return plan_transfer(g, prompt_tokens=tokens, block_size=block_size).transfer_bytes
+    return sum(r.bytes for r in rank_transfers(g, *tp, prompt_tokens=tokens, block_size=block_size) if r.d_rank == 0)

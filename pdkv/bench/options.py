@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pdkv.bench.layout import expand_layouts, parse_sweep
 from pdkv.bench.runner import BenchSpec, settings_from_env
 from pdkv.errors import UsageError
-from pdkv.geometry import geometry_from_options
+from pdkv.geometry import geometry_from_options, parse_tp_pair
 
 
 def parse_settings(items: Sequence[str]) -> dict[str, str]:
@@ -65,10 +65,13 @@ def spec_from_options(
     target: str | None = None,
     hostname: str | None = None,
     mc: Sequence[str] = (),
+    tp: str = "1",
 ) -> BenchSpec:
     """The BenchSpec of `pdkv bench` given these options (named as its flags are, `--kv-heads` as
     `kv_heads`); raises UsageError for options that cannot be used."""
-    geometry = geometry_from_options(model, layers, kv_heads, head_dim, dtype)
+    p_tp, d_tp = parse_tp_pair(tp)
+    # Equal TP: one rank's share of the model, moved whole; unequal: the whole model, D rank 0's heads from each P rank.
+    geometry = geometry_from_options(model, layers, kv_heads, head_dim, dtype, p_tp if p_tp == d_tp else 1)
     swept = parse_sweep(sweep)
     if target is not None:
         check_target(target)
@@ -89,4 +92,5 @@ def spec_from_options(
         baseline=baseline,
         target=target,
         settings=settings_from_env(parse_settings(mc)),
+        tp=(1, 1) if p_tp == d_tp else (p_tp, d_tp),
     )

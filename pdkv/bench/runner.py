@@ -1,11 +1,9 @@
 """`pdkv bench`: KV transfer measured exactly as the connector performs it, over pdkv's transport and planner.
 
-P's side (this process) allocates per-layer KV regions shaped like the
-model's, registers them, asks D's side (a BenchTarget: a child process by
-default, or `pdkv bench serve` on another host) for its regions, plans the
-descriptors per layout, and times `Transport.write`. Every case verifies the
-bytes that arrived against the source (BLAKE2b of the transferred ranges on
-both sides) after the cold transfer and again after the timed ones.
+P's side (this process) allocates per-layer KV regions shaped like the model's, registers them, asks D's side (a
+BenchTarget: a child process by default, or `pdkv bench serve` on another host) for its regions, plans the descriptors
+per layout, and times `Transport.write`. Every case verifies the bytes that arrived against the source (BLAKE2b of the
+transferred ranges on both sides) after the cold transfer and again after the timed ones.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 
 import msgspec
 
-from pdkv.bench.layout import Timing, block_ids, blocks_needed, coalesces, expand_layouts, summarize
+from pdkv.bench.layout import Timing, block_ids, blocks_needed, case_plan_bytes, coalesces, expand_layouts, summarize, tp_layout
 from pdkv.errors import PdkvError, StartError, TransferError, UsageError
-from pdkv.geometry import KVGeometry, plan_transfer
+from pdkv.geometry import KVGeometry
 from pdkv.transport.base import Descriptor
 from pdkv.transport.planner import plan_descriptors
 
@@ -53,6 +51,7 @@ class BenchSpec(msgspec.Struct, frozen=True):
     transfer_engine_bench: bool = True
     target: str | None = None
     settings: dict[str, str] = msgspec.field(default_factory=dict)
+    tp: tuple[int, int] = (1, 1)  # P's, D's; unequal: D rank 0's heads from each P rank holding them (geometry: whole model)
 
 
 class BaselineResult(msgspec.Struct, frozen=True):
@@ -76,6 +75,7 @@ class CaseResult(msgspec.Struct, frozen=True):
     timing: Timing
     verified: bool
     baseline: BaselineResult | None = None
+    rank_bytes: dict[str, int] = {}  # P and D of different TP: P rank -> bytes it writes into D rank 0
 
 
 class BenchReport(msgspec.Struct, frozen=True):
@@ -231,7 +231,8 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
 
     g = spec.geometry
     layouts = expand_layouts(spec.layouts)
-    block_len = g.block_bytes_per_layer(spec.block_size)
+    shares, block_len, d_block_len = tp_layout(g, spec.block_size, *spec.tp)
+    ranks = list((shares or {0: None}).items())
     num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
     client = stack.enter_context(TargetClient(address))
     gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
@@ -241,7 +242,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     memory.fill(spec.seed)
     transport.register(memory.spans)
     stack.callback(transport.unregister, memory.spans)
-    ready = client.setup(g.layers, block_len, num_blocks, spec.seed + 1)
+    ready = client.setup(g.layers, d_block_len, num_blocks, spec.seed + 1)
     stack.callback(lambda: _say_bye(client, Bye()))
     peer = ready.session
     local_regions = memory.regions
@@ -251,15 +252,16 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         label = f"{layout}, {n} blocks"
         local_ids, remote_ids = block_ids(layout, n, spec.seed)
         t0 = time.perf_counter()
-        descriptors = transport_plan(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout))
+        by_rank = {p: transport_plan(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout), h) for p, h in ranks}
+        descriptors = [d for ds in by_rank.values() for d in ds]
         plan_ms = (time.perf_counter() - t0) * 1e3
         nbytes = sum(d.length for d in descriptors)
-        plan_bytes = plan_transfer(g, prompt_tokens=n * spec.block_size, block_size=spec.block_size).transfer_bytes
+        plan_bytes = case_plan_bytes(g, spec.tp, spec.block_size, n)
         if nbytes != plan_bytes:
             raise TransferError(f"{label}: descriptors carry {nbytes:,} B but pdkv plan says {plan_bytes:,} B")
         client.call(Refill(spec.seed + 2 + index))  # D's blocks hold other bytes until the cold write lands
         total = 1 + spec.warmup + spec.iters
-        write = _writer(transport, peer, descriptors, local_ids, remote_ids, local_regions, ready.regions)
+        write = _writer(transport, peer, local_ids, remote_ids, local_regions, ready.regions, [h for _, h in ranks])
         t0 = time.perf_counter()
         write()
         cold_ms = (time.perf_counter() - t0) * 1e3
@@ -279,7 +281,8 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
             if spec.baseline
             else None
         )
-        cases.append(CaseResult(layout, n, nbytes, plan_bytes, len(descriptors), plan_ms, cold_ms, timing, True, baseline))
+        rank_bytes = {str(p): sum(d.length for d in ds) for p, ds in by_rank.items()} if shares else {}
+        cases.append(CaseResult(layout, n, nbytes, plan_bytes, len(descriptors), plan_ms, cold_ms, timing, True, baseline, rank_bytes))
     return BenchReport(
         geometry=g,
         block_size=spec.block_size,
@@ -297,14 +300,14 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     )
 
 
-def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool) -> list[Descriptor]:
-    """The connector's planning step: block ids and both sides' regions to descriptors."""
-    return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce)
+def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool, heads=None) -> list[Descriptor]:
+    """The connector's planning step: block ids and both sides' regions (and a share of heads) to descriptors."""
+    return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce, heads=heads)
 
 
-def _writer(transport, peer: str, descriptors, local_ids, remote_ids, local_regions, remote_regions) -> Callable[[], object]:
-    """How the connector writes: the transport's write_blocks, from block ids and both sides' regions."""
-    return lambda: transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions)
+def _writer(transport, peer: str, local_ids, remote_ids, local_regions, remote_regions, heads=(None,)) -> Callable[[], object]:
+    """How the connector writes: write_blocks from block ids and both sides' regions, once per share in `heads` (None: whole)."""
+    return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h) for h in heads]
 
 
 def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):

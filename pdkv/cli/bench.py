@@ -35,6 +35,8 @@ Examples:
 
   pdkv bench --model ./Qwen3-8B --transport cma --layout all --baseline
 
+  pdkv bench --model ./Qwen3-8B --tp 2:1 --transport cma    # D TP 1 takes half its heads from each of 2 P ranks
+
   pdkv bench serve --host 0.0.0.0 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0
 
   pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --transport rdma --device mlx5_0 --src cuda:0
@@ -81,6 +83,7 @@ def bench(
     hostname: str | None = typer.Option(None, "--hostname", help="Address this side's Mooncake advertises [default: route to the target]."),
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
     csv_file: Path | None = typer.Option(None, "--csv", help="Also write one row per case to this CSV file."),
+    tp: str = typer.Option("1", "--tp", help="TP size (one rank's KV), or P:D: D rank 0's heads written from each P rank holding them."),
     json_out: JsonOpt = False,
 ) -> None:
     if ctx.invoked_subcommand is not None:
@@ -92,7 +95,7 @@ def bench(
     spec = spec_from_options(
         model=model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, blocks=blocks,
         layout=layout, sweep=sweep, transport=transport, device=device, src=src, dst=dst, iters=iters, warmup=warmup, seed=seed,
-        link_gbps=link_gbps, baseline=baseline, target=target, hostname=hostname, mc=mc,
+        link_gbps=link_gbps, baseline=baseline, target=target, hostname=hostname, mc=mc, tp=tp,
     )  # fmt: skip
     with Progress(
         TextColumn("{task.description}"),
@@ -161,6 +164,9 @@ def _render(report) -> None:
         notes = sorted({f"{c.layout}: {c.baseline.teb_note}" for c in report.cases if c.baseline and c.baseline.teb_note})
         for note in notes:
             console.print(f"[dim]{note}[/]" if report.transport in ("ipc", "cma") else f"[dim]transfer_engine_bench {note}[/]")
+    for c in (c for c in report.cases if c.rank_bytes):
+        shares = ", ".join(f"P{p} {n:,} B" for p, n in sorted(c.rank_bytes.items(), key=lambda kv: int(kv[0])))
+        console.print(f"{c.layout}, {c.blocks} blocks: D rank 0 takes {shares} ({c.bytes:,} B, one write per P rank)")
     if report.note:
         console.print(f"[yellow]{report.note}[/]")
 

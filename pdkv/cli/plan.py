@@ -14,7 +14,6 @@ from pdkv.cli.options import (
     LayersOpt,
     LinkGbpsOpt,
     ModelOpt,
-    TpOpt,
     resolve_geometry,
 )
 from pdkv.cli.output import console, print_json
@@ -26,6 +25,8 @@ Examples:
   pdkv plan --model ./Qwen3-8B --prompt-tokens 1000 --output-tokens 128
 
   pdkv plan --layers 36 --kv-heads 8 --head-dim 128 --dtype bfloat16 --prompt-tokens 1000 --json
+
+  pdkv plan --model ./Qwen3-8B --tp 1:2     # P TP 1, D TP 2: what each P rank writes into each D rank
 """
 
 
@@ -42,13 +43,16 @@ def plan(
     block_size: BlockSizeOpt = 16,
     prompt_tokens: int = typer.Option(1000, "--prompt-tokens", help="Prompt length in tokens."),
     output_tokens: int = typer.Option(0, "--output-tokens", help="Tokens D generates (for D's block count)."),
-    tp: TpOpt = 1,
+    tp: str = typer.Option("1", "--tp", help="Tensor-parallel size (sizes are per TP rank), or P:D for P and D of different sizes."),
     link_gbps: LinkGbpsOpt = 400.0,
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.geometry import plan_transfer
+    import msgspec
 
-    geometry = resolve_geometry(model, layers, kv_heads, head_dim, dtype, tp)
+    from pdkv.geometry import parse_tp_pair, plan_transfer, rank_transfers
+
+    p_tp, d_tp = parse_tp_pair(tp)
+    geometry = resolve_geometry(model, layers, kv_heads, head_dim, dtype, p_tp if p_tp == d_tp else 1)
     result = plan_transfer(
         geometry,
         prompt_tokens=prompt_tokens,
@@ -56,11 +60,15 @@ def plan(
         output_tokens=output_tokens,
         link_gbps=link_gbps,
     )
+    if p_tp != d_tp:
+        ranks = rank_transfers(geometry, p_tp, d_tp, prompt_tokens=prompt_tokens, block_size=block_size)
+        result = msgspec.structs.replace(result, ranks=ranks)
     if json_out:
         print_json(result)
         return
     g = result.geometry
-    table = Table(title="KV transfer plan (per TP rank)", show_header=True)
+    title = "per TP rank" if p_tp == d_tp else f"P TP {p_tp} -> D TP {d_tp}, all ranks"
+    table = Table(title=f"KV transfer plan ({title})", show_header=True)
     table.add_column("quantity")
     table.add_column("value", justify="right")
     table.add_column("how")
@@ -83,6 +91,16 @@ def plan(
         f"ceil({result.prompt_tokens + result.output_tokens}/{result.block_size}) after {result.output_tokens} output tokens",
     )
     console.print(table)
+    if result.ranks:
+        ranks = Table(title="per rank: what each P rank writes into each D rank", show_header=True)
+        for name in ("P rank", "D rank", "KV heads", "bytes", "descriptors"):
+            ranks.add_column(name, justify="right")
+        for r in result.ranks:
+            ranks.add_row(str(r.p_rank), str(r.d_rank), str(r.heads), f"{r.bytes:,}", str(r.descriptors))
+        console.print(ranks)
+        total = sum(r.bytes for r in result.ranks)
+        console.print(f"[dim]descriptors for contiguous blocks: one per layer where whole blocks move, else one per layer and "
+                      f"block (a rank's heads are part of each block); the ranks' bytes add up to {total:,}[/]")
 
 
 def register(app: typer.Typer) -> None:

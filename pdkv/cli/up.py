@@ -228,6 +228,7 @@ def up(
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.auth import TOKEN_ENV
+    from pdkv.deploy import shared_cores
     from pdkv.deploy.run import UpOptions, hand_out_key, prepare, resolve
     from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
@@ -256,6 +257,11 @@ def up(
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
     prepare(plan, log_dir)
+    for line in shared_cores(plan.parts):  # too few cores for every rank: it runs, slower
+        if json_out:
+            sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
+        else:
+            err_console.print(Text(f"pdkv up: warning: {line}", style="yellow"), soft_wrap=True)
     _supervise(plan, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart)
 
 

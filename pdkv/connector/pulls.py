@@ -1,6 +1,7 @@
 """D's side of the per-transfer state, pure as P's (pdkv.connector.send_table): what D's scheduler asks its
 workers to pull (`PullSpec`), and the pulls in flight (`PullTracker`, keyed by D's request id). A pull is
-live while P keeps answering; silence longer than `liveness_s` fails it.
+live while P keeps answering; silence longer than `liveness_s` fails it. Where P's TP is larger than D's, one
+pull asks several P ranks (`expect`): it succeeds once every one of them is done, and fails with the first error.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class PullEntry:
     deadline: float
     aborted: bool = False
     blocks: tuple[int, ...] = ()  # D's blocks P writes into
+    waiting: set[str] = field(default_factory=set)  # the P ranks (side-channel addresses) still to answer DONE
+    bytes: int = 0  # what the P ranks done so far wrote
+    descriptors: int = 0
 
 
 @dataclass
@@ -55,6 +59,22 @@ class PullTracker:
         e = self.entries.get(d_req_id)
         if e is not None:
             e.deadline = now + self.liveness_s
+
+    def expect(self, d_req_id: str, sources: list[str]) -> None:
+        """The pull asks every one of `sources` (P ranks) for its share; it succeeds once each is done."""
+        e = self.entries.get(d_req_id)
+        if e is not None:
+            e.waiting = set(sources)
+
+    def part_done(self, d_req_id: str, source: str, nbytes: int = 0, descriptors: int = 0) -> PullOutcome | None:
+        """P rank `source` wrote its share: the pull's outcome once no other rank is awaited, else None."""
+        e = self.entries.get(d_req_id)
+        if e is None or (e.waiting and source not in e.waiting):
+            return None
+        e.waiting.discard(source)
+        e.bytes += nbytes
+        e.descriptors += descriptors
+        return None if e.waiting else self.finished(d_req_id, None)
 
     def finished(self, d_req_id: str, error: str | None) -> PullOutcome | None:
         e = self.entries.pop(d_req_id, None)

@@ -20,8 +20,9 @@ from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
 from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker
 from pdkv.connector.timing import TraceLog
-from pdkv.errors import PdkvError
+from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
+from pdkv.tp_heads import head_shares, pullers
 
 log = logging.getLogger("pdkv.connector")
 
@@ -44,19 +45,22 @@ class KVReceiver:
         *,
         tp_rank: int = 0,
         tp_size: int = 1,
+        kv_heads: int = 0,
         liveness_s: float = 10.0,
         trace: TraceLog | None = None,
         bootstrap_timeout: float = 2.0,
         ipc: IpcExport | None = None,
         sealer: FrameSealer | None = None,
     ) -> None:
-        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed."""
+        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed.
+        `kv_heads`: the model's KV heads, all ranks together (0: unknown; then only a P of this TP size serves it)."""
         self.session = session
         self.sealer = sealer
         self.regions = list(regions)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
         # Sent on each connection to a P before its first pull: P writes only inside these regions.
-        self.announcement = Announce(session=session, tp_rank=tp_rank, tp_size=tp_size, regions=self.regions, ipc=ipc)
+        self.announcement = Announce(session=session, tp_rank=tp_rank, tp_size=tp_size, regions=self.regions, ipc=ipc,
+                                     kv_heads=kv_heads)
         self._announced_to: set[str] = set()  # P addresses told since the connection was last lost; loop thread
         self.tracker = PullTracker(liveness_s)
         self.trace = trace or TraceLog("decode", tp_rank=tp_rank)
@@ -67,8 +71,10 @@ class KVReceiver:
         self._news = threading.Event()  # set when a pull concludes, cleared when results are taken
         self._loop = EventLoopThread("pdkv-receiver")
         self._peers: dict[str, SideChannelPeer] = {}
-        self._addr_cache: dict[tuple[str, str], str] = {}
-        self._peer_of: dict[str, str] = {}  # d_req_id -> P address
+        # (bootstrap, P engine) -> (side channels of the P ranks this D rank pulls, those of P ranks no D rank pulls)
+        self._addr_cache: dict[tuple[str, str], tuple[list[str], list[str]]] = {}
+        # d_req_id -> the P ranks' side channels it pulls from (several where P's TP is larger than D's)
+        self._peer_of: dict[str, list[str]] = {}
         self._binding: dict[str, str] = {}  # d_req_id -> its transfer's binding secret, while its pull is live
         self._done_tid: dict[str, str] = {}  # d_req_id -> transfer_id, KV arrived, first token pending
         self._ctx: Any = None
@@ -121,11 +127,12 @@ class KVReceiver:
             loop.create_task(self._start(spec))
         for rid in aborts:
             entry = self.tracker.abort(rid)
-            addr = self._peer_of.get(rid)
-            if entry is not None and addr in self._peers:
+            addrs = [a for a in self._peer_of.get(rid, ()) if a in self._peers]
+            if entry is not None and addrs:
                 release = Release(transfer_id=entry.transfer_id, d_req_id=rid, reason="decode request ended",
-                                  binding=self._binding.get(rid, ""))
-                loop.create_task(self._peers[addr].send(release))
+                                  binding=self._binding.get(rid, ""), tp_rank=self.tp_rank, tp_size=self.tp_size)
+                for addr in addrs:
+                    loop.create_task(self._peers[addr].send(release))
             elif entry is not None:
                 self._conclude(self.tracker.finished(rid, "aborted by the decode side"))
         for rid, (at, ntok) in first_tokens.items():
@@ -135,13 +142,16 @@ class KVReceiver:
             self.trace.event(tid, "first_token_scheduled", at, first_step_tokens=ntok)
             log.info("pdkv: request %s (transfer %s) computes %d token(s) in its first step after the KV arrived", rid, tid, ntok)
             t = self.trace.get(tid)
-            addr = self._peer_of.pop(rid, None)
-            if t is not None and addr in self._peers:
-                report = TraceReport(transfer_id=tid, events=t.events, first_step_tokens=ntok)
-                loop.create_task(self._peers[addr].send(report))
+            for addr in self._peer_of.pop(rid, ()):
+                if t is not None and addr in self._peers:
+                    report = TraceReport(transfer_id=tid, events=t.events, first_step_tokens=ntok)
+                    loop.create_task(self._peers[addr].send(report))
             self.trace.finish(tid, t.status if t else "sent")
 
-    async def _resolve(self, bootstrap: str, engine_id: str) -> str:
+    async def _resolve(self, bootstrap: str, engine_id: str) -> tuple[list[str], list[str]]:
+        """The side channels of the P ranks this D rank takes its heads from: P's rank of the same number for equal
+        TP, else those pdkv.transport.planner.head_shares names (one where D's TP is larger, several where P's is);
+        and, for D rank 0, those of the P ranks no D rank takes heads from (heads replicated on P), which it releases."""
         key = (bootstrap, engine_id)
         if key in self._addr_cache:
             return self._addr_cache[key]
@@ -153,24 +163,39 @@ class KVReceiver:
             if entry.engine_id != engine_id:
                 continue
             ranks = entry.worker_addr
-            if len(ranks) != self.tp_size:
-                raise PdkvError(
-                    f"prefill engine {engine_id} has TP {len(ranks)}, this decode engine TP {self.tp_size}: unequal TP is not supported"
-                )
-            addr = ranks.get(str(self.tp_rank), {}).get("0")
-            if addr is None:
-                raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {self.tp_rank}")
-            self._addr_cache[key] = addr
-            return addr
+            p_tp = len(ranks)
+            if p_tp == self.tp_size:
+                sources = [self.tp_rank]
+            elif not self.kv_heads:
+                raise PdkvError(f"prefill engine {engine_id} has TP {p_tp}, this decode engine TP {self.tp_size}: unequal TP "
+                                "needs the model's KV head count, which this decode worker was not given")
+            else:
+                try:
+                    sources = sorted(head_shares(self.kv_heads, p_tp, self.tp_size, self.tp_rank))
+                except TransferError as exc:
+                    raise PdkvError(f"prefill engine {engine_id} has TP {p_tp}, this decode engine TP {self.tp_size}: {exc}") from None
+            unequal_rank0 = p_tp != self.tp_size and self.tp_rank == 0
+            idle = [r for r in range(p_tp) if unequal_rank0 and not pullers(self.kv_heads, p_tp, self.tp_size, r)]
+            addrs: tuple[list[str], list[str]] = ([], [])
+            for group, wanted in zip(addrs, (sources, idle), strict=True):
+                for rank in wanted:
+                    addr = ranks.get(str(rank), {}).get("0")
+                    if addr is None:
+                        raise PdkvError(f"prefill engine {engine_id} has no side channel for TP rank {rank}")
+                    group.append(addr)
+            self._addr_cache[key] = addrs
+            return addrs
         raise PdkvError(f"prefill engine {engine_id} is not registered at {bootstrap}")
 
     async def _release(self, spec: PullSpec) -> None:
         """Tell P that D will never pull `spec`'s KV, so that P frees its blocks now rather than at expiry."""
         try:
-            addr = await self._resolve(spec.bootstrap_addr, spec.engine_id)
-            await self._peer(addr).send(
-                Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding)
-            )
+            pulled, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+            for addr in pulled + idle:
+                await self._peer(addr).send(Release(
+                    transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding,
+                    tp_rank=self.tp_rank, tp_size=self.tp_size,
+                ))
         except Exception as exc:  # noqa: BLE001 - P's expiry frees the blocks anyway
             log.warning("pdkv: could not release transfer %s at the prefill side: %s", spec.transfer_id, exc)
 
@@ -182,13 +207,14 @@ class KVReceiver:
             if self._ctx is None:
                 self._ctx = zmq.asyncio.Context()
             peer = self._peers[addr] = SideChannelPeer(
-                self._ctx, addr, self._on_reply, self._on_lost, sealer=self.sealer, on_refused=self.trace.auth_refused
+                self._ctx, addr, lambda msg: self._on_reply(msg, addr), self._on_lost, sealer=self.sealer,
+                on_refused=self.trace.auth_refused,
             )
         return peer
 
     async def _start(self, spec: PullSpec) -> None:
         try:
-            addr = await self._resolve(spec.bootstrap_addr, spec.engine_id)
+            addrs, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
         except PdkvError as exc:
             self._conclude(self.tracker.finished(spec.d_req_id, f"cannot reach the prefill engine: {exc}"))
             return
@@ -198,14 +224,18 @@ class KVReceiver:
         entry = self.tracker.entries.get(spec.d_req_id)
         if entry is None:
             return  # concluded while resolving
-        self._peer_of[spec.d_req_id] = addr
-        peer = self._peer(addr)
-        if peer.lost:  # P died or closed its side channel, and has not come back
-            self._conclude(self.tracker.finished(spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost)"))
-            return
+        self._peer_of[spec.d_req_id] = addrs
+        self.tracker.expect(spec.d_req_id, addrs)
+        peers = [self._peer(addr) for addr in addrs]
+        for addr, peer in zip(addrs, peers, strict=True):
+            if peer.lost:  # P died or closed its side channel, and has not come back
+                self._conclude(self.tracker.finished(spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost)"))
+                return
         if entry.aborted:
-            await peer.send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
-                                    binding=spec.binding))
+            release = Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
+                              binding=spec.binding, tp_rank=self.tp_rank, tp_size=self.tp_size)
+            for peer in [*peers, *map(self._peer, idle)]:
+                await peer.send(release)
             return
         req = PullRequest(
             transfer_id=spec.transfer_id,
@@ -217,13 +247,20 @@ class KVReceiver:
             first_block=spec.first_block,
             binding=spec.binding,
         )
-        if addr not in self._announced_to:  # one socket, in order: P has the regions before the pull
-            self._announced_to.add(addr)
-            await peer.send(self.announcement)
+        for addr, peer in zip(addrs, peers, strict=True):
+            if addr not in self._announced_to:  # one socket, in order: P has the regions before the pull
+                self._announced_to.add(addr)
+                await peer.send(self.announcement)
         self.trace.event(spec.transfer_id, "pull_sent")
-        await peer.send(req)
+        for peer in peers:
+            await peer.send(req)
+        for addr in idle:  # P ranks holding only heads other P ranks give: nothing to wait for there
+            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, binding=spec.binding,
+                                                reason="decode takes no heads from this rank", tp_rank=self.tp_rank,
+                                                tp_size=self.tp_size))
 
-    def _on_reply(self, msg: Any) -> None:
+    def _on_reply(self, msg: Any, addr: str = "") -> None:
+        """A reply from the P rank at `addr`."""
         now = time.time()
         if isinstance(msg, ErrorReply):
             log.warning("pdkv: prefill side refused a message: %s", msg.error)
@@ -238,10 +275,12 @@ class KVReceiver:
             return
         if msg.status == PullStatus.ERROR and "announced" in msg.error:
             # P forgot or refused D's regions (restarted, evicted, or told otherwise): announce again next time.
-            self._announced_to.discard(self._peer_of.get(msg.d_req_id, ""))
+            self._announced_to.difference_update([addr] if addr else self._peer_of.get(msg.d_req_id, ()))
         if msg.status == PullStatus.DONE:
-            self.trace.event(msg.transfer_id, "notified", now, bytes=msg.bytes, descriptors=msg.descriptors)
-            self._conclude(self.tracker.finished(msg.d_req_id, None))
+            outcome = self.tracker.part_done(msg.d_req_id, addr, msg.bytes, msg.descriptors)
+            if outcome is not None:  # every P rank asked is done
+                self.trace.event(msg.transfer_id, "notified", now, bytes=entry.bytes, descriptors=entry.descriptors)
+                self._conclude(outcome)
         else:
             self.trace.event(msg.transfer_id, "notified", now)
             self._conclude(self.tracker.finished(msg.d_req_id, msg.error or "prefill side reported an error"))
@@ -250,7 +289,7 @@ class KVReceiver:
         """The connection to P at `addr` ended: every pull in flight there fails now (P kept no state of it),
         and the next pull there announces D's regions again."""
         self._announced_to.discard(addr)
-        lost = [rid for rid, a in self._peer_of.items() if a == addr and rid in self.tracker.entries]
+        lost = [rid for rid, a in self._peer_of.items() if addr in a and rid in self.tracker.entries]
         for rid in lost:
             self._conclude(self.tracker.finished(rid, f"lost the connection to the prefill side channel {addr}"))
 

@@ -83,12 +83,18 @@ class SendEntry:
     pulls: list[Any] = field(default_factory=list)  # parked: waiting for the blocks (or for registration)
     deadline: float | None = None  # UNSEEN: give up; READY: expire; CLOSED: forget
     expected: int = 1  # D requests that pull this transfer (n > 1: one per choice)
+    ranks: int = 1  # pulls each D request makes here: D ranks sharing this P rank's heads (D's TP larger than P's)
     served: int = 0  # of those, how many are done with it: sent, failed, or released by D
     sending: dict[str, Any] = field(default_factory=dict)  # D request id -> its pull, whose write is in flight
     failed: bool = False  # a write of this transfer failed
     outcome: str = ""
     held: bool = False  # computed, not yet finished: P's scheduler still owns the blocks
     free_due: str = ""  # the outcome of a Free that waits for `ready`
+
+    @property
+    def wanted(self) -> int:
+        """Pulls this transfer serves in all: each D request's, from each D rank that takes heads here."""
+        return self.expected * self.ranks
 
     @property
     def claimed(self) -> int:
@@ -108,7 +114,8 @@ class SendTable:
     """P's transfers. Every method returns the actions the caller must perform, in order.
 
     A transfer serves `expected` pulls (one per D request: `n` choices are
-    `n` D requests sharing one prefill); it closes, and its blocks are
+    `n` D requests sharing one prefill), each from `ranks` D ranks where D's TP
+    is larger than P's; it closes, and its blocks are
     freed, once every one of them has been sent, failed or released, or
     when it expires waiting for the rest.
     """
@@ -166,7 +173,7 @@ class SendTable:
             return []
         e.phase, e.p_req_id, e.deadline, e.expected = Phase.RUNNING, p_req_id, None, pulls
         refused = self._sift(e)
-        extra, e.pulls = e.pulls[pulls:], e.pulls[:pulls]
+        extra, e.pulls = e.pulls[e.wanted:], e.pulls[: e.wanted]
         return refused + [Reply(transfer_id, x, f"transfer {transfer_id} serves {pulls} pull(s) and already has them") for x in extra]
 
     def _free(self, e: SendEntry, outcome: str) -> list[Action]:
@@ -178,7 +185,7 @@ class SendTable:
 
     def _blocks_here(self, e: SendEntry, now: float) -> list[Action]:
         """`e`'s blocks can be sent from now on: start every parked pull, or wait in READY for them."""
-        if e.served >= e.expected and not e.sending:
+        if e.served >= e.wanted and not e.sending:
             self._close(e, now, "released")
             return self._free(e, "released")
         refused = self._sift(e)
@@ -230,21 +237,23 @@ class SendTable:
         self._close(e, now, f"cancelled: {reason}")
         return actions
 
-    def pull(self, transfer_id: str, pull: Any, now: float) -> list[Action]:
-        """D asked for the KV of `transfer_id` (`pull` names its D request, see _d_req_id)."""
+    def pull(self, transfer_id: str, pull: Any, now: float, ranks: int = 1) -> list[Action]:
+        """D asked for the KV of `transfer_id` (`pull` names its D request, see _d_req_id); `ranks`: how many D
+        ranks of that request pull here (D's TP larger than P's), each its own share of the heads."""
         if self._bound_ok(transfer_id, pull) is False:
             return [Reply(transfer_id, pull, _NOT_BOUND)]
         e = self.entries.get(transfer_id)
         if e is None:
             self.entries[transfer_id] = SendEntry(
-                transfer_id, Phase.UNSEEN, pulls=[pull], deadline=now + self.limits.unknown_wait_s
+                transfer_id, Phase.UNSEEN, pulls=[pull], deadline=now + self.limits.unknown_wait_s, ranks=ranks
             )
             return []
         if e.phase is Phase.CLOSED:
             why = "already sent" if e.outcome == "sent" else e.outcome
             return [Reply(transfer_id, pull, f"transfer {transfer_id} is closed ({why})")]
+        e.ranks = max(e.ranks, ranks)
         # Before registration the number of D requests is not known yet: park up to the bound.
-        limit = self.limits.max_fanout if e.phase is Phase.UNSEEN else e.expected
+        limit = self.limits.max_fanout * e.ranks if e.phase is Phase.UNSEEN else e.wanted
         who = _pull_id(pull, e.claimed)
         # Parked pulls not yet sifted: one with another secret does not make this one a repeat.
         if e.claimed >= limit or who in e.sending or any(_pull_id(x, -1) == who and _binding_of(x) == _binding_of(pull) for x in e.pulls):
@@ -273,9 +282,9 @@ class SendTable:
         for x in mine:
             e.pulls.remove(x)
             actions.append(Reply(transfer_id, x, "released by the decode side"))
-        if e.phase is Phase.UNSEEN and e.served >= e.expected:
+        if e.phase is Phase.UNSEEN and e.served >= e.wanted:
             self._close(e, now, "released")
-        elif e.phase is Phase.READY and e.served >= e.expected:
+        elif e.phase is Phase.READY and e.served >= e.wanted:
             self._close(e, now, "released")
             actions.extend(self._free(e, "released"))
         return actions
@@ -293,8 +302,8 @@ class SendTable:
         e.failed = e.failed or error is not None
         if e.sending:
             return []
-        if e.served < e.expected:
-            e.phase = Phase.READY  # more D requests to come
+        if e.served < e.wanted:
+            e.phase = Phase.READY  # more D requests (or D ranks) to come
             e.deadline = None if e.held else now + self.limits.expiry_s
             return []
         outcome = "failed" if e.failed else "sent"
@@ -339,8 +348,18 @@ def _binding_of(msg: Any) -> str:
     return str(getattr(request, "binding", "") or "")
 
 
+def pull_key(d_req_id: str, d_rank: int = 0, d_tp: int = 1, p_tp: int = 1) -> str:
+    """The table's name for D rank `d_rank`'s pull for D request `d_req_id`: the request's id, and the rank too
+    when D's TP is larger than P's (several D ranks of one request then pull one P rank)."""
+    return f"{d_req_id}#tp{d_rank}" if d_tp > p_tp else d_req_id
+
+
 def _d_req_id(pull: Any) -> str:
-    """The D request a parked pull came from (the sender parks PullRequests; tests may park plain tokens)."""
+    """The D request (and rank, see pull_key) a parked pull came from: the sender parks pulls with a `key`; tests
+    may park plain tokens."""
+    key = getattr(pull, "key", None)
+    if key:
+        return str(key)
     request = getattr(pull, "request", None)
     return str(getattr(request, "d_req_id", "") or "")
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
-from pdkv.connector.checks import check_announce, check_pull
-from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend
+from pdkv.connector.checks import announced_share, check_announce, check_pull
+from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend, pull_key
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import (
@@ -36,6 +36,7 @@ from pdkv.protocol import (
 )
 from pdkv.transport.base import Region, Transport
 from pdkv.transport.planner import check_ranges
+from pdkv.tp_heads import HeadShare, pullers
 
 log = logging.getLogger("pdkv.connector")
 
@@ -46,14 +47,17 @@ MAX_ANNOUNCED = 1024  # D sessions whose regions P remembers; the least recently
 
 
 class _Parked:
-    """A pull waiting on P: who asked, what, and the regions D announced for its session when it asked."""
+    """A pull waiting on P: who asked, what, the regions D announced for its session when it asked, and the
+    heads of each block this P rank writes there (None: whole blocks); `key` names it in the table (pull_key)."""
 
-    __slots__ = ("announced", "identity", "request")
+    __slots__ = ("announced", "heads", "identity", "key", "request")
 
-    def __init__(self, identity: bytes, request: PullRequest, announced: Announce) -> None:
+    def __init__(self, identity: bytes, request: PullRequest, announced: Announce, heads: HeadShare | None, key: str) -> None:
         self.identity = identity
         self.request = request
         self.announced = announced
+        self.heads = heads
+        self.key = key
 
 
 class KVSender:
@@ -67,6 +71,7 @@ class KVSender:
         host: str,
         tp_rank: int = 0,
         tp_size: int = 1,
+        kv_heads: int = 0,
         engine_id: str = "",
         limits: SendLimits | None = None,
         heartbeat_s: float = 1.0,
@@ -75,11 +80,12 @@ class KVSender:
         wait_write_s: float = 0.0,
         sealer: FrameSealer | None = None,
     ) -> None:
-        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed."""
+        """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed.
+        `kv_heads`: the model's KV heads, all ranks together (0: unknown, and only a D of this TP size is served)."""
         self._closed = False  # set under _table_lock: no send starts once it is
         self.transport = transport
         self.regions = list(regions)
-        self.tp_rank, self.tp_size, self.engine_id = tp_rank, tp_size, engine_id
+        self.tp_rank, self.tp_size, self.engine_id, self.kv_heads = tp_rank, tp_size, engine_id, kv_heads
         self.table = SendTable(limits)
         # The table is the loop thread's, except for `prompt_done` on the model runner's thread.
         self._table_lock = threading.RLock()
@@ -94,8 +100,9 @@ class KVSender:
         self._pools: OrderedDict[str, concurrent.futures.ThreadPoolExecutor] = OrderedDict()
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
-        # D session -> its latest accepted announcement, or why the latest was refused; owned by the loop thread
-        self._announced: OrderedDict[str, Announce | str] = OrderedDict()
+        # (D session, D TP rank) -> its latest accepted announcement, or why the latest was refused; ranks of one
+        # process (one cma session) announce apart; owned by the loop thread
+        self._announced: OrderedDict[tuple[str, int], Announce | str] = OrderedDict()
         self._loop = EventLoopThread("pdkv-sender")
         self.server = SideChannelServer(self._loop, host, self._handle, port=port, sealer=sealer, on_refused=self.trace.auth_refused)
         self._ticker = self._loop.submit(self._tick_forever())
@@ -218,9 +225,9 @@ class KVSender:
     async def _handle(self, identity: bytes, msg: Any) -> None:
         now = time.time()
         if isinstance(msg, Announce):
-            why = check_announce(msg, self.regions, self.tp_rank, self.tp_size)
-            self._announced[msg.session] = msg if why is None else f"its announced regions were refused: {why}"
-            self._announced.move_to_end(msg.session)
+            why = check_announce(msg, self.regions, self.tp_rank, self.tp_size, self.kv_heads)
+            self._announced[(msg.session, msg.tp_rank)] = msg if why is None else f"its announced regions were refused: {why}"
+            self._announced.move_to_end((msg.session, msg.tp_rank))
             while len(self._announced) > MAX_ANNOUNCED:
                 self._announced.popitem(last=False)
             if why is not None:
@@ -229,13 +236,13 @@ class KVSender:
                 await self.server.send(identity, ErrorReply(error=f"announced regions refused: {why}"))
         elif isinstance(msg, PullRequest):
             self.trace.event(msg.transfer_id, "pull_received", now, d_req_id=msg.d_req_id)
-            announced = self._announced.get(msg.session)
+            announced = self._announced.get((msg.session, msg.tp_rank))
             if announced is not None:
-                self._announced.move_to_end(msg.session)  # in use: the last to be forgotten
+                self._announced.move_to_end((msg.session, msg.tp_rank))  # in use: the last to be forgotten
             if isinstance(announced, str):
                 why: str | None = f"decode at {msg.session}: {announced}"
             else:
-                why = check_pull(msg, announced, self.tp_rank, self.tp_size)
+                why = check_pull(msg, announced)
             if why is not None:
                 self.trace.malformed()
                 log.warning("pdkv: refused pull %s from D request %s: %s", msg.transfer_id, msg.d_req_id, why)
@@ -243,13 +250,17 @@ class KVSender:
                     identity, PullReply(transfer_id=msg.transfer_id, d_req_id=msg.d_req_id, status=PullStatus.ERROR, error=why)
                 )
                 return
+            assert isinstance(announced, Announce)
+            heads = announced_share(announced, self.tp_rank, self.tp_size, self.kv_heads)  # accepted: it does not raise
+            ranks = pullers(self.kv_heads, self.tp_size, announced.tp_size, self.tp_rank) if heads is not None else 1
+            key = pull_key(msg.d_req_id, msg.tp_rank, msg.tp_size, self.tp_size)
             with self._table_lock:
-                assert isinstance(announced, Announce)
-                actions = self.table.pull(msg.transfer_id, _Parked(identity, msg, announced), now)
+                actions = self.table.pull(msg.transfer_id, _Parked(identity, msg, announced, heads, key), now, ranks=ranks)
             self._run(actions)
         elif isinstance(msg, Release):
+            key = pull_key(msg.d_req_id, msg.tp_rank, msg.tp_size, self.tp_size)
             with self._table_lock:
-                actions = self.table.released(msg.transfer_id, now, msg.d_req_id, proof=msg)
+                actions = self.table.released(msg.transfer_id, now, key, proof=msg)
             self._run(actions)
         elif isinstance(msg, TraceReport):
             self.trace.merge(msg.transfer_id, msg.events, msg.first_step_tokens)
@@ -311,12 +322,13 @@ class KVSender:
                 )
             local = a.blocks[req.first_block : req.first_block + want]
             announced: Announce = a.pull.announced
-            check_ranges(local, req.block_ids, self.regions, announced.regions)  # before any byte moves
+            heads = a.pull.heads
+            check_ranges(local, req.block_ids, self.regions, announced.regions, heads)  # before any byte moves
             self.trace.event(a.transfer_id, "transfer_start", session=req.session)
             if fence is not None:
                 fence.synchronize()
             self.transport.connect(req.session, announced.ipc)
-            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, announced.regions)
+            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, announced.regions, heads)
             self.trace.event(a.transfer_id, "transfer_end")
         except PdkvError as exc:
             return str(exc), 0, 0
@@ -334,9 +346,10 @@ class KVSender:
             reply = PullReply(transfer_id=a.transfer_id, d_req_id=req.d_req_id, status=PullStatus.ERROR, error=f"transfer failed: {error}")
         await self.server.send(a.pull.identity, reply)
         self.trace.event(a.transfer_id, "reply_sent")
-        self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc)
+        d_rank = req.tp_rank if req.tp_size > self.tp_size else None  # several D ranks take heads from this rank
+        self.trace.finish(a.transfer_id, "sent" if error is None else "failed", error or "", nbytes, ndesc, d_rank)
         with self._table_lock:
-            actions = self.table.send_finished(a.transfer_id, error, time.time(), req.d_req_id)
+            actions = self.table.send_finished(a.transfer_id, error, time.time(), a.pull.key)
         self._run(actions)
 
     async def _tick_forever(self) -> None:

@@ -35,7 +35,7 @@ class TraceLog:
     """Thread-safe store of TransferTrace records plus counters; bounded to MAX_TRACES."""
 
     def __init__(self, role: str, trace_dir: str | None = None, *, engine_id: str = "", tp_rank: int = 0) -> None:
-        self.role = role
+        self.role, self.tp_rank = role, tp_rank
         self._lock = threading.Lock()
         self._traces: OrderedDict[str, TransferTrace] = OrderedDict()
         self._file = None
@@ -76,7 +76,7 @@ class TraceLog:
     def _get(self, tid: str) -> TransferTrace:
         t = self._traces.get(tid)
         if t is None:
-            t = self._traces[tid] = TransferTrace(transfer_id=tid)
+            t = self._traces[tid] = TransferTrace(transfer_id=tid, p_rank=self.tp_rank if self.role == "prefill" else 0)
             while len(self._traces) > MAX_TRACES:
                 self._traces.popitem(last=False)
         return t
@@ -101,12 +101,20 @@ class TraceLog:
                 self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - min(start)))
             self._write(t)
 
-    def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0) -> None:
+    def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0, d_rank: int | None = None) -> None:
+        """`d_rank`: the D rank written, where several D ranks take their heads from this P rank: the
+        transfer's bytes are then the sum over them (`d_rank_bytes`)."""
         with self._lock:
             t = self._get(tid)
             t.status, t.error = status, error
-            if nbytes:
+            if nbytes and d_rank is not None:
+                if str(d_rank) not in t.d_rank_bytes:
+                    t.descriptors += descriptors
+                t.d_rank_bytes[str(d_rank)] = nbytes
+                t.bytes = sum(t.d_rank_bytes.values())
+            elif nbytes:
                 t.bytes, t.descriptors = nbytes, descriptors
+            if nbytes:
                 self._bytes.inc(nbytes)
                 self._descriptors.inc(descriptors)
                 if "transfer_start" in t.events and "transfer_end" in t.events:
@@ -123,12 +131,12 @@ class TraceLog:
     def get(self, tid: str) -> TransferTrace | None:
         with self._lock:
             t = self._traces.get(tid)
-            return msgspec.structs.replace(t, events=dict(t.events)) if t else None
+            return msgspec.structs.replace(t, events=dict(t.events), d_rank_bytes=dict(t.d_rank_bytes)) if t else None
 
     def query(self, since: float = 0.0, limit: int = 1000) -> list[TransferTrace]:
         with self._lock:
             out = [
-                msgspec.structs.replace(t, events=dict(t.events))
+                msgspec.structs.replace(t, events=dict(t.events), d_rank_bytes=dict(t.d_rank_bytes))
                 for t in self._traces.values()
                 if max(t.events.values(), default=0.0) >= since
             ]

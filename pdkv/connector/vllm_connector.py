@@ -116,6 +116,7 @@ class PdkvConnector(KVConnectorBase_V1):
                 is_producer=self.is_producer,
                 tp_rank=get_tensor_model_parallel_rank(),
                 tp_size=pc.tensor_parallel_size,
+                kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
                 dp_rank=getattr(pc, "data_parallel_index", pc.data_parallel_rank),
                 num_blocks=kv_cache_config.num_blocks,
                 identity=EngineIdentity(

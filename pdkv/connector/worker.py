@@ -62,11 +62,14 @@ class ConnectorWorker:
         dp_rank: int,
         num_blocks: int,
         identity: EngineIdentity | None = None,
+        kv_heads: int = 0,
     ) -> None:
+        """`kv_heads`: the model's KV heads, all TP ranks together (0: unknown, and only a peer of this TP size
+        is served): with it P and D of different TP sizes split each block's heads between their ranks."""
         self.config = config
         self.engine_id = engine_id
         self.is_producer = is_producer
-        self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
+        self.tp_rank, self.tp_size, self.dp_rank, self.kv_heads = tp_rank, tp_size, dp_rank, kv_heads
         self.num_blocks = num_blocks
         self.host = advertised_host(config)
         self.transport: Any = None
@@ -103,7 +106,7 @@ class ConnectorWorker:
         trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
         if not self.is_producer:
             self.receiver = KVReceiver(
-                self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
                 liveness_s=self.config.liveness_s, trace=trace,
                 ipc=self.transport.hello(), sealer=sealer_from_env(),
             )
@@ -117,7 +120,7 @@ class ConnectorWorker:
             log.info("pdkv: bootstrap server listening on %s:%d", host, port)
         limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
         self.sender = KVSender(
-            self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size,
+            self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
             engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,
             wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000, sealer=sealer_from_env(),
             port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,

@@ -20,7 +20,7 @@
 from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_plan
 from pdkv.deploy.loader import deployment_from_dict, load_deployment
 from pdkv.deploy.machine import gpu_count, local_addresses, rdma_devices
-from pdkv.deploy.preflight import Problem, preflight, raise_problems
+from pdkv.deploy.preflight import Problem, preflight, raise_problems, shared_cores
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
 from pdkv.deploy.run import PartsRun, UpOptions, UpPlan, resolve
@@ -61,5 +61,6 @@ __all__ = [
     "raise_problems",
     "rdma_devices",
     "resolve",
+    "shared_cores",
     "status_targets",
 ]

@@ -198,7 +198,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
             # it the regular torch.compile cache is reused and a restart is ready in about half the time.
             env["VLLM_USE_AOT_COMPILE"] = "0"
         if spec.omp_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.omp_bind
+            env["VLLM_CPU_OMP_THREADS_BIND"] = rank_cores(spec.omp_bind, spec.tp)
     env.update(spec.extra_env)
     return env
 
@@ -281,6 +281,20 @@ def parse_cores(bind: str | None) -> list[int] | None:
     except ValueError:
         raise UsageError(f"cannot read the core list {bind!r}", hint="write cores like 0, 0-3, 0,2 or 0-1|2-3") from None
     return sorted(cores)
+
+
+def rank_cores(bind: str, tp: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for an engine of `tp` CPU ranks, each on cores of its own: a value naming each
+    rank's cores ("0|1"; vLLM checks it against its ranks, data-parallel ones too) as given, a plain core list split
+    evenly ("0-3", TP 2: "0,1|2,3"). UsageError when a plain list has fewer cores than ranks."""
+    cores = parse_cores(bind)
+    if cores is None or tp == 1 or "|" in bind:
+        return bind
+    if len(cores) < tp:
+        raise UsageError(f"omp_bind {bind!r} gives {len(cores)} core(s) to {tp} TP ranks: each CPU rank needs a core of its own",
+                         hint=f"bind the engine to at least {tp} cores, or lower its tp")
+    per = len(cores) // tp
+    return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tp))
 
 
 def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:

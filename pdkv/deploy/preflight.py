@@ -129,6 +129,12 @@ def check_vllm_release(parts: list[Part]) -> list[Problem]:
     return [Problem(", ".join(names), verdict.detail, verdict.hint)] if verdict.status is Status.FAIL else []
 
 
+def _missing_cores(bind: str | None) -> list[int]:
+    from pdkv.deploy.engine import parse_cores
+
+    return [c for c in parse_cores(bind) or () if c >= (os.cpu_count() or 1)]
+
+
 def check_engines(parts: list[Part]) -> list[Problem]:
     """Model configs readable, CPU block sizes valid, and every D agrees with every P."""
     problems: list[Problem] = []
@@ -146,6 +152,12 @@ def check_engines(parts: list[Part]) -> list[Problem]:
                 part.plan.name,
                 f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs",
                 f"set block_size = {CPU_BLOCK_MULTIPLE}",
+            ))
+        if spec.platform == "cpu" and (missing := _missing_cores(spec.omp_bind)):
+            problems.append(Problem(
+                part.plan.name,
+                f"omp_bind {spec.omp_bind!r} names core(s) {', '.join(map(str, missing))}, and this host has {os.cpu_count()} cores",
+                f"bind its {spec.tp} rank(s) to cores 0-{(os.cpu_count() or 1) - 1}, one core at least each",
             ))
         if spec.transport == "cma" and spec.platform != "cpu":
             problems.append(Problem(
@@ -188,16 +200,36 @@ def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config
             f"block size differs: P {show(ps.block_size)}, D {show(ds.block_size)}",
             "set the same block_size on both",
         ))
-    if ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
-        out.append(Problem(pair, f"TP sizes differ: P {ps.tp}, D {ds.tp}; pdkv's connector moves KV between equal TP ranks only",
-                           "set the same tp on both, or connector = \"mooncake\" (vLLM's connector maps unequal TP)"))
-    elif max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
+    if max(ps.tp, ds.tp) % min(ps.tp, ds.tp):
         out.append(Problem(
             pair,
             f"TP sizes {ps.tp} (P) and {ds.tp} (D) do not divide each other, so KV heads cannot be mapped",
             "use TP sizes where one divides the other",
         ))
+    elif ps.connector == "pdkv" and ds.connector == "pdkv" and ps.tp != ds.tp:
+        out += _head_split(pair, ps.tp, ds.tp, p_config)
     return out
+
+
+def _head_split(pair: str, p_tp: int, d_tp: int, config: dict[str, Any] | None) -> list[Problem]:
+    """P and D of different TP sizes with pdkv's connector: the model's KV heads must split over both sizes."""
+    from pdkv.errors import TransferError
+    from pdkv.tp_heads import rank_heads
+
+    if config is None:
+        return []  # a hub id: the engines check it when D first pulls
+    if config.get("kv_lora_rank"):
+        return [Problem(pair, f"TP sizes differ (P {p_tp}, D {d_tp}) on an MLA model, which pdkv's connector does not move",
+                        "use connector = \"mooncake\" (vLLM's connector) for MLA models")]
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
+    if not isinstance(heads, int) or heads <= 0:
+        return []  # the engines say what is wrong with the config
+    for tp in (p_tp, d_tp):
+        try:
+            rank_heads(heads, tp, 0)
+        except TransferError as exc:
+            return [Problem(pair, f"{exc}, so P (TP {p_tp}) and D (TP {d_tp}) cannot split them", "use TP sizes that split the KV heads")]
+    return []
 
 
 def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
@@ -240,6 +272,26 @@ def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Pro
     """Every pre-flight problem of `parts`, in start order; empty when all is well."""
     return (check_ports(parts) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts) + check_cma(parts)
             + check_bootstraps(list(bootstrap_urls)))
+
+
+def shared_cores(parts: list[Part]) -> list[str]:
+    """One line per CPU engine whose cores (omp_bind) another engine of this host binds too: more TP ranks than
+    cores. Each engine still runs, but the forwards of the ranks sharing a core take turns on it."""
+    from pdkv.deploy.engine import parse_cores
+
+    owner: dict[int, str] = {}
+    out: list[str] = []
+    for part in parts:
+        if part.spec is None or part.spec.platform != "cpu":
+            continue
+        cores = parse_cores(part.spec.omp_bind) or []
+        if shared := sorted({c for c in cores if c in owner}):
+            ranks = sum(p.spec.tp for p in parts if p.spec is not None and p.spec.platform == "cpu")
+            out.append(f"{part.plan.name} shares core(s) {', '.join(map(str, shared))} with {owner[shared[0]]}: this host has "
+                       f"{os.cpu_count()} cores for {ranks} engine ranks, so their forwards take turns on them")
+        for c in cores:
+            owner.setdefault(c, part.plan.name)
+    return out
 
 
 def raise_problems(problems: list[Problem]) -> None:

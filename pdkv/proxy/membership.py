@@ -3,8 +3,8 @@
 Each member record is one engine (one DP rank); the proxy routes to servers
 (URLs), so records are grouped by URL: a prefill server's DP ranks become its
 engines. A P and a D are paired only when their compatibility keys agree
-(model, block size, TP, connector, transport): D would otherwise pull KV it
-cannot use. A backend given on the command line carries no key and is paired
+(model, block size, connector, transport; TP sizes one of which divides the
+other): D would otherwise pull KV it cannot use. A backend given on the command line carries no key and is paired
 with anything, as before.
 """
 
@@ -68,8 +68,12 @@ def group(records: Iterable[MemberRecord]) -> Membership:
 
 
 def compatible(p_key: CompatKey | None, d_key: CompatKey | None) -> bool:
-    """Whether D can take P's KV; an unknown key (a backend from the command line) matches anything."""
-    return p_key is None or d_key is None or p_key == d_key
+    """Whether D can take P's KV: all but TP equal, and TP sizes one of which divides the other (each D rank takes
+    its heads from the P ranks holding them); an unknown key (a backend from the command line) matches anything."""
+    if p_key is None or d_key is None:
+        return True
+    (p_model, p_block, p_tp, *p_rest), (d_model, d_block, d_tp, *d_rest) = p_key, d_key
+    return (p_model, p_block, p_rest) == (d_model, d_block, d_rest) and max(p_tp, d_tp) % min(p_tp, d_tp) == 0
 
 
 def describe(key: CompatKey | None) -> str:

@@ -183,6 +183,18 @@ def _phases(at: dict[str, float], chain: Sequence[tuple[str, str, str]], origin:
     return [msgspec.structs.replace(p, share=p.ms / total) for p in phases], notes
 
 
+def bytes_by_rank(records: Sequence[TransferTrace]) -> str:
+    """What each P worker wrote, into each D rank where several D ranks take heads from it (P and D of different
+    TP sizes): "P0->D0 8,192 B, P0->D1 8,192 B (16,384 B in all)"."""
+    parts: list[str] = []
+    for r in sorted(records, key=lambda r: r.p_rank):
+        if r.d_rank_bytes:
+            parts += [f"P{r.p_rank}->D{d} {n:,} B" for d, n in sorted(r.d_rank_bytes.items(), key=lambda kv: int(kv[0]))]
+        else:
+            parts.append(f"P{r.p_rank} {r.bytes:,} B")
+    return ", ".join(parts) + f" ({sum(r.bytes for r in records):,} B in all)"
+
+
 def _transfer(records: Sequence[TransferTrace], crit: TransferTrace, link_gbps: float) -> TransferFacts:
     ev = crit.events
     write_s = ev["transfer_end"] - ev["transfer_start"] if "transfer_start" in ev and "transfer_end" in ev else None
@@ -237,6 +249,8 @@ def assemble(
         notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")
     elif len(records) > 1:
         notes.append(f"{len(records)} P workers (TP ranks) moved this request: bytes are their sum, times the slowest's")
+    if crit is not None and (len(records) > 1 or any(r.d_rank_bytes for r in records)):
+        notes.append(f"bytes by TP rank: {bytes_by_rank(records)}")
     if crit is not None and crit.status not in ("", "sent"):
         notes.append(f"the transfer ended as {crit.status}: {crit.error or 'no reason given'}")
     if proxy.error:

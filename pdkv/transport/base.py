@@ -12,6 +12,7 @@ __all__ = ["Descriptor", "Region", "Transport", "Written"]
 
 if TYPE_CHECKING:
     from pdkv.protocol import IpcExport
+    from pdkv.tp_heads import HeadShare
 
 
 class Descriptor(msgspec.Struct, frozen=True, array_like=True):
@@ -70,10 +71,12 @@ class Transport(Protocol):
         ...
 
     def write_blocks(
-        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region]
+        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region],
+        heads: HeadShare | None = None,
     ) -> Written:
         """Copy `local_blocks` of every local region into `remote_blocks` of its remote twin, every block id
-        bounds-checked first; return once all bytes have landed, else raise TransferError."""
+        bounds-checked first; with `heads` (P and D of different TP sizes) only that share of each block.
+        Return once all bytes have landed, else raise TransferError."""
         ...
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session, process_start_time
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
-from pdkv.transport.planner import check_ranges
+from pdkv.transport.planner import check_ranges, plan_descriptors
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
 
@@ -242,10 +242,8 @@ class CudaIpcTransport:
             graph = torch.cuda.CUDAGraph()
             stream = self._stream(device)
             with torch.cuda.device(device), torch.cuda.stream(stream):
-                # Compile outside the capture; nothing runs here.
                 kernel.warmup(*args, grid=grid, **meta)
-                # "thread_local": the engine's model thread stays legal meanwhile ("global", the default, failed
-                # its next matmul: operation not permitted when stream is capturing, and P died).
+                # thread_local: in "global" mode the engine's model thread failed (stream is capturing): P died.
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     dev.copy_(host, non_blocking=True)
                     kernel[grid](*args, **meta)
@@ -273,22 +271,24 @@ class CudaIpcTransport:
         with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
-    def _write(self, peer: str, descriptors: list[Descriptor]) -> None:
+    def _write(self, peer: str, descriptors: list[Descriptor]) -> Written:
         self._bind_thread()
         entry = self._require(peer)
         chunks = plan_chunks(descriptors, self._local_map, entry.spans, self.chunk_bytes)
         if len(chunks):
             self._launch_chunks(self._launch_device(peer), chunks)
             self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
+        return Written(sum(d.length for d in descriptors), len(descriptors))
 
-    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:
+    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None) -> Written:
         """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
 
-        Checks, before any copy: block ids inside both sides' regions, each
-        local region inside registered memory, each remote region inside the
-        peer's exported memory, equal block lengths. Safe to call from several threads.
-        """
+        Checks, before any copy: block ids inside both sides' regions, each local region inside registered memory, each
+        remote region inside the peer's exported memory, equal block lengths; a `heads` share (unequal TP) goes to the
+        chunk kernel as planned descriptors, each range checked (plan_chunks). Safe to call from several threads."""
         with self._watched.holding(self._lock, peer, self._disconnect):
+            if heads is not None and not heads.whole:
+                return self._write(peer, plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions, heads=heads))
             return self._write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions)
 
     def _write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions) -> Written:

@@ -7,6 +7,7 @@ from typing import Any
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region, Written
 from pdkv.transport.planner import plan_descriptors
+from pdkv.tp_heads import HeadShare
 
 
 class PlannedWrites:
@@ -28,8 +29,9 @@ class PlannedWrites:
             )
 
     def write_blocks(
-        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region]
+        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region],
+        heads: HeadShare | None = None,
     ) -> Written:
-        descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions)
+        descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions, heads=heads)
         self.write(peer, descriptors)
         return Written(sum(d.length for d in descriptors), len(descriptors))

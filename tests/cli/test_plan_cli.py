@@ -64,3 +64,22 @@ def test_help_imports_nothing_heavy():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "HEAVY []" in out
+
+
+def test_plan_for_p_and_d_of_different_tp_gives_each_ranks_bytes(qwen3_8b, capsys):
+    code = run(["plan", "--model", str(qwen3_8b), "--prompt-tokens", "1000", "--tp", "1:2", "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["p_rank"], r["d_rank"], r["heads"]) for r in data["ranks"]] == [(0, 0, 4), (0, 1, 4)]
+    assert sum(r["bytes"] for r in data["ranks"]) == data["transfer_bytes"] == 148635648
+    assert {r["descriptors"] for r in data["ranks"]} == {36 * 63}  # half of each block: one per layer and block
+    assert run(["plan", "--model", str(qwen3_8b), "--tp", "4:2"]) == 0
+    out = capsys.readouterr().out
+    assert "P TP 4 -> D TP 2" in out and "per rank" in out and "148,635,648" in out
+
+
+def test_plan_refuses_tp_sizes_that_do_not_divide(qwen3_8b, capsys):
+    assert run(["plan", "--model", str(qwen3_8b), "--tp", "2:3"]) == 2
+    assert "do not divide each other" in capsys.readouterr().err
+    assert run(["plan", "--model", str(qwen3_8b), "--tp", "two"]) == 2
+    assert "P:D pair" in capsys.readouterr().err

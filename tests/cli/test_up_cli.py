@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -272,3 +273,33 @@ def test_listen_is_the_address_of_an_engine_started_by_role_and_host_its_older_n
     assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.3"
     assert run(["up", "--listen", "127.0.0.1", "--dry-run"]) == 2
     assert "--listen goes with --role" in capsys.readouterr().err
+
+
+def test_a_file_with_p_and_d_of_different_tp_starts_each_rank_on_its_own_cores(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    (tmp_path / "d.toml").write_text(f"""
+model = "{model}"
+connector = "pdkv"
+protocol = "tcp"
+platform = "cpu"
+host_ip = "127.0.0.1"
+block_size = 32
+[[prefill]]
+port = {free_port()}
+omp_bind = "0"
+[[decode]]
+port = {free_port()}
+tp = 2
+omp_bind = "0-1"
+""")
+    parts = {p["name"]: p for p in dry_run(capsys, "-f", str(tmp_path / "d.toml"))}
+    d, p = parts["decode-0"], parts["prefill-0"]
+    assert d["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and d["argv"][d["argv"].index("--tensor-parallel-size") + 1] == "2"
+    assert p["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0" and "--tensor-parallel-size" not in p["argv"]
+    # Two ranks on one core: said before anything starts.
+    (tmp_path / "d.toml").write_text((tmp_path / "d.toml").read_text().replace('omp_bind = "0-1"', 'omp_bind = "1"'))
+    assert run(["up", "-f", str(tmp_path / "d.toml"), "--dry-run"]) == 2
+    assert "gives 1 core(s) to 2 TP ranks" in capsys.readouterr().err

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # layers, never one of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("pdkv", "pdkv.errors", "pdkv.bounds"),
+    ("pdkv.tp_heads",),
     ("pdkv.protocol", "pdkv.geometry", "pdkv.metrics", "pdkv.auth", "pdkv.service", "pdkv.tinymodel", "pdkv.randmodel"),
     ("pdkv.side_channel", "pdkv.transport", "pdkv.bootstrap"),
     ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv"),

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params, load_config
-from pdkv.connector.checks import check_announce, check_pull
+from pdkv.connector.checks import announced_share, check_announce, check_pull
 from pdkv.side_channel import decode_reply, decode_request, encode
 from pdkv.errors import ConfigError
 from pdkv.protocol import Announce, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery
@@ -65,7 +65,7 @@ def announce(**kw) -> Announce:
 
 def test_check_pull_accepts_matching_geometry():
     assert check_announce(announce(), REGIONS, 0, 1) is None
-    assert check_pull(pull(), announce(), 0, 1) is None
+    assert check_pull(pull(), announce()) is None
 
 
 @pytest.mark.parametrize(
@@ -73,17 +73,17 @@ def test_check_pull_accepts_matching_geometry():
     [
         (dict(block_ids=[0, 10]), "outside"),
         (dict(block_ids=[1, 1]), "repeat"),
-        (dict(tp_size=2), "unequal TP"),
-        (dict(tp_rank=1), "TP rank"),
+        (dict(tp_size=2), "announced rank 0 of 1"),
+        (dict(tp_rank=1), "decode TP rank 1 of 1"),
     ],
 )
 def test_check_pull_refuses_what_would_write_outside_or_mismatch(kw, needle):
-    why = check_pull(pull(**kw), announce(), 0, 1)
+    why = check_pull(pull(**kw), announce())
     assert why is not None and needle in why
 
 
 def test_a_pull_for_a_session_that_announced_nothing_is_refused():
-    why = check_pull(pull(), None, 0, 1)
+    why = check_pull(pull(), None)
     assert why is not None and "has not announced" in why
 
 
@@ -98,6 +98,59 @@ def test_a_pull_for_a_session_that_announced_nothing_is_refused():
 def test_check_announce_refuses_other_layouts(kw, needle):
     why = check_announce(announce(**kw), REGIONS, 0, 1)
     assert why is not None and needle in why
+
+
+# Unequal TP: a model of 4 KV heads, 64 B per head in a block, two regions (layers).
+HEAD = 64
+
+
+def _regions(heads: int) -> list[Region]:
+    return [Region(0, heads * HEAD, 10), Region(100_000, heads * HEAD, 10)]
+
+
+def test_check_announce_accepts_a_d_of_another_tp_size_holding_its_heads():
+    # P TP 1 holds all 4 heads; D rank 1 of TP 2 holds heads 2-3 and announces blocks of 2 heads.
+    a = announce(tp_rank=1, tp_size=2, kv_heads=4, regions=_regions(2))
+    assert check_announce(a, _regions(4), 0, 1, kv_heads=4) is None
+    share = announced_share(a, 0, 1, 4)
+    assert share is not None and (share.src_first, share.dst_first, share.count) == (2, 0, 2)
+    # P rank 1 of TP 2 (heads 2-3) and a D of TP 1 (all 4): P's heads go to D's heads 2-3.
+    a = announce(tp_rank=0, tp_size=1, kv_heads=4, regions=_regions(4))
+    assert check_announce(a, _regions(2), 1, 2, kv_heads=4) is None
+    assert announced_share(a, 1, 2, 4)[:3] == (0, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("kw", "p_heads", "needle"),
+    [
+        (dict(tp_size=2, kv_heads=0, regions=_regions(2)), 4, "did not say how many KV heads"),
+        (dict(tp_size=2, kv_heads=8, regions=_regions(2)), 4, "decode's model has 8 KV heads, prefill's 4"),
+        (dict(tp_size=3, kv_heads=4, regions=_regions(2)), 4, "do not split evenly over TP 3"),
+        (dict(tp_size=2, kv_heads=4, regions=_regions(4)), 4, "one head is"),  # D's blocks hold 4 heads' bytes, not 2
+        (dict(tp_size=2, kv_heads=4, regions=[Region(0, 101, 10)] * 2), 4, "not 4 (P) or 2 (D) heads of equal size"),
+        (dict(tp_size=2, kv_heads=4, regions=_regions(2)[:1]), 4, "regions"),
+    ],
+)
+def test_check_announce_refuses_a_split_that_does_not_fit(kw, p_heads, needle):
+    a = announce(tp_rank=1, **kw)
+    why = check_announce(a, _regions(p_heads), 0, 1, kv_heads=4)
+    assert why is not None and needle in why, why
+
+
+def test_tp_sizes_that_do_not_divide_each_other_are_refused():
+    why = check_announce(announce(tp_rank=0, tp_size=3, kv_heads=12, regions=_regions(4)), _regions(6), 0, 2, kv_heads=12)
+    assert why is not None and "do not divide each other" in why
+
+
+def test_a_prefill_rank_that_holds_none_of_ds_heads_refuses_it():
+    # P TP 2 (heads 0-1, 2-3), D TP 4 rank 0 (head 0): P rank 1 has nothing for it.
+    why = check_announce(announce(tp_rank=0, tp_size=4, kv_heads=4, regions=_regions(1)), _regions(2), 1, 2, kv_heads=4)
+    assert why is not None and "takes no KV heads from prefill TP rank 1" in why
+
+
+def test_a_prefill_without_the_head_count_refuses_unequal_tp():
+    why = check_announce(announce(tp_rank=1, tp_size=2, kv_heads=4, regions=_regions(2)), _regions(4), 0, 1)
+    assert why is not None and "prefill did not say" in why
 
 
 def test_params_classify_as_the_proxy_writes_them():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdkv.connector.pulls import PullTracker
-from pdkv.connector.send_table import Free, Phase, Reply, SendLimits, SendTable, StartSend
+from pdkv.connector.send_table import Free, Phase, Reply, SendLimits, SendTable, StartSend, pull_key
 
 LIMITS = SendLimits(unknown_wait_s=2.0, expiry_s=5.0, tombstone_s=10.0)
 
@@ -325,3 +325,63 @@ def test_a_release_before_p_saw_the_transfer_is_a_bounded_tombstone_that_frees_t
     t.released("never", 0.0)
     t.tick(LIMITS.tombstone_s + 1.0)
     assert "never" not in t.entries and "x" not in t.entries
+
+
+class _RankPull:
+    """A parked pull as the sender makes it where D's TP is larger than P's: named by request and D rank."""
+
+    def __init__(self, d_req_id: str, rank: int) -> None:
+        self.key = pull_key(d_req_id, rank, 2, 1)
+
+
+def test_d_ranks_sharing_one_p_rank_each_get_their_write_and_blocks_free_after_the_last():
+    # P TP 1, D TP 2: both D ranks of request d pull P rank 0, each for its half of the heads.
+    t = table()
+    t.registered("x", "p1", 0.0)
+    r0, r1 = _RankPull("d", 0), _RankPull("d", 1)
+    assert r0.key != r1.key
+    assert t.pull("x", r0, 0.1, ranks=2) == []
+    assert t.pull("x", r1, 0.1, ranks=2) == []
+    s0, s1 = t.ready("x", "p1", [4, 5], 0.2)
+    assert (s0.pull, s1.pull) == (r0, r1)
+    assert t.send_finished("x", None, 0.3, r0.key) == []  # the other rank's write is still running
+    assert t.send_finished("x", None, 0.4, r1.key) == [Free("x", "p1", "sent")]
+
+
+def test_a_d_rank_pulling_after_the_other_finished_still_gets_the_kv():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.ready("x", "p1", [1], 0.1)
+    [s0] = t.pull("x", _RankPull("d", 0), 0.2, ranks=2)
+    assert t.send_finished("x", None, 0.3, s0.pull.key) == []
+    assert t.entries["x"].phase is Phase.READY
+    [s1] = t.pull("x", _RankPull("d", 1), 0.4, ranks=2)
+    assert isinstance(s1, StartSend)
+    assert t.send_finished("x", None, 0.5, s1.pull.key) == [Free("x", "p1", "sent")]
+    [again] = t.pull("x", _RankPull("d", 1), 0.6, ranks=2)
+    assert isinstance(again, Reply) and "closed" in again.error
+
+
+def test_one_d_rank_released_the_other_rank_still_gets_the_kv():
+    t = table()
+    t.registered("x", "p1", 0.0)
+    t.ready("x", "p1", [1], 0.1)
+    [s0] = t.pull("x", _RankPull("d", 0), 0.2, ranks=2)
+    assert t.released("x", 0.3, pull_key("d", 1, 2, 1)) == []
+    assert t.send_finished("x", None, 0.4, s0.pull.key) == [Free("x", "p1", "sent")]
+
+
+def test_a_pull_that_asks_several_p_ranks_ends_when_the_last_is_done_or_the_first_fails():
+    tr = PullTracker(liveness_s=5.0)
+    tr.started("d", "x", 0.0, (3, 4))
+    tr.expect("d", ["p0", "p1"])
+    assert tr.part_done("d", "p0", 100, 2) is None
+    assert tr.part_done("d", "p0", 100, 2) is None  # a repeat changes nothing
+    assert tr.part_done("d", "elsewhere", 100, 2) is None
+    out = tr.part_done("d", "p1", 100, 2)
+    assert out is not None and out.error is None
+    tr.started("e", "y", 0.0, (5,))
+    tr.expect("e", ["p0", "p1"])
+    tr.part_done("e", "p0")
+    failed = tr.finished("e", "p1: transfer failed")
+    assert failed is not None and failed.failed_blocks == (5,)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
-from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems
+from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems, shared_cores
 from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.loader import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
@@ -183,11 +184,41 @@ def test_dtype_model_and_tp_mismatches(tmp_path: Path) -> None:
     assert "P serves" in text and "dtype float16 differs from D's bfloat16" in text and "TP sizes 2 (P) and 3 (D)" in text
 
 
-def test_unequal_tp_is_refused_at_start_up_for_pdkvs_connector(tmp_path: Path) -> None:
+def test_cores_this_host_lacks_are_a_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     model = _model(tmp_path, "m")
+    [problem] = check_engines(_parts({"tp": 2, "omp_bind": "0-3"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32))
+    assert "names core(s) 2, 3, and this host has 2 cores" in problem.what and "cores 0-1" in problem.fix
+    assert check_engines(_parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
+
+
+def test_more_ranks_than_cores_is_said_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    model = _model(tmp_path, "m")
+    parts = _parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)
+    assert check_engines(parts) == []
+    [line] = shared_cores(parts)
+    assert line.startswith("decode-0 shares core(s) 1 with prefill-0: this host has 2 cores for 3 engine ranks")
+    assert shared_cores(_parts({"omp_bind": "0"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
+
+
+def test_unequal_tp_that_divides_is_accepted_for_either_connector(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m")  # 2 KV heads
+    for p_tp, d_tp in ((2, 1), (1, 2)):
+        assert check_engines(_parts({"tp": p_tp}, {"tp": d_tp}, model=model)) == []
+        assert check_engines(_parts({"tp": p_tp}, {"tp": d_tp}, model=model, connector="mooncake")) == []
+
+
+def test_unequal_tp_whose_heads_do_not_split_is_refused_with_the_reason(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m", num_key_value_heads=6, num_attention_heads=12)
+    [problem] = check_engines(_parts({"tp": 1}, {"tp": 4}, model=model))
+    assert "6 KV heads do not split evenly over TP 4" in problem.what and "split the KV heads" in problem.fix
+
+
+def test_unequal_tp_of_an_mla_model_is_refused_for_pdkvs_connector(tmp_path: Path) -> None:
+    model = _model(tmp_path, "m", kv_lora_rank=512, qk_rope_head_dim=64)
     [problem] = check_engines(_parts({"tp": 2}, {"tp": 1}, model=model))
-    assert "TP sizes differ: P 2, D 1" in problem.what and "mooncake" in problem.fix
-    assert check_engines(_parts({"tp": 2}, {"tp": 1}, model=model, connector="mooncake")) == []  # vLLM's maps it
+    assert "MLA" in problem.what and "mooncake" in problem.fix
 
 
 def test_same_config_under_another_path_is_the_same_model(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import sys
 
 import msgspec
@@ -118,6 +119,18 @@ def test_cpu_engines_are_bound_to_their_omp_cores(bind, cores) -> None:
     spec = EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind=bind, launcher="module")
     assert engine_plan(spec).cpus == cores
     assert engine_plan(msgspec.structs.replace(spec, platform="gpu")).cpus is None
+
+
+@pytest.mark.parametrize(("bind", "tp", "env"), [("0-1", 2, "0|1"), ("0-3", 2, "0,1|2,3"), ("0-4", 2, "0,1|2,3"), ("0|1", 2, "0|1"),
+                                                  ("0-3", 1, "0-3"), ("auto", 2, "auto")])
+def test_cpu_ranks_of_one_engine_get_cores_of_their_own(bind, tp, env) -> None:
+    spec = EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind=bind, tp=tp, launcher="module")
+    assert engine_env(spec)["VLLM_CPU_OMP_THREADS_BIND"] == env
+
+
+def test_too_few_cores_for_the_ranks_is_a_usage_error() -> None:
+    with pytest.raises(UsageError, match=re.escape("gives 1 core(s) to 2 TP ranks")):
+        engine_env(EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind="0", tp=2))
 
 
 def test_unreadable_core_list_is_a_usage_error() -> None:

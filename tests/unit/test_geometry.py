@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pdkv.errors import ConfigError, UnsupportedModelError, UsageError
-from pdkv.geometry import dense_geometry, geometry_from_config, geometry_from_model, load_config, plan_transfer
+from pdkv.geometry import dense_geometry, geometry_from_config, geometry_from_model, load_config, plan_transfer, rank_transfers
 
 
 def test_seed_numbers_for_qwen3_8b(qwen3_8b):
@@ -80,3 +80,20 @@ def test_plan_rejects_bad_numbers(qwen3_8b):
         args = {"prompt_tokens": 10, **kwargs}
         with pytest.raises(UsageError):
             plan_transfer(g, **args)
+
+
+def test_rank_transfers_add_up_to_the_whole_prompt():
+    g = dense_geometry(36, 8, 128, "bfloat16")
+    whole = plan_transfer(g, prompt_tokens=1000).transfer_bytes
+    for p_tp, d_tp in ((1, 2), (2, 1), (1, 4), (4, 2), (2, 2)):
+        ranks = rank_transfers(g, p_tp, d_tp, prompt_tokens=1000, block_size=16)
+        assert sum(r.bytes for r in ranks) == whole, (p_tp, d_tp)
+    [a, b] = rank_transfers(g, 2, 1, prompt_tokens=1000, block_size=16)
+    assert (a.p_rank, b.p_rank, a.heads, a.descriptors) == (0, 1, 4, 36 * 63)
+    assert [r.descriptors for r in rank_transfers(g, 2, 2, prompt_tokens=1000, block_size=16)] == [36, 36]
+
+
+def test_mla_ranks_take_the_whole_latent_from_one_p_rank():
+    g = geometry_from_config({"num_hidden_layers": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"})
+    ranks = rank_transfers(g, 1, 2, prompt_tokens=64, block_size=16)
+    assert [(r.p_rank, r.d_rank, r.bytes) for r in ranks] == [(0, 0, 4 * 4 * 16 * 576 * 2), (0, 1, 4 * 4 * 16 * 576 * 2)]

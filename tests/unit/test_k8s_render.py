@@ -44,6 +44,7 @@ VARIANTS = {
     "tcp-no-doctor-token": base(top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
     "tp2-mixed": base(prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
     "cpu-tcp": base(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
+    "tp-p1-d2": base(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
     "no-kv-events": base(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
     "external-bootstrap": base(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
 }
@@ -171,21 +172,23 @@ def test_every_side_channel_of_a_prefill_is_declared(rendered):
             assert "side_channel_port" not in extra and not any(n.startswith("side-") for n in declared)
 
 
-def test_p_and_d_agree_on_model_block_size_and_connector(rendered):
-    seen = {}
+def test_p_and_d_agree_on_model_block_size_and_connector_and_their_tp_sizes_divide(rendered):
+    seen, tps = {}, set()
     for _, kind, role, template in _engines(rendered):
         argv = containers(template)[0]["command"]
         config = _kv_config(rendered, template)
         extra = config["kv_connector_extra_config"]
         assert config["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
-        facts = (tuple(argv[:3]), flag(argv, "--block-size"), flag(argv, "--tensor-parallel-size"), config["kv_connector"],
+        facts = (tuple(argv[:3]), flag(argv, "--block-size"), config["kv_connector"],
                  config["kv_connector_module_path"], extra["mooncake_protocol"], extra.get("device_name"))
+        tps.add(int(flag(argv, "--tensor-parallel-size") or 1))
         seen.setdefault(facts, set()).add(role)
         if role == "prefill" and kind == "worker":  # its leader's in-worker bootstrap, reached by the LWS leader's name
             assert extra["bootstrap_server_address"] == "$(LWS_LEADER_ADDRESS):8998"
         else:
             assert "bootstrap_server_address" not in extra
     assert len(seen) == 1 and seen.popitem()[1] == {"prefill", "decode"}
+    assert max(tps) % min(tps) == 0
 
 
 def test_addresses_come_from_the_pod_ip(rendered):
@@ -266,6 +269,13 @@ def test_scaling_a_role_changes_its_replicas_alone(tmp_path: Path):
     changed = [(a["kind"], a["metadata"]["name"]) for a, b in zip(after, before, strict=True) if a != b]
     assert changed == [("LeaderWorkerSet", "qwen3-8b-4p2d-prefill-0")]  # the proxy, its argv and the registry stay as they are
     assert next(o for o in after if o["kind"] == "LeaderWorkerSet")["spec"]["replicas"] == 9
+
+
+def test_each_engine_carries_its_own_tp(tmp_path: Path):
+    objects = render_text(tmp_path, VARIANTS["tp-p1-d2"])
+    tp = {role: flag(containers(t)[0]["command"], "--tensor-parallel-size") for _, _, role, t in _engines(objects)}
+    gpus = {role: containers(t)[0]["resources"]["limits"]["nvidia.com/gpu"] for _, _, role, t in _engines(objects)}
+    assert tp == {"prefill": None, "decode": "2"} and gpus == {"prefill": "1", "decode": "2"}
 
 
 def test_namespace_override_reaches_every_object_and_the_members_url():

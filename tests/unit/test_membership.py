@@ -74,11 +74,14 @@ def test_ranks_that_disagree_with_their_server_are_reported_not_merged():
     assert any("e1" in c for c in view.conflicts) and any("x registers" in c for c in view.conflicts)
 
 
-def test_compatibility_needs_every_field_equal_and_unknown_matches_anything():
+def test_compatibility_needs_every_field_but_tp_equal_and_unknown_matches_anything():
     k = p("a").compat_key()
     assert compatible(k, d("b").compat_key())
-    for change in ({"model": "other"}, {"block_size": 16}, {"tp_size": 2}, {"transport": "rdma"}, {"connector": "mooncake"}):
+    for change in ({"model": "other"}, {"block_size": 16}, {"transport": "rdma"}, {"connector": "mooncake"}):
         assert not compatible(k, d("b", **change).compat_key()), change
+    # TP sizes that divide each other pair: each D rank takes its heads from the P ranks holding them.
+    assert compatible(k, d("b", tp_size=2).compat_key()) and compatible(p("a", tp_size=4).compat_key(), d("b", tp_size=2).compat_key())
+    assert not compatible(p("a", tp_size=2).compat_key(), d("b", tp_size=3).compat_key())
     assert compatible(None, k) and compatible(k, None)
 
 

@@ -128,6 +128,18 @@ def test_tp_ranks_sum_bytes_and_take_the_slowest() -> None:
     assert any("2 P workers" in n for n in t.notes)
 
 
+def test_bytes_by_rank_for_p_and_d_of_different_tp() -> None:
+    # P TP 2 -> D TP 1: each P worker wrote its half of the heads.
+    a, b = (msgspec.structs.replace(connector_record(nbytes=4096), p_rank=r) for r in (1, 0))
+    t = assemble(proxy_record(), [a, b], client_timing())
+    assert "bytes by TP rank: P0 4,096 B, P1 4,096 B (8,192 B in all)" in t.notes
+    # P TP 1 -> D TP 2: one P worker wrote into both D ranks.
+    one = msgspec.structs.replace(connector_record(nbytes=8192), d_rank_bytes={"1": 4096, "0": 4096})
+    t = assemble(proxy_record(), [one], client_timing())
+    assert "bytes by TP rank: P0->D0 4,096 B, P0->D1 4,096 B (8,192 B in all)" in t.notes
+    assert t.transfer.bytes == 8192
+
+
 def test_a_failed_transfer_is_said() -> None:
     rec = msgspec.structs.replace(connector_record(), status="failed", error="transfer failed: peer gone")
     t = assemble(proxy_record(), [rec], client_timing())

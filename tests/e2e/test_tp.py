@@ -1,0 +1,257 @@
+"""P and D of different TP sizes, started by `pdkv up -f` on a CPU host (tiny model, 2 KV heads, pdkv's connector).
+
+For P TP 1 with D TP 2 and P TP 2 with D TP 1, over cma and over Mooncake tcp: the deployment comes up
+(each TP rank on a core of its own where the host has the cores; on two cores P's and D's ranks share
+them); greedy answers through the proxy equal P alone's for prompts of 1, 17 and about 1,000 tokens and
+for 8 requests in flight (first-token logprobs within loadclient's tolerance; tokens equal up to where P alone's
+top two nearly tie, CROSS_TP_TIE); both engines' KV cache usage is back to 0 afterwards; and the trace of one
+request shows the bytes each rank moved, equal to `pdkv plan --tp P:D`'s per rank and adding up to the
+prompt's KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from support.loadclient import WORDS, Answer, Case, kv_usage, one, prompts, run_load, same_greedy_answer
+from support.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
+# A TP 1 and a TP 2 engine sum a layer's partial results in other orders: their bf16 logprobs differ in the last
+# bits, so P alone's top two tokens may swap where they are this close. KV in the wrong blocks (or heads) moves the
+# first token's logprob far more (loadclient.FIRST_LOGPROB_TOL, checked on every answer).
+CROSS_TP_TIE = 2e-2
+# Seen on the 2-core machine, twice over cma and twice over tcp: after P's prefill, D's /health and the bootstrap
+# stopped answering for a minute or more, D scheduled its pull only once P's blocks had expired (120 s), and pdkv up's
+# warm-up failed ("prefill side silent for 10 s", "had no answer within 120 s"). The likely cause, from vLLM's
+# scheduler: an engine whose finished requests wait on their connector (P holding blocks for D) keeps stepping, each
+# empty step a round trip to every rank, so P's two ranks fill both cores and D, sharing one, starves. P TP 1 with
+# D TP 2 on two cores passes.
+STARVED = ("P TP {p_tp} beside D TP {d_tp} needs {p_tp} + {d_tp} cores, this host has {cores}: P's ranks step without pause "
+           "while they hold blocks for D and D's engine starves (see STARVED's comment)")
+BLOCK = 32
+CASES = {"p1-d2-cma": (1, 2, "cma"), "p2-d1-cma": (2, 1, "cma"), "p1-d2-tcp": (1, 2, "tcp"), "p2-d1-tcp": (2, 1, "tcp")}
+
+
+def cores(p_tp: int, d_tp: int) -> tuple[str, str]:
+    """omp_bind of P and D: distinct cores for every rank where the host has them, else P's first and D's last."""
+    n = os.cpu_count() or 2
+    if n >= p_tp + d_tp:
+        return f"0-{p_tp - 1}", f"{p_tp}-{p_tp + d_tp - 1}"
+    return f"0-{p_tp - 1}", f"{n - d_tp}-{n - 1}"
+
+
+def fleet_file(path: Path, model: Path, p_tp: int, d_tp: int, protocol: str) -> dict[str, int]:
+    ports = {"bootstrap": free_port(), "prefill": free_port(), "decode": free_port(), "proxy": free_port()}
+    p_cores, d_cores = cores(p_tp, d_tp)
+    path.write_text(f"""
+model = "{model}"
+served_model_name = "tiny"
+connector = "pdkv"
+protocol = "{protocol}"
+platform = "cpu"
+host = "127.0.0.1"
+host_ip = "127.0.0.1"
+block_size = {BLOCK}
+max_model_len = 2048
+restart = "no"
+
+[bootstrap]
+mode = "standalone"
+port = {ports["bootstrap"]}
+
+[[prefill]]
+port = {ports["prefill"]}
+tp = {p_tp}
+omp_bind = "{p_cores}"
+
+[[decode]]
+port = {ports["decode"]}
+tp = {d_tp}
+omp_bind = "{d_cores}"
+
+[proxy]
+port = {ports["proxy"]}
+""")
+    return ports
+
+
+@dataclass
+class Deployment:
+    name: str
+    p_tp: int
+    d_tp: int
+    model: Path
+    proxy: str
+    prefill: str
+    decode: str
+    logs: Path
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+                         for p in sorted(self.logs.glob("*.log")))
+
+
+def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> dict:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if event.get("event") == "ready":
+                return event
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError("pdkv up ended or timed out before it was ready")
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def deployment(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    p_tp, d_tp, protocol = CASES[request.param]
+    if p_tp > 1 and (os.cpu_count() or 2) < p_tp + d_tp:
+        pytest.skip(STARVED.format(p_tp=p_tp, d_tp=d_tp, cores=os.cpu_count()))
+    tmp = tmp_path_factory.mktemp(request.param)
+    ports = fleet_file(tmp / "fleet.toml", tiny_model, p_tp, d_tp, protocol)
+    logs = tmp / "logs"
+    with (tmp / "up.stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "pdkv", "up", "-f", str(tmp / "fleet.toml"), "--json", "--log-dir", str(logs)],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    url = lambda port: f"http://127.0.0.1:{port}"
+    dep = Deployment(request.param, p_tp, d_tp, tiny_model, url(ports["proxy"]), url(ports["prefill"]), url(ports["decode"]), logs)
+    seen: set[int] = set()
+    try:
+        t0 = time.monotonic()
+        try:
+            _wait_ready(proc, t0 + READY_TIMEOUT_S)
+        except AssertionError:
+            raise AssertionError(f"{request.param}: {(tmp / 'up.stderr').read_text()[-3000:]}\n{dep.tails()}") from None
+        print(f"\n{request.param}: pdkv up -f ready after {time.monotonic() - t0:.0f} s")
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seen = {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        yield dep
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        for pid in seen:  # nothing of this deployment may stay on the shared cores
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
+
+
+def _tokens(url: str, text: str) -> int:
+    r = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": text}, timeout=30, trust_env=False)
+    r.raise_for_status()
+    return int(r.json()["count"])
+
+
+def prompt_of(url: str, n: int) -> str:
+    """A prompt of `n` tokens by P's own tokenizer, from the load suite's words: exactly `n` up to 100 tokens (a
+    word is appended when it does not overshoot), the fewest words reaching `n` beyond."""
+    words = WORDS * (n // 4 + 2)
+    if n > 100:
+        lo, hi = 1, len(words)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _tokens(url, " ".join(words[:mid])) >= n else (mid + 1, hi)
+        return " ".join(words[:lo])
+    text, count = "", 0
+    for w in words:
+        trial = f"{text} {w}".strip()
+        if count < n and (c := _tokens(url, trial)) <= n:
+            text, count = trial, c
+    assert count == n, (n, count)
+    return text
+
+
+def answers(base: str, cases: list[Case], concurrency: int) -> list[Answer]:
+    return asyncio.run(run_load(base, cases, "tiny", concurrency))
+
+
+def alone(dep: Deployment, cases: list[Case]) -> list[Answer]:
+    async def each() -> list[Answer]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+            return [await one(client, dep.prefill, c, "tiny", top=2) for c in cases]  # top two: where ties are
+
+    return asyncio.run(each())
+
+
+def assert_same(dep: Deployment, cases: list[Case], got: list[Answer], want: list[Answer]) -> None:
+    for case, g, w in zip(cases, got, want, strict=True):
+        assert w.status == 200, f"P alone: {w.error}"
+        assert g.status == 200 and not g.error, f"{dep.name}: {g.error}\n{dep.tails()}"
+        why = same_greedy_answer(g, w)
+        if why is not None and why.startswith("token "):  # greedy answers may part where P alone's top two nearly tie
+            i = int(why.split(":")[0].split()[1])
+            why = None if w.top2_gap[i] < CROSS_TP_TIE else why
+        assert why is None, f"{dep.name}, prompt of {len(case.prompt.split())} words: {why}"
+
+
+def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
+    end = time.monotonic() + within_s
+    usage = {}
+    while time.monotonic() < end:
+        usage = {"prefill": kv_usage(dep.prefill), "decode": kv_usage(dep.decode)}
+        if not any(usage.values()):
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"{dep.name}: KV cache still in use {within_s:g} s after the requests: {usage}")
+
+
+def test_greedy_answers_equal_p_alones_for_1_17_and_1000_tokens(deployment: Deployment) -> None:
+    cases = [Case("/v1/completions", prompt_of(deployment.prefill, n), stream=False) for n in (1, 17, 1000)]
+    want = alone(deployment, cases)
+    got = answers(deployment.proxy, cases, concurrency=1)
+    assert_same(deployment, cases, got, want)
+    assert_no_blocks_held(deployment)
+
+
+def test_eight_requests_in_flight_equal_p_alones_and_free_every_block(deployment: Deployment) -> None:
+    texts = prompts(11, [3, 9, 17, 40, 80, 150, 220, 270])
+    cases = [Case("/v1/completions" if i % 2 else "/v1/chat/completions", t, stream=bool(i % 3)) for i, t in enumerate(texts)]
+    want = alone(deployment, cases)
+    got = answers(deployment.proxy, cases, concurrency=8)
+    assert_same(deployment, cases, got, want)
+    assert_no_blocks_held(deployment)
+
+
+def test_trace_shows_each_ranks_bytes_equal_to_plans(deployment: Deployment) -> None:
+    from pdkv.trace import run_trace
+
+    trace = run_trace(deployment.proxy, prompt_tokens=500, max_tokens=4, link_gbps=400)
+    assert trace.connector_visible, trace.notes
+    moved: dict[tuple[int, int], int] = {}
+    for r in trace.connector:
+        if r.d_rank_bytes:
+            moved |= {(r.p_rank, int(d)): n for d, n in r.d_rank_bytes.items()}
+        else:
+            moved[(r.p_rank, r.p_rank * deployment.d_tp // deployment.p_tp)] = r.bytes
+    plan = json.loads(subprocess.run(
+        [sys.executable, "-m", "pdkv", "plan", "--model", str(deployment.model), "--tp", f"{deployment.p_tp}:{deployment.d_tp}",
+         "--prompt-tokens", str(trace.prompt_tokens), "--block-size", str(BLOCK), "--json"],
+        capture_output=True, text=True, check=True,
+    ).stdout)
+    print(f"\n{deployment.name}: trace bytes by rank {moved}; plan {[(r['p_rank'], r['d_rank'], r['bytes']) for r in plan['ranks']]}")
+    assert moved == {(r["p_rank"], r["d_rank"]): r["bytes"] for r in plan["ranks"]}
+    assert trace.transfer is not None and trace.transfer.bytes == sum(moved.values()) == plan["transfer_bytes"]
+    assert any(n.startswith("bytes by TP rank:") for n in trace.notes), trace.notes
+    assert_no_blocks_held(deployment)
