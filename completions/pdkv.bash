@@ -17,6 +17,7 @@ _pdkv() {
             "model") path="model" ;;
             "model tiny") path="model tiny" ;;
             "plan") path="plan" ;;
+            "profile") path="profile" ;;
             "proxy") path="proxy" ;;
             "status") path="status" ;;
             "trace") path="trace" ;;
@@ -36,12 +37,13 @@ _pdkv() {
         "doctor") words="--device --json --mooncake-timeout --port --protocol --skip-mooncake --help" ;;
         "k8s") words="render --help" ;;
         "model") words="tiny --help" ;;
-        "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
+        "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --max-engines --model --output-tokens --profile --prompt-tokens --quantile --rate --slo --tp --trace --help" ;;
+        "profile") words="--batches --concurrency --context-tokens --decode --hardware --json --model --output --output-tokens --prefill --prompt-tokens --repeats --seed --timeout --help" ;;
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --log-dir --members --model --omp-bind --once --platform --port --protocol --quiet --restart --role --timeout --tp --trace --help" ;;
-        *) words="bench bootstrap doctor k8s model plan proxy status trace up --version --help" ;;
+        *) words="bench bootstrap doctor k8s model plan profile proxy status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }
