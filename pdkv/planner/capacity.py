@@ -1,16 +1,20 @@
 """How many P and D engines a workload needs to meet its latency targets (pure arithmetic; docs/planner.md).
 
-Prefill: each P is an M/G/1 queue. Requests arrive as a Poisson stream,
-split evenly over the P engines (rate/n_P each); one prompt of L tokens is
-served in S(L) = the profile's prefill step for that prompt alone. The mean
-wait is Pollaczek-Khinchine's, E[W] = lambda E[S^2] / (2 (1 - rho)); the
-wait's distribution is taken as an atom at 0 of mass 1 - rho and an
-exponential tail of mean E[W]/rho beyond it (exact for M/M/1, the usual
-approximation for M/G/1). A request's own service is independent of its
-wait (FCFS), so TTFT = W + S(L) + handover + D's first step, and its
-quantile is solved for over the prompt-length samples. Serving prompts one
-at a time ignores the batching P does when a queue forms: the model is
-conservative under load, which the simulator (which batches) shows.
+Prefill: each P is a G/G/1 queue. Requests arrive as a Poisson stream and
+the proxy deals them out round-robin, so each of n_P engines sees every
+n_P-th arrival: Erlang inter-arrival times of squared coefficient of
+variation c_a^2 = 1/n_P. One prompt of L tokens is served in S(L) = the
+profile's prefill step for that prompt alone (c_s^2 its squared coefficient
+of variation over the prompt lengths). The mean wait is Kingman's,
+E[W] = (c_a^2 + c_s^2)/2 * rho/(1 - rho) * E[S], which for one engine
+(Poisson arrivals) is Pollaczek-Khinchine's exactly; the wait's distribution
+is taken as an atom at 0 of mass 1 - rho and an exponential tail of mean
+E[W]/rho beyond it (exact for M/M/1, the usual approximation beyond). A
+request's own service is independent of its wait (FCFS), so
+TTFT = W + S(L) + handover + D's first step, and its quantile is solved for
+over the prompt-length samples. Serving prompts one at a time ignores the
+batching P does when a queue forms: the model is conservative under load,
+which the simulator (which batches) shows.
 
 Decode: each D is an infinite-server queue while its KV holds the batch
 (continuous batching admits every request at once). By Little's law it holds
@@ -129,7 +133,8 @@ def _quantile(cdf: Callable[[float], float], q: float, hi: float) -> float:
 
 
 def predict_prefill(profile: Profile, workload: Workload, engines: int, q: float, extra_ms: float) -> RolePrediction:
-    """TTFT at quantile `q` with `engines` P (M/G/1 each); `extra_ms` is added to every request (handover, D's step)."""
+    """TTFT at quantile `q` with `engines` P (G/G/1 each, round-robin arrivals); `extra_ms` is added to every request
+    (handover, D's first step)."""
     f = profile.prefill_fit
     service = [f.prompt_ms(n) / 1000 for n in workload.prompt_tokens]
     lam = workload.rate / engines
@@ -138,7 +143,8 @@ def predict_prefill(profile: Profile, workload: Workload, engines: int, q: float
     rho = lam * es
     if rho >= 1:
         return RolePrediction(engines, rho, math.inf)
-    wait = lam * es2 / (2 * (1 - rho))
+    cs2 = es2 / (es * es) - 1
+    wait = (1 / engines + cs2) / 2 * rho / (1 - rho) * es
     tail = wait / rho if rho > 0 else 0.0
 
     def cdf(t: float) -> float:
