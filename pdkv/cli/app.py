@@ -26,6 +26,7 @@ from pdkv.errors import ExitCode, PdkvError
 COMMANDS: list[str] = [
     "plan",
     "profile",
+    "simulate",
     "model",
     "bootstrap",
     "proxy",
@@ -46,6 +47,8 @@ Examples:
   pdkv profile --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 -o my.profile.json
 
   pdkv plan --profile my.profile.json --rate 20 --prompt-tokens 1000 --output-tokens 128 --slo ttft=500,itl=50
+
+  pdkv simulate --profile my.profile.json --slo ttft=500,itl=50 --peak-rate 200 --prompt-tokens 200-2000
 
   pdkv model tiny ./tiny-model
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -69,17 +70,10 @@ def test_help_imports_nothing_heavy():
 
 
 def _profile_file(tmp_path, **kw):
-    import sys
-    from pathlib import Path
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from planner_profiles import make_profile
+    from planner_profiles import write_profile
 
-    from pdkv.planner.profile import save_profile
-
-    path = tmp_path / "p.profile.json"
-    save_profile(make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0), **kw), path)
-    return path
+    return write_profile(tmp_path / "p.profile.json", **kw)
 
 
 def test_slo_plan_json_names_counts_predictions_and_the_binding_target(tmp_path, capsys):

@@ -33,3 +33,11 @@ def make_profile(
         decode_fit=df,
         handover_ms=handover_ms,
     )
+
+
+def write_profile(path, prefill=(10.0, 0.0, 0.1, 0.0), decode=(20.0, 0.5, 0.0), **kw):
+    """make_profile(...) saved at `path` (for the CLI's tests); returns the path."""
+    from pdkv.planner.profile import save_profile
+
+    save_profile(make_profile(prefill, decode, **kw), path)
+    return path
