@@ -118,3 +118,14 @@ def test_trace_file_gives_lengths_and_rate(tmp_path):
     w = make_workload(None, "1", "1", trace)
     assert w.rate == pytest.approx(4 / 2.0) and w.prompt_tokens == [100, 101, 102, 103, 104]
     assert make_workload(7.0, "1", "1", trace).rate == 7.0
+
+
+def test_round_robin_over_n_engines_waits_as_kingman_says():
+    # Each of n P sees every n-th arrival of a Poisson stream (Erlang-n gaps, c_a^2 = 1/n); fixed prompts (c_s^2 = 0).
+    s = PROFILE.prefill_fit.prompt_ms(1000) / 1000
+    n, rho = 4, 0.8
+    pre = predict_prefill(PROFILE, fixed(n * rho / s), n, 0.9, extra_ms=0.0)
+    wait = (1 / n) / 2 * rho / (1 - rho) * s
+    assert pre.latency_ms == pytest.approx((s + wait / rho * math.log(rho / 0.1)) * 1000, rel=1e-4)
+    alone = predict_prefill(PROFILE, fixed(rho / s), 1, 0.9, extra_ms=0.0)
+    assert pre.latency_ms < alone.latency_ms  # the same load per engine queues less when dealt out in turn
