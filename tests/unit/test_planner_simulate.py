@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pdkv.planner.capacity import plan_capacity, predict_prefill
+from pdkv.planner.capacity import decode_batch, plan_capacity, predict_decode, predict_prefill
 from pdkv.planner.day import DayLoad, compare_day, simulate_planner, simulate_static
 from pdkv.planner.signal import ScalePolicy
 from pdkv.planner.simulate import SimConfig, Simulation
@@ -96,3 +96,13 @@ def test_compare_day_finds_a_static_fleet_as_good_as_the_planner():
     below = ((c.static_prefill - 1, c.static_decode), (c.static_prefill, c.static_decode - 1))
     fewer = [t for t in c.tried if (t.prefill, t.decode) in below]
     assert all(t.attainment < c.goal for t in fewer)
+
+
+def test_decode_batch_and_itl_agree_with_the_plans_fixed_point():
+    profile = make_profile((1.0, 0.0, 0.001, 0.0), (20.0, 0.5, 0.001))
+    w = Workload(5.0, [500], [100])
+    sim = run(5.0, 600, 4, 1, profile=profile, prompt=500, output=100)
+    itl = sorted((d - f) * 1000 / 99 for f, d in zip(sim.first, sim.done, strict=True))
+    m = decode_batch(profile, w, 1)
+    assert sum(itl) / len(itl) == pytest.approx(profile.decode_fit.itl_ms(m, m * 550), rel=0.1)
+    assert itl[int(0.9 * len(itl))] == pytest.approx(predict_decode(profile, w, 1, 0.9)[0].latency_ms, rel=0.15)
