@@ -60,14 +60,16 @@ def render_profile(profile, out=None) -> None:
               f" + {f.ms_per_token_sq:.3g} ms x tokens^2"
               f"  (RMS error {f.rms_error_ms:.2f} ms over {f.points} bursts)")  # fmt: skip
     dec = Table(title="Decode (D): streams side by side", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("batch", "context tokens", "ITL ms (D)", "client p50 ms", "KV usage", "running", "fit ms"):
+    for col in ("batch", "ran at", "context tokens", "ITL ms (D)", "client p50 ms", "KV usage", "running", "fit ms"):
         dec.add_column(col, justify="right")
     d = profile.decode_fit
     for r in profile.decode:
         usage = "?" if r.kv_usage is None else f"{r.kv_usage:.1%}"
         client = f"{median(r.itl_ms):,.2f}" if r.itl_ms else "-"
         engine = "-" if r.decode_ms is None else f"{r.decode_ms:,.2f}"
-        dec.add_row(str(r.batch), str(r.context_tokens), engine, client, usage, str(r.running), f"{d.itl_ms(r.batch, r.kv_tokens):,.2f}")
+        ran = "-" if r.mean_batch is None else f"{r.mean_batch:,.1f}"
+        fit = f"{d.itl_ms(r.ran_batch, r.kv_tokens):,.2f}"
+        dec.add_row(str(r.batch), ran, str(r.context_tokens), engine, client, usage, str(r.running), fit)
     out.print(dec)
     out.print(f"  fit: ITL = {d.base_ms:.3f} ms + {d.ms_per_seq:.4f} ms x batch + {d.ms_per_kv_token:.3g} ms x KV tokens"
               f"  (RMS error {d.rms_error_ms:.2f} ms over {d.points} runs)")  # fmt: skip

@@ -12,7 +12,10 @@ at its length.
 
 D's ITL is read from D itself: the growth of its `vllm:inter_token_latency_seconds`
 histogram over the run (sum over count), stamped by the engine core as each
-token is made. The client's gaps are kept too, but a busy API server hands
+token is made; and so is the batch it ran at, tokens generated over engine
+steps taken (`vllm:generation_tokens_total` over `vllm:iteration_tokens_total`'s
+count), since a client that cannot start its streams at once (a busy host)
+leaves D running fewer side by side than it asked for. The client's gaps are kept too, but a busy API server hands
 tokens to the client in bursts (on a 2-core host, a hundred tokens within a
 millisecond after a pause), so they measure delivery, not decoding.
 """
@@ -118,13 +121,15 @@ class Scrape(msgspec.Struct, frozen=True):
     num_blocks: int | None = None
     itl_sum_s: float = 0.0  # vllm:inter_token_latency_seconds, over every engine core
     itl_count: float = 0.0
+    steps: float = 0.0  # vllm:iteration_tokens_total's count: engine steps taken
+    generated: float = 0.0  # vllm:generation_tokens_total
 
 
 def parse_scrape(text: str) -> Scrape:
     """The few vLLM series a profile needs, read with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    running = usage = itl_sum = itl_count = 0.0
+    running = usage = itl_sum = itl_count = steps = generated = 0.0
     block_size = blocks = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -136,12 +141,17 @@ def parse_scrape(text: str) -> Scrape:
                 itl_sum += s.value
             elif s.name == "vllm:inter_token_latency_seconds_count":
                 itl_count += s.value
+            elif s.name == "vllm:iteration_tokens_total_count":
+                steps += s.value
+            elif s.name == "vllm:generation_tokens_total":
+                generated += s.value
             elif s.name == "vllm:cache_config_info":
                 if s.labels.get("block_size", "").isdigit():
                     block_size = int(s.labels["block_size"])
                 if s.labels.get("num_gpu_blocks", "").isdigit():
                     blocks = int(s.labels["num_gpu_blocks"])
-    return Scrape(running=running, kv_usage=usage, block_size=block_size, num_blocks=blocks, itl_sum_s=itl_sum, itl_count=itl_count)
+    return Scrape(running=running, kv_usage=usage, block_size=block_size, num_blocks=blocks, itl_sum_s=itl_sum, itl_count=itl_count,
+                  steps=steps, generated=generated)  # fmt: skip
 
 
 async def scrape(client, url: str) -> Scrape:
@@ -215,8 +225,11 @@ async def decode_run(client, url: str, model: str, rng: random.Random, batch: in
     after = await scrape(client, url)
     tokens = after.itl_count - before.itl_count
     engine_itl = (after.itl_sum_s - before.itl_sum_s) / tokens * 1e3 if tokens > 0 else None
+    steps = after.steps - before.steps
+    mean_batch = (after.generated - before.generated) / steps if steps > 0 else None
     return DecodeRun(batch, context, output, [round(v, 4) for v in itl if v is not None], round(peak[1], 6), int(peak[0]),
-                     None if engine_itl is None else round(engine_itl, 4))  # fmt: skip
+                     None if engine_itl is None else round(engine_itl, 4),
+                     None if mean_batch is None else round(mean_batch, 3))  # fmt: skip
 
 
 def detect_hardware(description: str | None, vllm_version: str | None) -> Hardware:

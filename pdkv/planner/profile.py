@@ -7,7 +7,7 @@ refitted, or checked by eye, without the engines.
 
     {"version": 1, "created": "...", "model": {...}, "hardware": {...},
      "prefill": [{"prompt_tokens", "concurrency", "latencies_ms", "makespan_ms"}, ...],
-     "decode": [{"batch", "context_tokens", "output_tokens", "itl_ms", "kv_usage", "running", "engine_itl_ms"}, ...],
+     "decode": [{"batch", "context_tokens", "output_tokens", "itl_ms", "kv_usage", "running", "engine_itl_ms", "mean_batch"}, ...],
      "prefill_fit": {...}, "decode_fit": {...}, "handover_ms": 0.0}
 """
 
@@ -63,6 +63,7 @@ class DecodeRun(msgspec.Struct, frozen=True):
     kv_usage: float | None = None  # vllm:kv_cache_usage_perc, the highest seen during the run (0..1)
     running: int | None = None  # vllm:num_requests_running, the highest seen
     engine_itl_ms: float | None = None  # D's own vllm:inter_token_latency_seconds over the run (sum / count)
+    mean_batch: float | None = None  # D's own: tokens generated over engine steps during the run
 
     @property
     def decode_ms(self) -> float | None:
@@ -72,9 +73,14 @@ class DecodeRun(msgspec.Struct, frozen=True):
         return median(self.itl_ms) if self.itl_ms else None
 
     @property
+    def ran_batch(self) -> float:
+        """The batch D ran at: its own mean where its /metrics gave one, else the batch asked for."""
+        return self.mean_batch if self.mean_batch else self.batch
+
+    @property
     def kv_tokens(self) -> float:
         """KV the batch holds halfway through its decode: the fit's T."""
-        return self.batch * (self.context_tokens + self.output_tokens / 2)
+        return self.ran_batch * (self.context_tokens + self.output_tokens / 2)
 
 
 class Profile(msgspec.Struct, frozen=True):
@@ -101,7 +107,7 @@ def median(values: list[float]) -> float:
 def fits_from(prefill: list[PrefillBurst], decode: list[DecodeRun]) -> tuple[PrefillFit, DecodeFit]:
     """The curves through the raw measurements (a decode run counts by its `decode_ms`)."""
     p = fit_prefill([(b.prompt_tokens, b.concurrency, b.makespan_ms) for b in prefill])
-    d = fit_decode([(r.batch, r.kv_tokens, ms) for r in decode if (ms := r.decode_ms) is not None])
+    d = fit_decode([(r.ran_batch, r.kv_tokens, ms) for r in decode if (ms := r.decode_ms) is not None])
     return p, d
 
 

@@ -16,7 +16,7 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     engine = start_vllm(role="none", name="profiled")
     out = tmp_path / "tiny.profile.json"
     code = run(["profile", "--prefill", engine.url, "--prompt-tokens", "32,384", "--concurrency", "1,4", "--batches", "1,8",
-                "--context-tokens", "64,512", "--output-tokens", "128", "--repeats", "2", "--model", str(tiny_model),
+                "--context-tokens", "64,512", "--output-tokens", "256", "--repeats", "2", "--model", str(tiny_model),
                 "--hardware", "test machine", "-o", str(out), "--json"])  # fmt: skip
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
@@ -45,4 +45,5 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
         assert fitted == pytest.approx(b.makespan_ms, rel=0.6)
     for r in profile.decode:
         assert r.engine_itl_ms is not None and r.engine_itl_ms > 0  # D's own histogram grew over the run
-        assert d.itl_ms(r.batch, r.kv_tokens) == pytest.approx(r.decode_ms, rel=0.6)
+        assert r.mean_batch is not None and 0 < r.mean_batch <= r.batch + 1
+        assert d.itl_ms(r.ran_batch, r.kv_tokens) == pytest.approx(r.decode_ms, rel=0.6)
