@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -46,6 +47,7 @@ class Row(msgspec.Struct):
     analytic_p90_ms: float
     p50_error: float  # simulated / measured - 1
     p90_error: float
+    load_average: float  # the host's 1-minute load average when the run ended: other work on the same cores skews both
 
 
 def _q(values: list[float], q: float) -> float:
@@ -108,17 +110,17 @@ def main() -> int:
         ttft = [(f - a) * 1000 for a, f in zip(sim.arrival, sim.first, strict=True)]
         analytic = predict_prefill(p_only, w, 1, 0.9, 0.0).latency_ms
         m50, m90, s50, s90 = _q(measured, 0.5), _q(measured, 0.9), _q(ttft, 0.5), _q(ttft, 0.9)
-        rows.append(Row(u, rate, len(measured), m50, m90, s50, s90, analytic, s50 / m50 - 1, s90 / m90 - 1))
+        rows.append(Row(u, rate, len(measured), m50, m90, s50, s90, analytic, s50 / m50 - 1, s90 / m90 - 1, os.getloadavg()[0]))
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(rows), indent=2).decode() + "\n")
     else:
         print(f"profile {args.profile}: {profile.model.name} on {profile.hardware.description}; prompts of {args.prompt_tokens} tokens, "
               f"S = {service_s * 1000:.1f} ms alone")  # fmt: skip
-        print("util  req/s  requests  measured p50/p90 ms  simulated p50/p90 ms  analytic p90 ms  error p50/p90")
+        print("util  req/s  requests  measured p50/p90 ms  simulated p50/p90 ms  analytic p90 ms  error p50/p90  load")
         for r in rows:
             print(f"{r.utilization:4.2f} {r.rate:6.1f} {r.requests:9d}  {r.measured_p50_ms:8.1f} {r.measured_p90_ms:8.1f}   "
                   f"{r.simulated_p50_ms:8.1f} {r.simulated_p90_ms:8.1f}    {r.analytic_p90_ms:8.1f}     "
-                  f"{r.p50_error:+.1%} {r.p90_error:+.1%}")  # fmt: skip
+                  f"{r.p50_error:+.1%} {r.p90_error:+.1%}  {r.load_average:.1f}")  # fmt: skip
     return 0 if all(abs(r.p50_error) <= args.tolerance and abs(r.p90_error) <= args.tolerance for r in rows) else 1
 
 
