@@ -15,7 +15,10 @@ the engines serving now) and gets a `Desired` back. Per role:
 
 Up: when need exceeds the desired count for `up_after_s`, desired jumps to
 need at once. Down: when keep stays below desired for `down_after_s`,
-desired steps down by one, and the wait starts again for the next step.
+desired falls to the highest keep seen over that wait (what would have
+sufficed all along it, as Kubernetes' HPA stabilizes a scale-down), and the
+wait starts again. One engine at a time would take hours to bring a fleet of
+hundreds back after a burst.
 Between keep and need nothing moves: that band, and the asymmetric waits,
 are the hysteresis. Desired stays within the policy's min and max.
 """
@@ -42,7 +45,7 @@ class ScalePolicy(msgspec.Struct, frozen=True, kw_only=True):
     min_decode: int = 1
     max_decode: int = 256
     down_margin: float = 0.8  # a smaller count must predict latencies under this share of the targets
-    down_after_s: float = 60.0  # ... for this long before one engine is let go
+    down_after_s: float = 60.0  # ... for this long before engines are let go
     up_after_s: float = 0.0  # a larger need must last this long before it is asked for (0: at once)
 
     def bounds(self, role: Role) -> tuple[int, int]:
@@ -98,6 +101,7 @@ class DesiredCounts:
         self._desired: dict[Role, int] | None = None
         self._up_since: dict[Role, float | None] = dict.fromkeys(ROLES)
         self._down_since: dict[Role, float | None] = dict.fromkeys(ROLES)
+        self._keep_high: dict[Role, int] = dict.fromkeys(ROLES, 0)  # the highest keep since _down_since
 
     def _clamp(self, role: Role, n: int) -> int:
         lo, hi = self.policy.bounds(role)
@@ -140,10 +144,13 @@ class DesiredCounts:
             self._up_since[role] = None
             if keep[role] < current:
                 since = self._down_since[role]
-                since = self._down_since[role] = obs.at_s if since is None else since
+                if since is None:
+                    since = self._down_since[role] = obs.at_s
+                    self._keep_high[role] = keep[role]
+                self._keep_high[role] = max(self._keep_high[role], keep[role])
                 if obs.at_s - since >= self.policy.down_after_s:
-                    self._desired[role] = current - 1
-                    self._down_since[role] = obs.at_s
+                    self._desired[role] = self._keep_high[role]
+                    self._down_since[role] = None
             else:
                 self._down_since[role] = None
         dp, dd = self._desired["prefill"], self._desired["decode"]

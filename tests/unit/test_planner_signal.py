@@ -37,19 +37,21 @@ def test_scales_up_at_once_to_what_the_plan_needs():
     assert step.prefill > 1 and step.binding in ("ttft", "itl")
 
 
-def test_scales_down_one_at_a_time_only_after_the_quiet_lasts():
+def test_scales_down_only_after_the_quiet_lasts_to_what_sufficed_all_along_it():
     sig = DesiredCounts(PROFILE, SLO, ScalePolicy(down_after_s=60))
     high = sig.update(obs(0, 40.0))
-    seen = [sig.update(obs(t, 1.0)).prefill for t in range(5, 60, 5)]
+    rates = [10.0 if t < 30 else 1.0 for t in range(5, 60, 5)]
+    seen = [sig.update(obs(t, r)).prefill for t, r in zip(range(5, 60, 5), rates, strict=True)]
     assert set(seen) == {high.prefill}  # under a minute of quiet: nothing let go
     after = sig.update(obs(65, 1.0))
-    assert after.prefill == high.prefill - 1
-    assert sig.update(obs(70, 1.0)).prefill == high.prefill - 1  # the next step waits its own minute
-    t, last = 70, after.prefill
-    while last > 1:
-        t += 60
-        last = sig.update(obs(t, 1.0)).prefill
-    assert last == 1 and sig.update(obs(t + 600, 1.0)).prefill == 1
+    # The highest keep over the wait is what 10 req/s needed: not less, though 1 req/s would need less.
+    ten = sig.needs(obs(0, 10.0))[1]["prefill"]
+    one = sig.needs(obs(0, 1.0))[1]["prefill"]
+    assert one < ten < high.prefill
+    assert after.prefill == ten
+    assert sig.update(obs(70, 1.0)).prefill == ten  # the next step waits its own minute
+    assert sig.update(obs(125, 1.0)).prefill == ten and sig.update(obs(130, 1.0)).prefill == one == 1
+    assert sig.update(obs(1000, 1.0)).prefill == 1
 
 
 def test_rate_wobbling_inside_the_band_does_not_flap():
