@@ -18,7 +18,9 @@ _pdkv() {
             "model random") path="model random" ;;
             "model tiny") path="model tiny" ;;
             "plan") path="plan" ;;
+            "profile") path="profile" ;;
             "proxy") path="proxy" ;;
+            "simulate") path="simulate" ;;
             "status") path="status" ;;
             "trace") path="trace" ;;
             "up") path="up" ;;
@@ -38,12 +40,14 @@ _pdkv() {
         "doctor") words="--device --json --mooncake-timeout --port --skip-mooncake --transport --help" ;;
         "k8s") words="render --help" ;;
         "model") words="random tiny --help" ;;
-        "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --model --output-tokens --prompt-tokens --tp --help" ;;
+        "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --max-engines --model --output-tokens --profile --prompt-tokens --quantile --rate --slo --tp --trace --help" ;;
+        "profile") words="--batches --concurrency --context-tokens --decode --hardware --json --model --output --output-tokens --prefill --prompt-tokens --repeats --seed --timeout --help" ;;
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --policy --port --prefill --prefill-timeout --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
+        "simulate") words="--day-seconds --decode-range --down-after-s --down-margin --goal --interval-s --json --levels --max-batch-tokens --max-requests --output-tokens --peak-rate --prefill-range --profile --prompt-tokens --quantile --seed --slo --startup-s --trace --window-s --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
-        *) words="bench bootstrap doctor k8s model plan proxy status trace up --version --help" ;;
+        *) words="bench bootstrap doctor k8s model plan profile proxy simulate status trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

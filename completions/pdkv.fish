@@ -6,7 +6,9 @@ complete -c pdkv -n '__fish_use_subcommand' -a doctor
 complete -c pdkv -n '__fish_use_subcommand' -a k8s
 complete -c pdkv -n '__fish_use_subcommand' -a model
 complete -c pdkv -n '__fish_use_subcommand' -a plan
+complete -c pdkv -n '__fish_use_subcommand' -a profile
 complete -c pdkv -n '__fish_use_subcommand' -a proxy
+complete -c pdkv -n '__fish_use_subcommand' -a simulate
 complete -c pdkv -n '__fish_use_subcommand' -a status
 complete -c pdkv -n '__fish_use_subcommand' -a trace
 complete -c pdkv -n '__fish_use_subcommand' -a up
@@ -116,10 +118,30 @@ complete -c pdkv -n '__fish_seen_subcommand_from plan' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l kv-heads
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l layers
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l link-gbps
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l max-engines
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l output-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l profile
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l prompt-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l quantile
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l rate
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l slo
 complete -c pdkv -n '__fish_seen_subcommand_from plan' -l tp
+complete -c pdkv -n '__fish_seen_subcommand_from plan' -l trace
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l batches
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l concurrency
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l context-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l decode
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l hardware
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l model
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l output
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l output-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l prefill
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l prompt-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l repeats
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l seed
+complete -c pdkv -n '__fish_seen_subcommand_from profile' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l api-key
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l api-key-file
@@ -144,6 +166,27 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-certfile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-keyfile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l tokenizer
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l day-seconds
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l decode-range
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l down-after-s
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l down-margin
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l goal
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l interval-s
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l levels
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l max-batch-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l max-requests
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l output-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l peak-rate
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l prefill-range
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l profile
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l prompt-tokens
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l quantile
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l seed
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l slo
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l startup-s
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l trace
+complete -c pdkv -n '__fish_seen_subcommand_from simulate' -l window-s
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l interval

@@ -25,6 +25,8 @@ from pdkv.errors import ExitCode, PdkvError
 # One module per command, in the order `pdkv --help` lists them.
 COMMANDS: list[str] = [
     "plan",
+    "profile",
+    "simulate",
     "model",
     "bootstrap",
     "proxy",
@@ -41,6 +43,12 @@ HELP = """Run prefill/decode (P/D) disaggregated vLLM serving.
 Examples:
 
   pdkv plan --model ./Qwen3-8B --prompt-tokens 1000 --output-tokens 128
+
+  pdkv profile --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 -o my.profile.json
+
+  pdkv plan --profile my.profile.json --rate 20 --prompt-tokens 1000 --output-tokens 128 --slo ttft=500,itl=50
+
+  pdkv simulate --profile my.profile.json --slo ttft=500,itl=50 --peak-rate 200 --prompt-tokens 200-2000
 
   pdkv model tiny ./tiny-model
 

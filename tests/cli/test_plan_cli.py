@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pdkv.cli import run
 
 
@@ -83,3 +85,55 @@ def test_plan_refuses_tp_sizes_that_do_not_divide(qwen3_8b, capsys):
     assert "do not divide each other" in capsys.readouterr().err
     assert run(["plan", "--model", str(qwen3_8b), "--tp", "two"]) == 2
     assert "P:D pair" in capsys.readouterr().err
+
+
+def _profile_file(tmp_path, **kw):
+    from support.planner_profiles import write_profile
+
+    return write_profile(tmp_path / "p.profile.json", **kw)
+
+
+def test_slo_plan_json_names_counts_predictions_and_the_binding_target(tmp_path, capsys):
+    from pdkv.planner.capacity import predict
+    from pdkv.planner.profile import load_profile
+    from pdkv.planner.workload import Workload, parse_lengths
+
+    path = _profile_file(tmp_path, capacity=200_000)
+    args = ["plan", "--profile", str(path), "--slo", "ttft=400,itl=40", "--rate", "20", "--prompt-tokens", "200-2000",
+            "--output-tokens", "128", "--json"]  # fmt: skip
+    assert run(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["feasible"] is True and data["binding"] in ("ttft", "itl")
+    p, d = data["prefill_engines"], data["decode_engines"]
+    assert p >= 1 and d >= 1
+    w = Workload(20.0, parse_lengths("200-2000", "x"), [128])
+    again = predict(load_profile(path), w, p, d, 0.9)
+    assert data["prediction"]["ttft_ms"] == pytest.approx(again.ttft_ms) and again.ttft_ms <= 400
+    assert data["prediction"]["itl_ms"] == pytest.approx(again.itl_ms) and again.itl_ms <= 40
+
+
+def test_slo_plan_table_and_an_unmeetable_target_exits_1(tmp_path, capsys):
+    path = _profile_file(tmp_path)
+    assert run(["plan", "--profile", str(path), "--slo", "ttft=400,itl=40", "--rate", "5", "--output-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill (P)" in out and "binding:" in out
+    assert run(["plan", "--profile", str(path), "--slo", "ttft=50,itl=40", "--rate", "5", "--prompt-tokens", "4000",
+                "--output-tokens", "64"]) == 1  # fmt: skip
+    assert "no plan" in capsys.readouterr().out
+
+
+def test_slo_plan_usage_errors(tmp_path, capsys):
+    path = _profile_file(tmp_path)
+    assert run(["plan", "--slo", "ttft=400,itl=40", "--rate", "5"]) == 2
+    assert "--profile" in capsys.readouterr().err
+    assert run(["plan", "--profile", str(path), "--rate", "5"]) == 2
+    assert "needs --slo" in capsys.readouterr().err
+    assert run(["plan", "--profile", str(path), "--slo", "ttft=400", "--rate", "5", "--output-tokens", "8"]) == 2
+    assert run(["plan", "--prompt-tokens", "100-200", "--layers", "36", "--kv-heads", "8", "--head-dim", "128"]) == 2
+    assert "one token count" in capsys.readouterr().err
+
+
+def test_profile_of_an_engine_that_is_not_there_is_one_line(capsys):
+    code = run(["profile", "--prefill", "http://127.0.0.1:9", "--timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("pdkv: error: http://127.0.0.1:9/v1/models") and "Traceback" not in err

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.tp_heads",),
     ("pdkv.protocol", "pdkv.geometry", "pdkv.metrics", "pdkv.auth", "pdkv.service", "pdkv.tinymodel", "pdkv.randmodel"),
     ("pdkv.side_channel", "pdkv.transport", "pdkv.bootstrap"),
-    ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv"),
+    ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv", "pdkv.planner"),
     ("pdkv.proxy",),
     ("pdkv.trace",),
     ("pdkv.deploy",),

@@ -1,0 +1,48 @@
+"""Capacity planning against latency targets: profiles of running engines, the queueing arithmetic that turns a
+profile and a workload into P and D counts, the desired-count signal with hysteresis and its gauges, and a fleet
+simulator. docs/planner.md has the models."""
+
+from pdkv.planner.capacity import Plan, Prediction, plan_capacity, predict
+from pdkv.planner.day import DayComparison, DayLoad, compare_day
+from pdkv.planner.fit import DecodeFit, PrefillFit, fit_decode, fit_prefill
+from pdkv.planner.gauges import PlannerGauges
+from pdkv.planner.measure import ProfileSettings, measure_profile, run_profile
+from pdkv.planner.profile import PROFILE_VERSION, Profile, load_profile, save_profile
+from pdkv.planner.signal import Desired, DesiredCounts, Observation, ScalePolicy
+from pdkv.planner.simulate import SimConfig, SimResult, Simulation
+from pdkv.planner.workload import Slo, Workload, load_trace, make_workload, parse_lengths, parse_slo
+
+__all__ = [
+    "PROFILE_VERSION",
+    "DayComparison",
+    "DayLoad",
+    "DecodeFit",
+    "Desired",
+    "DesiredCounts",
+    "Observation",
+    "Plan",
+    "PlannerGauges",
+    "Prediction",
+    "PrefillFit",
+    "Profile",
+    "ProfileSettings",
+    "ScalePolicy",
+    "SimConfig",
+    "SimResult",
+    "Simulation",
+    "Slo",
+    "Workload",
+    "compare_day",
+    "fit_decode",
+    "fit_prefill",
+    "load_profile",
+    "load_trace",
+    "make_workload",
+    "measure_profile",
+    "parse_lengths",
+    "parse_slo",
+    "plan_capacity",
+    "predict",
+    "run_profile",
+    "save_profile",
+]
