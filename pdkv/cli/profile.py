@@ -92,7 +92,7 @@ def profile(
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.planner.measure import ProfileSettings, run_profile
-    from pdkv.planner.profile import save_profile
+    from pdkv.planner.profile import save_profile, unbatched_runs
 
     kv_bytes = None
     if model is not None:
@@ -114,6 +114,11 @@ def profile(
         result = run_profile(prefill, decode, settings, on_progress)
     if output is not None:
         save_profile(result, output)
+    for r in unbatched_runs(result.decode):
+        err_console.print(f"[yellow]warning[/]: D ran the {r.batch} streams over {r.context_tokens}-token prompts at a mean batch of "
+                          f"{r.mean_batch:.1f}: they hardly overlapped (the engine or its API server is short of CPU; on a CPU "
+                          "host bind the engine with `pdkv up --omp-bind` to cores its API server does not need). The fit uses "
+                          "the batch D ran at.")  # fmt: skip
     if json_out:
         print_json(result)
         return

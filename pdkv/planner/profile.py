@@ -111,6 +111,12 @@ def fits_from(prefill: list[PrefillBurst], decode: list[DecodeRun]) -> tuple[Pre
     return p, d
 
 
+def unbatched_runs(decode: list[DecodeRun], share: float = 0.5) -> list[DecodeRun]:
+    """Decode runs of 4 or more streams that D ran at under `share` of the batch asked for (by its own counters): the
+    streams did not overlap, most often because the engine or its API server was short of CPU."""
+    return [r for r in decode if r.batch >= 4 and r.mean_batch is not None and r.mean_batch < share * r.batch]
+
+
 def save_profile(profile: Profile, path: str | Path) -> None:
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_path, capsys) -> None:
-    engine = start_vllm(role="none", name="profiled")
+    engine = start_vllm(role="none", name="profiled", omp_bind="0")  # core 1 left to its API server and the client
     out = tmp_path / "tiny.profile.json"
     code = run(["profile", "--prefill", engine.url, "--prompt-tokens", "32,384", "--concurrency", "1,4", "--batches", "1,8",
                 "--context-tokens", "64,512", "--output-tokens", "256", "--repeats", "2", "--model", str(tiny_model),
@@ -35,8 +35,12 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     assert min(by[(384, 4)]) > max(by[(32, 1)])
     for r in profile.decode:
         assert len(r.itl_ms) == r.batch and all(v >= 0 for v in r.itl_ms)
-    big = [r for r in profile.decode if r.batch == 8 and r.context_tokens == 512]
-    assert any((r.running or 0) >= 2 and (r.kv_usage or 0) > 0 for r in big)  # D polled while the streams ran side by side
+    # D polled while the streams ran side by side. Only the batches of 8 are asked for: with 512-token prompts the tiny
+    # model's API server sometimes answers a whole stream at once and every scrape of that run comes after it (seen in CI).
+    big = [r for r in profile.decode if r.batch == 8]
+    seen = [(r.context_tokens, r.running, r.kv_usage, r.mean_batch) for r in big]
+    assert any((r.running or 0) >= 2 and (r.kv_usage or 0) > 0 for r in big), seen
+    assert any((r.mean_batch or 0) > 1 for r in big), seen  # D's own counters: more than one sequence per step
     f, d = profile.prefill_fit, profile.decode_fit
     assert min(f.overhead_ms, f.ms_per_request, f.ms_per_token, f.ms_per_token_sq, d.base_ms, d.ms_per_seq, d.ms_per_kv_token) >= 0
     assert f.points == 8 and d.points == 4

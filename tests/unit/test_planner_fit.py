@@ -6,7 +6,7 @@ import pytest
 
 from pdkv.errors import ConfigError, UsageError
 from pdkv.planner.fit import fit_decode, fit_prefill, nonnegative_least_squares
-from pdkv.planner.profile import fits_from, load_profile, save_profile
+from pdkv.planner.profile import DecodeRun, fits_from, load_profile, save_profile, unbatched_runs
 from support.planner_profiles import make_profile
 
 
@@ -64,3 +64,11 @@ def test_bad_profiles_are_config_errors(tmp_path, text, words):
     assert words in err.value.message
     with pytest.raises(ConfigError, match="cannot read"):
         load_profile(tmp_path / "missing.json")
+
+
+def test_runs_whose_streams_did_not_overlap_are_named():
+    def run(batch: int, mean: float | None) -> DecodeRun:
+        return DecodeRun(batch=batch, context_tokens=64, output_tokens=16, itl_ms=[1.0] * batch, mean_batch=mean)
+
+    runs = [run(1, 1.0), run(2, 1.0), run(8, 1.0), run(8, 3.9), run(8, 4.0), run(16, None), run(4, 1.9)]
+    assert [(r.batch, r.mean_batch) for r in unbatched_runs(runs)] == [(8, 1.0), (8, 3.9), (4, 1.9)]
