@@ -42,5 +42,23 @@ def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") ->
                 raise ConfigError(f"{source}: [[{role}]] {i + 1} has replicas = {e.replicas}", hint="write 1 or more")
     if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
         raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
+    if dep.autoscale is not None:
+        _check_autoscale(dep, source)
     check_hosts(dep, source=source)
     return dep
+
+
+def _check_autoscale(dep: Deployment, source: str) -> None:
+    a = dep.autoscale
+    assert a is not None
+    for role, bounds, listed in (("prefill", a.prefill, dep.prefill), ("decode", a.decode, dep.decode)):
+        if not 1 <= bounds.min <= bounds.max:
+            raise ConfigError(f"{source}: [autoscale.{role}] needs 1 <= min <= max, got min = {bounds.min}, max = {bounds.max}")
+        if not bounds.min <= len(listed) <= bounds.max:
+            raise ConfigError(f"{source}: {len(listed)} [[{role}]] tables lie outside [autoscale.{role}]'s {bounds.min}..{bounds.max}",
+                              hint="list the engines a deployment starts with; the planner adds and removes within the bounds")  # fmt: skip
+    if a.ttft_ms <= 0 or a.itl_ms <= 0 or not 0 < a.quantile < 1:
+        raise ConfigError(f"{source}: [autoscale] needs ttft_ms > 0, itl_ms > 0 and 0 < quantile < 1")
+    if a.interval_s <= 0 or a.up_after_s < 0 or a.down_after_s < 0 or a.drain_timeout_s <= 0 or not 0 < a.down_margin <= 1:
+        raise ConfigError(f"{source}: [autoscale] needs interval_s > 0, up_after_s >= 0, down_after_s >= 0, drain_timeout_s > 0 "
+                          "and 0 < down_margin <= 1")  # fmt: skip

@@ -112,6 +112,47 @@ class ProxyEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     host: str | None = None  # a [[hosts]] name
 
 
+AutoscalerKind = Literal["hpa", "keda"]
+
+
+class RoleBounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`[autoscale.prefill]` or `[autoscale.decode]`: how few and how many engines of the role may serve."""
+
+    min: int = 1
+    max: int = 1
+
+
+class AutoscaleEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The `[autoscale]` table: the planner's targets and each role's bounds (docs/planner.md).
+
+    `pdkv up -f` starts and stops local engines within the bounds as the proxy's planner signal asks; `pdkv k8s
+    render` emits an autoscaler per role on the same signal (`kubernetes`: a HorizontalPodAutoscaler through the
+    Prometheus adapter, or a KEDA ScaledObject reading `prometheus_url`).
+
+        [autoscale]
+        profile = "qwen3-8b.profile.json"   # from `pdkv profile`
+        ttft_ms = 2000
+        itl_ms = 50
+        [autoscale.prefill]
+        min = 1
+        max = 4
+    """
+
+    profile: str
+    ttft_ms: float
+    itl_ms: float
+    quantile: float = 0.9
+    interval_s: float = 5.0  # how often the proxy recomputes the desired counts
+    up_after_s: float = 0.0  # a larger need lasts this long before it is asked for
+    down_after_s: float = 60.0  # a smaller count suffices this long before engines are let go
+    down_margin: float = 0.8  # ... predicting latencies under this share of the targets
+    drain_timeout_s: float = 120.0  # a stopped engine's requests in flight get this long to finish
+    prefill: RoleBounds = RoleBounds()
+    decode: RoleBounds = RoleBounds()
+    kubernetes: AutoscalerKind = "hpa"
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"  # KEDA's trigger reads it
+
+
 class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything `pdkv up -f deploy.toml` starts on this host."""
 
@@ -144,3 +185,4 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
     kv_events: bool = True
     kv_events_port: int = 5557
+    autoscale: AutoscaleEntry | None = None  # the planner starts and stops engines within bounds (pdkv.planner)

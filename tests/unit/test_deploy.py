@@ -40,6 +40,16 @@ def test_example_file_loads_and_plans_in_start_order() -> None:
     assert proxy.plan.argv[proxy.plan.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
 
 
+AUTO = {"profile": "p.json", "ttft_ms": 500, "itl_ms": 50, "prefill": {"min": 1, "max": 3}}
+
+
+def test_autoscale_table_loads_with_its_defaults() -> None:
+    a = deployment_from_dict(_dep(autoscale=AUTO)).autoscale
+    assert a is not None and (a.prefill.min, a.prefill.max, a.decode.min, a.decode.max) == (1, 3, 1, 1)
+    assert (a.quantile, a.interval_s, a.down_after_s, a.kubernetes) == (0.9, 5.0, 60.0, "hpa")
+    assert deployment_from_dict(_dep()).autoscale is None
+
+
 def _dep(**overrides) -> dict:
     base = {"model": "/m", "host_ip": "10.0.0.5", "prefill": [{"port": 8100}, {"port": 8101}], "decode": [{"port": 8200}]}
     return {**base, **overrides}
@@ -77,6 +87,13 @@ def test_external_bootstrap_is_passed_to_prefill() -> None:
         (_dep(bootstrap={"mode": "external"}), "needs url"),
         (_dep(restart="always"), "restart"),
         (_dep(decode=[{"port": 8200, "restart": "sometimes"}]), "restart"),
+        (_dep(autoscale={"ttft_ms": 500, "itl_ms": 50}), "profile"),
+        (_dep(autoscale={**AUTO, "prefill": {"min": 3, "max": 2}}), r"1 <= min <= max, got min = 3, max = 2"),
+        (_dep(autoscale={**AUTO, "prefill": {"min": 1, "max": 1}}), r"2 \[\[prefill\]\] tables lie outside \[autoscale.prefill\]'s 1..1"),
+        (_dep(autoscale={**AUTO, "decode": {"min": 0, "max": 1}}), "autoscale.decode"),
+        (_dep(autoscale={**AUTO, "quantile": 1.0}), "quantile"),
+        (_dep(autoscale={**AUTO, "interval_s": 0}), "interval_s"),
+        (_dep(autoscale={**AUTO, "kubernetes": "vpa"}), "kubernetes"),
     ],
 )
 def test_bad_deployments_are_config_errors(data: dict, match: str) -> None:
