@@ -5,7 +5,8 @@
 #   BUNDLE_DIR  the folder holding bundle.tgz.* and bundle.sha256
 #   WORK        where the bundle unpacks and the model's weights are written (default /tmp/pdkv-gpu); kept, so
 #               a second run on the same host skips both
-# Environment: OUT (results; default WORK/out), STEPS (default "tests bench kill": any of them, in that order).
+# Environment: OUT (results; default WORK/out), STEPS (default "tests bench kill transport": any of them, run in the
+# order named), PDKV_GPU_GRAPHS ("eager", the default, or "full-decode": tests/gpu/deployments.py).
 #
 # Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
 # deployments of tests/gpu/deployments.py at once with `pdkv up -f` (P and D of each on GPU 0); run the GPU
@@ -17,7 +18,7 @@ cd "$ROOT"
 BUNDLE="$(realpath "${1:?usage: run.sh BUNDLE_DIR [WORK]}")"
 WORK="${2:-/tmp/pdkv-gpu}"
 OUT="${OUT:-$WORK/out}"
-STEPS="${STEPS:-tests bench kill}"
+STEPS="${STEPS:-tests bench kill transport}"
 mkdir -p "$WORK" "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -43,6 +44,7 @@ export PDKV_GPU_MODEL="$WORK/model" PDKV_GPU_OUT="$OUT"
 PY=python3
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
+say "engines: ${PDKV_GPU_GRAPHS:-eager}; steps: $STEPS"
 $PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import importlib
 for name in ("torch", "vllm", "mooncake.engine", "pdkv.connector.vllm_connector"):
@@ -91,32 +93,39 @@ fi
 export PDKV_GPU_UP=1
 
 rc=0
-if [[ " $STEPS " == *" tests "* ]]; then
-    # The deployments' tests first, in a process of their own: a crash in another GPU test cannot take them down.
+step_tests() {
+    # The deployments' tests, in a process of their own: a crash in another GPU test cannot take them down.
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_pd.py -k "not killed" --junitxml "$OUT/tests.xml" \
         > "$OUT/tests.log" 2>&1 || rc=1
     say "deployment tests: $(tail -n 1 "$OUT/tests.log") ($(elapsed))"
-fi
-if [[ " $STEPS " == *" bench "* ]]; then
+}
+step_bench() {
     $PY benchmarks/gpu_pd.py --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$OUT/gpu_pd.stderr" || { rc=1; tail -n 20 "$OUT/gpu_pd.stderr" >> "$SUMMARY"; }
     $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
         --baseline --iters 30 --json > "$OUT/bench-ipc.json" 2> "$OUT/bench-ipc.stderr" || rc=1
-    $PY - "$OUT/bench-ipc.json" <<'EOF' 2>&1 | tee -a "$SUMMARY"
+    $PY - "$OUT/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
 for c in r["cases"]:
     b = c["baseline"]["bare"]
     print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
           f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
-EOF
+PYEOF
     say "bench done ($(elapsed))"
-fi
-if [[ " $STEPS " == *" kill "* ]]; then
+}
+step_kill() {
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_pd.py -k "killed" > "$OUT/tests-kill.log" 2>&1 || rc=1
     say "kill tests: $(tail -n 1 "$OUT/tests-kill.log") ($(elapsed))"
-fi
-if [[ " $STEPS " == *" tests "* ]]; then
+}
+step_transport() {
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$OUT/tests-transport.log" 2>&1 || rc=1
     say "transport tests: $(tail -n 1 "$OUT/tests-transport.log") ($(elapsed))"
-fi
+}
+# The steps run in the order STEPS names them.
+for step in $STEPS; do
+    case "$step" in
+        tests|bench|kill|transport) "step_$step" ;;
+        *) say "unknown step: $step (tests, bench, kill, transport)"; rc=2 ;;
+    esac
+done
 exit $rc

@@ -4,7 +4,7 @@ Three deployments, one per connector/transport a one-host GPU user would pick: p
 (`pdkv-ipc`), pdkv's connector over Mooncake tcp (`pdkv-tcp`) and vLLM's MooncakeConnector over Mooncake tcp
 (`mooncake-tcp`). Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), eager
-mode, FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that
+mode (or, with PDKV_GPU_GRAPHS=full-decode, CUDA graphs of whole decode steps without torch.compile), FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that
 P alone and P/D give the same greedy tokens.
 
 `python -m tests.gpu.deployments MODEL DIR` writes the files; `scripts/gpu/run.sh` starts them before the tests
@@ -32,6 +32,14 @@ NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
 READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
 KV_CACHE_BYTES = 4 << 30  # per engine: 29k tokens of Qwen3-8B's KV; six engines (15.3 GiB of weights each) fit one H200
 BLOCK_SIZE = 16
+# How the engines run their forwards: "eager" (--enforce-eager), or "full-decode": every step of decodes only
+# replays a CUDA graph of the whole model (vLLM's FULL_DECODE_ONLY; the mixed steps, prefills, run eager), with
+# no torch.compile, so six engines still start within minutes.
+GRAPHS = os.environ.get("PDKV_GPU_GRAPHS", "eager")
+GRAPH_ARGS = {
+    "eager": ["--enforce-eager"],
+    "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
+}
 
 
 @dataclass(frozen=True)
@@ -55,7 +63,7 @@ def deployment_toml(name: str, model: str) -> str:
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
     engine_args = json.dumps([
-        "--enforce-eager", "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
+        *GRAPH_ARGS[GRAPHS], "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
         # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
         # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
@@ -64,7 +72,7 @@ def deployment_toml(name: str, model: str) -> str:
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
-    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}.
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {GRAPHS}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
 connector = "{connector}"
