@@ -17,15 +17,15 @@ of its own (the HPA's default, 300 s, would hold engines past the file's `down_a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import urlsplit
 
-from pdkv.deploy.schema import AutoscaleEntry, Deployment, RoleBounds
+from pdkv.deploy.schema import AutoscaleEntry, AutoscalerKind, Deployment, RoleBounds
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 
 METRIC = "pdkv_planner_desired_engines"  # pdkv.planner.gauges exports it with a `role` label
-KINDS = ("hpa", "keda")
+KINDS: tuple[str, ...] = get_args(AutoscalerKind)  # "hpa", "keda"
 ROLES = ("prefill", "decode")
 KEDA_API = "keda.sh/v1alpha1"
 # The HPA controller's sync period (kube-controller-manager --horizontal-pod-autoscaler-sync-period, 15 s by default).
@@ -68,7 +68,7 @@ def check_autoscale(dep: Deployment, *, source: str) -> None:
 
 def query(role: str, namespace: str) -> str:
     """PromQL for one role's desired count. `max` over the proxies: each proxy replica exports the gauge, and an
-    autoscaler adds up every series it is given. The namespace keeps other deployments' proxies out."""
+    autoscaler adds up every series it is given. The namespace keeps other namespaces' proxies out."""
     return f'max({METRIC}{{namespace="{namespace}",role="{role}"}})'
 
 
