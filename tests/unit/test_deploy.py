@@ -97,8 +97,8 @@ def test_external_bootstrap_is_passed_to_prefill() -> None:
         (_dep(decode=[{"port": 8200, "restart": "sometimes"}]), "restart"),
         (_dep(autoscale={"ttft_ms": 500, "itl_ms": 50}), "profile"),
         (_dep(autoscale={**AUTO, "prefill": {"min": 3, "max": 2}}), r"1 <= min <= max, got min = 3, max = 2"),
-        (_dep(autoscale={**AUTO, "prefill": {"min": 1, "max": 1}}), r"2 prefill engines \(\[\[prefill\]\] tables x replicas\) lie outside "
-                                                                    r"\[autoscale.prefill\]'s 1..1"),
+        (_dep(autoscale={**AUTO, "prefill": {"min": 1, "max": 1}}),
+         r"2 prefill engines \(\[\[prefill\]\] tables x replicas\) lie outside \[autoscale.prefill\]'s 1..1"),
         (_dep(autoscale={**AUTO, "decode": {"min": 1, "max": 2}}, decode=[{"port": 8200, "replicas": 3}]), "3 decode engines"),
         (_dep(autoscale={**AUTO, "decode": {"min": 0, "max": 1}}), "autoscale.decode"),
         (_dep(autoscale={**AUTO, "quantile": 1.0}), "quantile"),
