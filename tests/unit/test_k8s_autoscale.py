@@ -155,6 +155,22 @@ def test_bounds_and_metric_follow_the_file(rendered):
             assert behavior[direction]["policies"] == [{"type": "Pods", "value": bounds[role][1], "periodSeconds": 15}]
 
 
+def test_the_api_servers_own_rules_hold_where_the_schema_says_nothing(rendered):
+    """What Kubernetes' HPA validation (pkg/apis/autoscaling/validation) checks beyond the OpenAPI schema."""
+    for auto in _autoscalers(rendered):
+        spec = auto["spec"]
+        if auto["kind"] == "HorizontalPodAutoscaler":
+            lo, hi, behavior = spec["minReplicas"], spec["maxReplicas"], spec["behavior"]
+            assert float(spec["metrics"][0]["external"]["target"]["averageValue"]) > 0
+        else:
+            lo, hi = spec["minReplicaCount"], spec["maxReplicaCount"]
+            behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert 1 <= lo <= hi  # minReplicas 0 needs the HPAScaleToZero gate
+        for rules in behavior.values():
+            assert 0 <= rules["stabilizationWindowSeconds"] <= 3600 and rules["selectPolicy"] in ("Max", "Min", "Disabled")
+            assert rules["policies"] and all(0 < p["periodSeconds"] <= 1800 and p["value"] > 0 for p in rules["policies"])
+
+
 def _hpa_model(auto: dict, series: list[float], current: int, tolerance: float = 0.1) -> int:
     """A MODEL of the HPA controller's arithmetic (no cluster here): kube-controller-manager's replica calculator for an
     External AverageValue metric (the sum of the series over the target, unchanged within the tolerance), the
