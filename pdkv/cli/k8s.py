@@ -21,6 +21,10 @@ The bootstrap server (the members registry: Deployment + Service), every
 TP spans nodes; `replicas` instances), the proxy (Deployment + Service, the
 clients' entry point) and a ConfigMap with each engine's kv-transfer-config.
 Kubernetes-only settings are the file's \[kubernetes] table (docs/k8s.md).
+With an \[autoscale] table, one autoscaler per role on the planner's
+pdkv_planner_desired_engines gauge: a HorizontalPodAutoscaler (kubernetes =
+"hpa": the Prometheus adapter needs the rule --json gives as
+prometheus_adapter, and docs/k8s.md) or a KEDA ScaledObject ("keda").
 
 With -o DIR: one YAML file per object plus a kustomization.yaml
 (`kubectl apply -k DIR`); without it, one YAML stream on stdout
@@ -33,6 +37,8 @@ Examples:
   pdkv k8s render -f examples/k8s-4p2d.toml --namespace serving | kubectl apply -f -
 
   pdkv k8s render -f deploy.toml --json
+
+  pdkv k8s render -f examples/k8s-autoscale.toml -o k8s/
 """
 
 FileOpt = Annotated[Path, typer.Option("--file", "-f", help="The deployment file (as for pdkv up -f).")]
@@ -47,14 +53,14 @@ def render_command(file: FileOpt, out: OutOpt = None, namespace: NamespaceOpt = 
     import sys
 
     from pdkv.deploy.loader import load_deployment
-    from pdkv.k8s.render import render
-    from pdkv.k8s.write import file_name, write_manifests, yaml_stream
+    from pdkv.k8s import adapter_rules, file_name, render, write_manifests, yaml_stream
 
     dep = load_deployment(file)
     objects = render(dep, namespace=namespace, source=str(file))
     written = write_manifests(objects, out, file.name) if out is not None else []
+    adapter = adapter_rules() if dep.autoscale is not None and dep.autoscale.kubernetes == "hpa" else None
     if json_out:
-        print_json({"objects": objects, "files": [str(p) for p in written]})
+        print_json({"objects": objects, "files": [str(p) for p in written], "prometheus_adapter": adapter})
         return
     if out is None:
         sys.stdout.write(yaml_stream(objects, file.name))
@@ -66,6 +72,9 @@ def render_command(file: FileOpt, out: OutOpt = None, namespace: NamespaceOpt = 
         table.add_row(obj["kind"], obj["metadata"]["name"], file_name(obj))
     console.print(table)
     console.print(f"apply with: kubectl apply -k {out}", soft_wrap=True, markup=False)
+    if adapter is not None:
+        console.print("the HorizontalPodAutoscalers read pdkv_planner_desired_engines through the Prometheus adapter: "
+                      "add its rule (docs/k8s.md, or --json's prometheus_adapter) to the adapter's config", soft_wrap=True, markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -54,8 +54,12 @@ def _check_autoscale(dep: Deployment, source: str) -> None:
     for role, bounds, listed in (("prefill", a.prefill, dep.prefill), ("decode", a.decode, dep.decode)):
         if not 1 <= bounds.min <= bounds.max:
             raise ConfigError(f"{source}: [autoscale.{role}] needs 1 <= min <= max, got min = {bounds.min}, max = {bounds.max}")
-        if not bounds.min <= len(listed) <= bounds.max:
-            raise ConfigError(f"{source}: {len(listed)} [[{role}]] tables lie outside [autoscale.{role}]'s {bounds.min}..{bounds.max}",
+        # The engines the role starts with: one per table under `pdkv up` (it refuses replicas above 1), `replicas` each
+        # in Kubernetes, where one table with replicas = N is N engines of one workload.
+        engines = sum(e.replicas for e in listed)
+        if not bounds.min <= engines <= bounds.max:
+            raise ConfigError(f"{source}: {engines} {role} engines ([[{role}]] tables x replicas) lie outside "
+                              f"[autoscale.{role}]'s {bounds.min}..{bounds.max}",
                               hint="list the engines a deployment starts with; the planner adds and removes within the bounds")  # fmt: skip
     if a.ttft_ms <= 0 or a.itl_ms <= 0 or not 0 < a.quantile < 1:
         raise ConfigError(f"{source}: [autoscale] needs ttft_ms > 0, itl_ms > 0 and 0 < quantile < 1")

@@ -8,12 +8,14 @@
     Deployment/LWS   <name>-decode-<i>
     Deployment       <name>-proxy                `pdkv proxy --members <bootstrap Service>`
     Service          <name>-proxy                the clients' entry point
+    HPA/ScaledObject <name>-prefill-0, ...       with [autoscale]: each role's workload on the planner's gauge
 
 Each [[prefill]]/[[decode]] table is one object whose `replicas` is the
 table's. Each prefill pod serves its own bootstrap in-worker on its pod IP,
 so P replicas never share one DP-rank table; every engine registers its
 member record with the bootstrap Service, which the proxy follows, so
-scaling a role needs no proxy restart. The engines' argv and kv-transfer-config
+scaling a role needs no proxy restart. With `[autoscale]` (pdkv.k8s.autoscale) an autoscaler owns each
+role's count, and the workload carries no `replicas` of its own. The engines' argv and kv-transfer-config
 are `pdkv.deploy.engine.engine_plan` of `topology.engine_spec`, as `pdkv up` runs them.
 """
 
@@ -31,6 +33,7 @@ from pdkv.deploy.schema import Deployment, EngineEntry, KubernetesEntry
 from pdkv.deploy.topology import Part, engine_spec
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
+from pdkv.k8s.autoscale import autoscaler_objects, check_autoscale
 from pdkv.k8s.pods import Layout
 from pdkv.k8s.settings import check_dns_label, check_kubernetes
 
@@ -194,11 +197,14 @@ def _engine_object(dep: Deployment, g: EngineGroup, ns: str, members_url: str, c
     k = dep.kubernetes
     name, labels = f"{k.name}-{g.part}", pods.labels(k, g.role, g.part)
     leader = _engine_pod(dep, g, members_url, config_map, worker=False)
+    # An autoscaled workload leaves out replicas, as Kubernetes' HPA guide asks: every `kubectl apply` of a manifest
+    # naming them would set the count back, stopping engines the autoscaler had started. The autoscaler sets its min.
+    replicas = {} if dep.autoscale is not None else {"replicas": g.entry.replicas}
     if g.layout.nodes == 1:
         return {
             "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, ns, labels),
             "spec": {
-                "replicas": g.entry.replicas,
+                **replicas,
                 "selector": {"matchLabels": pods.selector(k, g.part)},
                 # GPU pods rarely have a spare node to surge onto: replace one at a time instead.
                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
@@ -208,7 +214,7 @@ def _engine_object(dep: Deployment, g: EngineGroup, ns: str, members_url: str, c
     return {
         "apiVersion": LWS_API, "kind": "LeaderWorkerSet", "metadata": _meta(name, ns, labels),
         "spec": {
-            "replicas": g.entry.replicas,
+            **replicas,
             "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": g.layout.nodes,
@@ -270,6 +276,7 @@ def render(dep: Deployment, *, namespace: str | None = None, source: str = "depl
     if namespace is not None:
         check_dns_label(namespace, "--namespace", source=source)
     _check_file(dep, source=source)
+    check_autoscale(dep, source=source)
     groups = engine_groups(dep, source=source)
     _check_agreement(groups, source=source)
     url = members_url(dep, ns)
@@ -283,9 +290,10 @@ def render(dep: Deployment, *, namespace: str | None = None, source: str = "depl
         argv = ["pdkv", *bootstrap_args("0.0.0.0", dep.bootstrap.port)]
         objects += _service_objects(dep, "bootstrap", ns, argv, dep.bootstrap.port, replicas=1, service_type="ClusterIP",
                                     ready_path=pods.HEALTH_PATH)
-    objects += [_engine_object(dep, g, ns, url, config_map) for g in groups]
+    workloads = [_engine_object(dep, g, ns, url, config_map) for g in groups]
+    objects += workloads
     if dep.proxy is not None:
         argv = ["pdkv", *proxy_args(dep, "0.0.0.0"), "--members", url, *dep.proxy.extra_args]
         objects += _service_objects(dep, "proxy", ns, argv, dep.proxy.port, replicas=k.proxy_replicas,
                                     service_type=k.proxy_service_type, ready_path=pods.HEALTH_PATH)
-    return objects
+    return objects + autoscaler_objects(dep, workloads)

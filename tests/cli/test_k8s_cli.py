@@ -20,7 +20,7 @@ from pdkv.cli import run
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "k8s"
-EXAMPLES = ("k8s-1p1d", "k8s-4p2d")
+EXAMPLES = ("k8s-1p1d", "k8s-4p2d", "k8s-autoscale")
 from support.k8s_objects import K8S_VERSIONS, validate
 from support.ports import free_port
 
@@ -121,6 +121,43 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path: Path, case: 
     lines = captured.err.splitlines()
     assert lines[0].startswith("pdkv: error: ") and words in lines[0], captured.err
     assert len(lines) <= 2 and all(line.startswith("  hint: ") for line in lines[1:])
+    assert captured.out == "" and not out.exists()
+
+
+def test_json_gives_the_prometheus_adapter_rule_where_an_hpa_needs_it(tmp_path: Path, capsys):
+    from pdkv.k8s import adapter_rules
+
+    example = ROOT / "examples" / "k8s-autoscale.toml"
+    assert run(["k8s", "render", "-f", str(example), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prometheus_adapter"] == adapter_rules()
+    assert [o["kind"] for o in doc["objects"]][-2:] == ["HorizontalPodAutoscaler"] * 2
+    keda = tmp_path / "keda.toml"
+    keda.write_text(example.read_text().replace('kubernetes = "hpa"', 'kubernetes = "keda"'))
+    assert run(["k8s", "render", "-f", str(keda), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prometheus_adapter"] is None and [o["kind"] for o in doc["objects"]][-2:] == ["ScaledObject"] * 2
+    assert run(["k8s", "render", "-f", str(ROOT / "examples" / "k8s-1p1d.toml"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prometheus_adapter"] is None
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (('kubernetes = "hpa"', 'kubernetes = "vpa"'), "Invalid enum value 'vpa'"),
+        (("min = 2\nmax = 16", "min = 4\nmax = 3"), "[autoscale.decode] needs 1 <= min <= max"),
+        (("[proxy]", "[[decode]]\nport = 8021\n[proxy]"), "[autoscale.decode] scales one workload, and the file has 2 [[decode]] tables"),
+    ],
+)
+def test_bad_autoscale_settings_exit_2_writing_nothing(tmp_path: Path, change: tuple[str, str], words: str, capsys):
+    text = (ROOT / "examples" / "k8s-autoscale.toml").read_text()
+    assert change[0] in text
+    src = tmp_path / "bad.toml"
+    src.write_text(text.replace(change[0], change[1]))
+    out = tmp_path / "out"
+    assert run(["k8s", "render", "-f", str(src), "-o", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("pdkv: error: ") and words in captured.err.splitlines()[0], captured.err
     assert captured.out == "" and not out.exists()
 
 

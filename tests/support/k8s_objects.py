@@ -1,8 +1,10 @@
 """Helpers the Kubernetes tests share: render a file, walk the pod templates, validate against the schemas.
 
-Core kinds go through `kubernetes-validate` (its strict schemas refuse unknown fields); a LeaderWorkerSet
-through the LWS CRD's openAPIV3Schema (tests/fixtures/k8s/), made strict the same way, and its two pod
-templates through the core PodTemplate schema as well.
+Core kinds go through `kubernetes-validate` (its strict schemas refuse unknown fields; a HorizontalPodAutoscaler
+is one: autoscaling/v2); a LeaderWorkerSet through the LWS CRD's openAPIV3Schema (tests/fixtures/k8s/), made
+strict the same way, and its two pod templates through the core PodTemplate schema as well; a KEDA ScaledObject
+through a schema written by hand from KEDA's CRD and its prometheus scaler (tests/fixtures/k8s/, the file
+says which), and the HPA behavior it carries through the HorizontalPodAutoscaler schema as well.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 CRD = ROOT / "tests" / "fixtures" / "k8s" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+KEDA_SCHEMA = ROOT / "tests" / "fixtures" / "k8s" / "keda.sh_scaledobjects.handwritten.schema.yaml"
 K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
 
@@ -56,13 +59,20 @@ def _strict(schema: Any) -> Any:
 
 
 @cache
-def lws_schema() -> dict[str, Any]:
+def lws_crd_version() -> dict[str, Any]:
+    """The LWS CRD's `v1` entry: its openAPIV3Schema and its subresources (scale, status)."""
     import yaml
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     crd = yaml.load(CRD.read_text(), Loader=loader)
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return _strict(version["schema"]["openAPIV3Schema"])
+    assert crd["spec"]["group"] == "leaderworkerset.x-k8s.io"
+    return version
+
+
+@cache
+def lws_schema() -> dict[str, Any]:
+    return _strict(lws_crd_version()["schema"]["openAPIV3Schema"])
 
 
 def validate_lws(obj: dict[str, Any]) -> None:
@@ -71,10 +81,33 @@ def validate_lws(obj: dict[str, Any]) -> None:
     jsonschema.Draft7Validator(lws_schema()).validate(obj)
 
 
-def validate(obj: dict[str, Any], version: str) -> None:
-    """Raise on the first schema error of `obj` (a core kind or a LeaderWorkerSet) for Kubernetes `version`."""
+@cache
+def keda_schema() -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(KEDA_SCHEMA.read_text())
+
+
+def validate_scaled_object(obj: dict[str, Any], version: str) -> None:
+    import jsonschema
     import kubernetes_validate
 
+    jsonschema.Draft7Validator(keda_schema()).validate(obj)
+    spec = obj["spec"]
+    behavior = spec.get("advanced", {}).get("horizontalPodAutoscalerConfig", {}).get("behavior")
+    if behavior is not None:  # KEDA hands it to the HorizontalPodAutoscaler it creates
+        hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": obj["metadata"]["name"]},
+               "spec": {"scaleTargetRef": spec["scaleTargetRef"], "maxReplicas": spec.get("maxReplicaCount", 100), "behavior": behavior}}
+        kubernetes_validate.validate(copy.deepcopy(hpa), version, strict=True)
+
+
+def validate(obj: dict[str, Any], version: str) -> None:
+    """Raise on the first schema error of `obj` (a core kind, a LeaderWorkerSet or a ScaledObject) for Kubernetes `version`."""
+    import kubernetes_validate
+
+    if obj["kind"] == "ScaledObject":
+        validate_scaled_object(obj, version)
+        return
     if obj["kind"] != "LeaderWorkerSet":
         kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
         return

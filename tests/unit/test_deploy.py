@@ -50,6 +50,14 @@ def test_autoscale_table_loads_with_its_defaults() -> None:
     assert deployment_from_dict(_dep()).autoscale is None
 
 
+def test_autoscale_bounds_count_a_tables_replicas_as_engines() -> None:
+    # Kubernetes: one table of N replicas is N engines of one workload, which the autoscaler scales within the bounds.
+    data = _dep(prefill=[{"port": 8100, "replicas": 2}], autoscale={**AUTO, "prefill": {"min": 2, "max": 4}})
+    assert deployment_from_dict(data).autoscale.prefill.min == 2
+    with pytest.raises(ConfigError, match=r"1 prefill engines .* outside \[autoscale.prefill\]'s 2..4"):
+        deployment_from_dict(_dep(prefill=[{"port": 8100}], autoscale={**AUTO, "prefill": {"min": 2, "max": 4}}))
+
+
 def _dep(**overrides) -> dict:
     base = {"model": "/m", "host_ip": "10.0.0.5", "prefill": [{"port": 8100}, {"port": 8101}], "decode": [{"port": 8200}]}
     return {**base, **overrides}
@@ -89,7 +97,9 @@ def test_external_bootstrap_is_passed_to_prefill() -> None:
         (_dep(decode=[{"port": 8200, "restart": "sometimes"}]), "restart"),
         (_dep(autoscale={"ttft_ms": 500, "itl_ms": 50}), "profile"),
         (_dep(autoscale={**AUTO, "prefill": {"min": 3, "max": 2}}), r"1 <= min <= max, got min = 3, max = 2"),
-        (_dep(autoscale={**AUTO, "prefill": {"min": 1, "max": 1}}), r"2 \[\[prefill\]\] tables lie outside \[autoscale.prefill\]'s 1..1"),
+        (_dep(autoscale={**AUTO, "prefill": {"min": 1, "max": 1}}),
+         r"2 prefill engines \(\[\[prefill\]\] tables x replicas\) lie outside \[autoscale.prefill\]'s 1..1"),
+        (_dep(autoscale={**AUTO, "decode": {"min": 1, "max": 2}}, decode=[{"port": 8200, "replicas": 3}]), "3 decode engines"),
         (_dep(autoscale={**AUTO, "decode": {"min": 0, "max": 1}}), "autoscale.decode"),
         (_dep(autoscale={**AUTO, "quantile": 1.0}), "quantile"),
         (_dep(autoscale={**AUTO, "interval_s": 0}), "interval_s"),

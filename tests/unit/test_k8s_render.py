@@ -47,6 +47,7 @@ VARIANTS = {
     "tp-p1-d2": base(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
     "no-kv-events": base(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
     "external-bootstrap": base(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
+    "autoscale-keda": base(prefill="tp = 8", tables='[autoscale]\nprofile = "p.json"\nttft_ms = 500\nitl_ms = 40\nkubernetes = "keda"'),
 }
 
 
