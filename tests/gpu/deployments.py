@@ -4,8 +4,9 @@ Three deployments, one per connector/transport a one-host GPU user would pick: p
 (`pdkv-ipc`), pdkv's connector over Mooncake tcp (`pdkv-tcp`) and vLLM's MooncakeConnector over Mooncake tcp
 (`mooncake-tcp`). Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), eager
-mode (or, with PDKV_GPU_GRAPHS=full-decode, CUDA graphs of whole decode steps without torch.compile), FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that
-P alone and P/D give the same greedy tokens.
+mode (or, with PDKV_GPU_GRAPHS=full-decode, CUDA graphs of whole decode steps without torch.compile),
+FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that P alone
+and P/D give the same greedy tokens.
 
 `python -m tests.gpu.deployments MODEL DIR` writes the files; `scripts/gpu/run.sh` starts them before the tests
 (naming them in PDKV_GPU_UP, so the tests attach) and the benchmark; without PDKV_GPU_UP the tests start them.
