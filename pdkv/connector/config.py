@@ -71,11 +71,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # conclude, so that its news reaches the scheduler in this step rather than the next (vLLM's engine
     # sleeps 1 ms between idle steps). A new request reaching an idle D waits at most this long more. 0: off.
     idle_wait_ms: float = 2.0
-    # P: in a step with nothing to compute while it holds blocks for D's pulls, the worker waits up to this
-    # long for one of those sends to conclude. vLLM steps such an engine without pause (each step a round trip
-    # to every rank), which on a CPU host keeps P's cores busy and starves a D sharing them; the wait gives them
-    # back. The send itself never waits for it (it starts when D's pull arrives); a new request reaching P in
-    # such a step is scheduled at most this much later. 0: off.
+    # P, KV cache in host memory (CPU hosts): in a step with nothing to compute while it holds blocks for D's
+    # pulls, the worker waits up to this long for one of those sends to conclude. vLLM steps such an engine
+    # without pause (each step a round trip to every rank), which keeps P's cores busy and starves a D sharing
+    # them; the wait gives them back. The send itself never waits for it (it starts when D's pull arrives); a
+    # new request reaching P in such a step is scheduled at most this much later. Ignored with the KV cache on
+    # a GPU. 0: off.
     hold_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
