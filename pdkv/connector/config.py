@@ -71,6 +71,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # conclude, so that its news reaches the scheduler in this step rather than the next (vLLM's engine
     # sleeps 1 ms between idle steps). A new request reaching an idle D waits at most this long more. 0: off.
     idle_wait_ms: float = 2.0
+    # P, KV cache in host memory (CPU hosts): in a step with nothing to compute while it holds blocks for D's
+    # pulls, the worker waits up to this long for one of those sends to conclude. vLLM steps such an engine
+    # without pause (each step a round trip to every rank), which keeps P's cores busy and starves a D sharing
+    # them; the wait gives them back. The send itself never waits for it (it starts when D's pull arrives); a
+    # new request reaching P in such a step is scheduled at most this much later. Ignored with the KV cache on
+    # a GPU. 0: off.
+    hold_wait_ms: float = 20.0
 
     def __post_init__(self) -> None:
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
@@ -82,6 +89,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:
             raise ConfigError(f"kv_connector_extra_config.idle_wait_ms must be 0..1000, got {self.idle_wait_ms}")
+        if not 0 <= self.hold_wait_ms <= 1_000:
+            raise ConfigError(f"kv_connector_extra_config.hold_wait_ms must be 0..1000, got {self.hold_wait_ms}")
         if not 0 <= self.wait_write_ms <= 10_000:
             raise ConfigError(f"kv_connector_extra_config.wait_write_ms must be 0..10000, got {self.wait_write_ms}")
         if not 0 <= self.switch_interval_us <= 1_000_000:

@@ -208,7 +208,7 @@ class KVReceiver:
                 self._ctx = zmq.asyncio.Context()
             peer = self._peers[addr] = SideChannelPeer(
                 self._ctx, addr, lambda msg: self._on_reply(msg, addr), self._on_lost, sealer=self.sealer,
-                on_refused=self.trace.auth_refused,
+                on_refused=self.trace.auth_refused, heartbeat_timeout_ms=int(self.tracker.liveness_s * 1000),
             )
         return peer
 
@@ -229,7 +229,9 @@ class KVReceiver:
         peers = [self._peer(addr) for addr in addrs]
         for addr, peer in zip(addrs, peers, strict=True):
             if peer.lost:  # P died or closed its side channel, and has not come back
-                self._conclude(self.tracker.finished(spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost)"))
+                since = time.monotonic() - peer.lost_at
+                self._conclude(self.tracker.finished(
+                    spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost {since:.1f} s ago, not made again since)"))
                 return
         if entry.aborted:
             release = Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",

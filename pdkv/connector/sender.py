@@ -1,10 +1,11 @@
 """P's worker side (steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
 
 `KVSender` owns the side-channel server, the SendTable and the writes. The
-model runner's thread calls `apply_step` (scheduler metadata) and
-`take_finished` (step 32); everything else runs on the sender's loop thread.
-Writes run on a small thread pool per D, so a slow D never stalls the
-listener nor the transfers to another D.
+model runner's thread calls `apply_step` (scheduler metadata),
+`take_finished` (step 32) and `wait_finished`; everything else runs on the
+sender's loop thread. Writes run on a small thread pool per D
+(pdkv.connector.writers), so a slow D never stalls the listener nor the
+transfers to another D.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 from pdkv.connector.checks import announced_share, check_announce, check_pull
 from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend, pull_key
 from pdkv.connector.timing import TraceLog
+from pdkv.connector.writers import WriterPools
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import (
     Announce,
@@ -40,9 +42,6 @@ from pdkv.tp_heads import HeadShare, pullers
 
 log = logging.getLogger("pdkv.connector")
 
-# Writes to one D run on up to this many threads at once; each D has its own.
-WRITERS_PER_PEER = 4
-MAX_PEER_POOLS = 64
 MAX_ANNOUNCED = 1024  # D sessions whose regions P remembers; the least recently announced is forgotten first
 
 
@@ -95,9 +94,8 @@ class KVSender:
         self.trace = trace or TraceLog("prefill", engine_id=engine_id, tp_rank=tp_rank)
         self._finished: set[str] = set()
         self._lock = threading.Lock()
-        # D session -> the threads that write to it, so a stalled D holds up only its own transfers; least
-        # recently used last; guarded by _table_lock
-        self._pools: OrderedDict[str, concurrent.futures.ThreadPoolExecutor] = OrderedDict()
+        self._news = threading.Event()  # set when blocks may be freed (`_finished` grew), cleared when they are taken
+        self._writers = WriterPools()
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
         # (D session, D TP rank) -> its latest accepted announcement, or why the latest was refused; ranks of one
@@ -170,7 +168,19 @@ class KVSender:
         """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
         with self._lock:
             out, self._finished = self._finished, set()
+            self._news.clear()
         return out
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for blocks that may be freed; at once when some may already be, or when none are
+        held for D (nothing could come). True when the wait ran (the caller gave its core back)."""
+        if timeout <= 0 or self._news.is_set():
+            return False
+        with self._table_lock:
+            if self._closed or not self.table.holding():
+                return False
+        self._news.wait(timeout)
+        return True
 
     # --- loop thread ---------------------------------------------------------
 
@@ -218,6 +228,7 @@ class KVSender:
                     log.warning("pdkv: freed blocks of %s unsent (%s)", a.transfer_id, a.outcome)
                 with self._lock:
                     self._finished.add(a.p_req_id)
+                    self._news.set()
 
     def _reply(self, identity: bytes, reply: Any) -> None:
         asyncio.get_running_loop().create_task(self.server.send(identity, reply))
@@ -284,22 +295,9 @@ class KVSender:
                 told.set_result(None)
                 return told
             fence = self._fences.pop(a.transfer_id, None)
-            fut = self._pool_for(a.pull.request.session).submit(self._transfer, a, fence)
+            fut = self._writers.submit(a.pull.request.session, self._transfer, a, fence)
         fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f, told))
         return told
-
-    def _pool_for(self, session: str) -> concurrent.futures.ThreadPoolExecutor:
-        """The transfer threads for one D (with _table_lock held); past MAX_PEER_POOLS the oldest is let go."""
-        pool = self._pools.get(session)
-        if pool is None:
-            pool = self._pools[session] = concurrent.futures.ThreadPoolExecutor(
-                max_workers=WRITERS_PER_PEER, thread_name_prefix="pdkv-send"
-            )
-            if len(self._pools) > MAX_PEER_POOLS:
-                _, oldest = self._pools.popitem(last=False)
-                oldest.shutdown(wait=False)  # its running writes finish; its threads then end
-        self._pools.move_to_end(session)
-        return pool
 
     def _concluded(
         self, a: StartSend, fut: concurrent.futures.Future[tuple[str | None, int, int]], told: concurrent.futures.Future[None]
@@ -380,13 +378,11 @@ class KVSender:
             if self._closed:
                 return
             self._closed = True
+        self._news.set()  # a model runner waiting in wait_finished goes on
         self._ticker.cancel()
         self.server.close()
         self._loop.stop()
-        with self._table_lock:
-            pools, self._pools = list(self._pools.values()), OrderedDict()
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self._writers.shutdown()
         self.trace.close()
 
     def __enter__(self) -> KVSender:

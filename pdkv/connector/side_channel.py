@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +31,8 @@ log = logging.getLogger("pdkv.connector")
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a pull for a million blocks is ~10 MB; anything larger is hostile
 # D's DEALER pings P's connection this often and drops it when no answer comes for the timeout (a cut link).
+# P's ZMQ thread answers the ping; on a host whose cores P and D share it may not run for seconds, so D's
+# receiver sets the timeout to its liveness bound, the silence it allows P anyway (SideChannelPeer).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
 
@@ -157,15 +160,18 @@ class SideChannelPeer:
 
     `on_lost(address)` runs when an established connection to P ends: P's
     process died (its kernel closes the socket at once), P closed its side
-    channel, or ZMQ heartbeats went unanswered for HEARTBEAT_TIMEOUT_MS (a
-    cut link). P keeps no state across a reconnect, so every pull in flight
-    to it is lost then; ZMQ reconnects by itself for later pulls. `lost` is
-    True from then until a connection to P is made again.
+    channel, or ZMQ heartbeats went unanswered for `heartbeat_timeout_ms` (a
+    cut link, or a P whose ZMQ thread got no core that long). P keeps no state
+    across a reconnect, so every pull in flight to it is lost then; ZMQ
+    reconnects by itself for later pulls. `lost` is True from then until a
+    connection to P is made again; the warning says how long the connection
+    had lived and how long P had been silent, and a reconnection is logged.
     """
 
     def __init__(
         self, ctx: Any, address: str, on_reply: Callable[[Any], None], on_lost: Callable[[str], None] | None = None, *,
         sealer: FrameSealer | None = None, on_refused: Callable[[str], None] | None = None,
+        heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
     ) -> None:
         import zmq
 
@@ -177,10 +183,13 @@ class SideChannelPeer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, heartbeat_timeout_ms)
+        self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self._on_reply = on_reply
         self._on_lost = on_lost
         self.lost = False
+        # monotonic times, owned by the loop: the last connection made and lost, the last frame from P
+        self.connected_at = self.lost_at = self.heard_at = 0.0
         loop = asyncio.get_running_loop()
         self._monitor: Any = None
         self._monitor_task: asyncio.Task | None = None
@@ -200,11 +209,18 @@ class SideChannelPeer:
 
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())
+            now = time.monotonic()
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.lost = False
+                if self.lost:
+                    log.warning("side channel: connection to %s made again, %.1f s after it was lost", self.address, now - self.lost_at)
+                self.lost, self.connected_at = False, now
                 continue
-            self.lost = True
-            log.warning("side channel: connection to %s lost", self.address)
+            self.lost, self.lost_at = True, now
+            lived = f"{now - self.connected_at:.1f} s after it was made" if self.connected_at else "before a handshake"
+            heard = f"{now - self.heard_at:.1f} s after P's last frame" if self.heard_at else "before any frame from P"
+            log.warning("side channel: connection to %s lost, %s, %s (P closed it, or its heartbeat went unanswered for "
+                        "%g s: P gone, the link cut, or P's or this host's cores too busy to answer)",
+                        self.address, lived, heard, self.heartbeat_timeout_ms / 1000)
             assert self._on_lost is not None
             try:
                 self._on_lost(self.address)
@@ -215,6 +231,7 @@ class SideChannelPeer:
         while True:
             try:
                 frame = await self._sock.recv()
+                self.heard_at = time.monotonic()
                 if self.sealer is not None:
                     body, why = self.sealer.open(frame, TO_D)
                     if body is None:

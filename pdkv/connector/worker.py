@@ -192,9 +192,14 @@ class ConnectorWorker:
     def results(self, idle: bool = False) -> tuple[set[str], Results]:
         """Steps 32 and 35: (P requests whose blocks may be freed, D pulls concluded).
 
-        `idle`: this step computed nothing, so D may wait (idle_wait_ms) for a pull in flight."""
+        `idle`: this step computed nothing, so D may wait (idle_wait_ms) for a pull in flight, and P holding
+        blocks for D in host memory may wait (hold_wait_ms) for a send to conclude, giving its core back
+        meanwhile (on a GPU host the cores are not what the engines share, and the wait would only delay
+        new requests)."""
         if idle and self.receiver is not None:
             self.receiver.wait_results(self.config.idle_wait_ms / 1000)
+        if idle and self.sender is not None and not self._on_gpu:
+            self.sender.wait_finished(self.config.hold_wait_ms / 1000)
         sent = self.sender.take_finished() if self.sender is not None else set()
         recv = self.receiver.take_results() if self.receiver is not None else Results()
         for rid, why in recv.failed.items():

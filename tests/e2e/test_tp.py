@@ -2,11 +2,13 @@
 
 For P TP 1 with D TP 2 and P TP 2 with D TP 1, over cma and over Mooncake tcp: the deployment comes up
 (each TP rank on a core of its own where the host has the cores; on two cores P's and D's ranks share
-them); greedy answers through the proxy equal P alone's for prompts of 1, 17 and about 1,000 tokens and
-for 8 requests in flight (first-token logprobs within loadclient's tolerance; tokens equal up to where P alone's
-top two nearly tie, CROSS_TP_TIE); both engines' KV cache usage is back to 0 afterwards; and the trace of one
-request shows the bytes each rank moved, equal to `pdkv plan --tp P:D`'s per rank and adding up to the
-prompt's KV.
+them: P TP 2 beside D TP 1 then relies on the connector's hold_wait_ms, docs/connector.md); greedy answers
+through the proxy equal P alone's for prompts of 1, 17 and about 1,000 tokens and for 8 requests in flight
+(first-token logprobs within loadclient's tolerance; tokens equal up to where P alone's top two nearly tie,
+CROSS_TP_TIE); both engines' KV cache usage is back to 0 afterwards; and the trace of one request shows the
+bytes each rank moved, equal to `pdkv plan --tp P:D`'s per rank and adding up to the prompt's KV.
+vLLM's own MooncakeConnector (behind the test-only CPU shim) with P TP 1 and D TP 2 over Mooncake tcp gives
+the same answers through pdkv up and pdkv's proxy, where the host has a core for each rank (VLLM_STARVED).
 """
 
 from __future__ import annotations
@@ -36,16 +38,19 @@ READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
 # bits, so P alone's top two tokens may swap where they are this close. KV in the wrong blocks (or heads) moves the
 # first token's logprob far more (loadclient.FIRST_LOGPROB_TOL, checked on every answer).
 CROSS_TP_TIE = 2e-2
-# Seen on the 2-core machine, twice over cma and twice over tcp: after P's prefill, D's /health and the bootstrap
-# stopped answering for a minute or more, D scheduled its pull only once P's blocks had expired (120 s), and pdkv up's
-# warm-up failed ("prefill side silent for 10 s", "had no answer within 120 s"). The likely cause, from vLLM's
-# scheduler: an engine whose finished requests wait on their connector (P holding blocks for D) keeps stepping, each
-# empty step a round trip to every rank, so P's two ranks fill both cores and D, sharing one, starves. P TP 1 with
-# D TP 2 on two cores passes.
-STARVED = ("P TP {p_tp} beside D TP {d_tp} needs {p_tp} + {d_tp} cores, this host has {cores}: P's ranks step without pause "
-           "while they hold blocks for D and D's engine starves (see STARVED's comment)")
 BLOCK = 32
-CASES = {"p1-d2-cma": (1, 2, "cma"), "p2-d1-cma": (2, 1, "cma"), "p1-d2-tcp": (1, 2, "tcp"), "p2-d1-tcp": (2, 1, "tcp")}
+# name -> (P's TP, D's TP, protocol, connector); vLLM's own connector runs on CPU behind the test-only shim.
+CASES = {"p1-d2-cma": (1, 2, "cma", "pdkv"), "p2-d1-cma": (2, 1, "cma", "pdkv"), "p1-d2-tcp": (1, 2, "tcp", "pdkv"),
+         "p2-d1-tcp": (2, 1, "tcp", "pdkv"), "p1-d2-mooncake": (1, 2, "tcp", "mooncake")}
+SHIM = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
+# Seen twice on the 2-core machine with vLLM's connector, P TP 1 on core 0 and D TP 2 on cores 0-1: within 20 s of
+# the proxy starting, P's /health stopped answering in 2 s and pdkv up's warm-up through the proxy failed (once "had
+# no answer within 120 s", D's log silent past its start; once D "answered 500" after about a minute). The likely
+# cause, not measured: vLLM's connector runs P's worker in a process of its own, and while P holds blocks for D
+# vLLM steps P without pause, its engine core and worker each busy on core 0, where D's rank 0 runs too; pdkv's
+# hold_wait_ms is pdkv's connector's and cannot help there.
+VLLM_STARVED = ("vLLM's MooncakeConnector with P TP {p_tp} beside D TP {d_tp} needs {n} cores, this host has {cores}: "
+                "P stopped answering and the warm-up failed on two cores (see VLLM_STARVED's comment)")
 
 
 def cores(p_tp: int, d_tp: int) -> tuple[str, str]:
@@ -56,13 +61,13 @@ def cores(p_tp: int, d_tp: int) -> tuple[str, str]:
     return f"0-{p_tp - 1}", f"{n - d_tp}-{n - 1}"
 
 
-def fleet_file(path: Path, model: Path, p_tp: int, d_tp: int, protocol: str) -> dict[str, int]:
+def fleet_file(path: Path, model: Path, p_tp: int, d_tp: int, protocol: str, connector: str) -> dict[str, int]:
     ports = {"bootstrap": free_port(), "prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     p_cores, d_cores = cores(p_tp, d_tp)
     path.write_text(f"""
 model = "{model}"
 served_model_name = "tiny"
-connector = "pdkv"
+connector = "{connector}"
 protocol = "{protocol}"
 platform = "cpu"
 host = "127.0.0.1"
@@ -101,6 +106,7 @@ class Deployment:
     prefill: str
     decode: str
     logs: Path
+    connector: str = "pdkv"
 
     def tails(self) -> str:
         return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
@@ -121,17 +127,21 @@ def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> dict:
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def deployment(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    p_tp, d_tp, protocol = CASES[request.param]
-    if p_tp > 1 and (os.cpu_count() or 2) < p_tp + d_tp:
-        pytest.skip(STARVED.format(p_tp=p_tp, d_tp=d_tp, cores=os.cpu_count()))
+    p_tp, d_tp, protocol, connector = CASES[request.param]
+    if connector == "mooncake" and (os.cpu_count() or 2) < p_tp + d_tp:
+        pytest.skip(VLLM_STARVED.format(p_tp=p_tp, d_tp=d_tp, n=p_tp + d_tp, cores=os.cpu_count()))
     tmp = tmp_path_factory.mktemp(request.param)
-    ports = fleet_file(tmp / "fleet.toml", tiny_model, p_tp, d_tp, protocol)
+    ports = fleet_file(tmp / "fleet.toml", tiny_model, p_tp, d_tp, protocol, connector)
     logs = tmp / "logs"
+    env = dict(os.environ)
+    if connector == "mooncake":  # pdkv up's pre-flight lets vLLM's connector start on CPU only with the shim in sight
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIM), env.get("PYTHONPATH", "")) if p)
     with (tmp / "up.stderr").open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "pdkv", "up", "-f", str(tmp / "fleet.toml"), "--json", "--log-dir", str(logs)],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True, env=env)
     url = lambda port: f"http://127.0.0.1:{port}"
-    dep = Deployment(request.param, p_tp, d_tp, tiny_model, url(ports["proxy"]), url(ports["prefill"]), url(ports["decode"]), logs)
+    dep = Deployment(request.param, p_tp, d_tp, tiny_model, url(ports["proxy"]), url(ports["prefill"]), url(ports["decode"]), logs,
+                     connector)
     seen: set[int] = set()
     try:
         t0 = time.monotonic()
@@ -236,13 +246,26 @@ def test_eight_requests_in_flight_equal_p_alones_and_free_every_block(deployment
 
 # Seen once in a whole-suite run on 2 cores (P and D rank 0 on one core): D rank 1's side channel to P reported
 # its connection lost at every pull, so those pulls were recomputed (the answers above still matched) and the
-# traced transfer failed. Passed in the run before it; not yet understood.
-FLAKY_TRACE = {"p1-d2-tcp": "D rank 1's side channel to P was reported lost at every pull in one whole-suite run"}
+# traced transfer failed. Not reproduced since: this module alone passed, and so did its p1-d2-tcp cases with a
+# busy loop pinned to each core (no loss logged). The one way found for a live P to lose a connection is D's ZMQ
+# heartbeat going unanswered (tests/integration/test_side_channel_stall.py stops P with SIGSTOP); its bound was
+# 3 s, and under the busy loops P once answered nothing at all for over 10 s in the warm-up. The bound is now the
+# receiver's liveness_s (10 s). Each loss logs how long the connection had lived, P's silence and the bound; each
+# reconnection logs "made again"; a pull refused while lost says how long ago. Next time: losses with no "made
+# again" between them mean D's reconnections never complete; repeated losses a few seconds old, a P that stalls.
+# Seen again after that change, in a run of this module alone: the trace test failed once more (xfail), and in the
+# same deployment D rank 1's pull of one request failed "prefill side silent for 10 s" while D rank 0's pull of
+# the same transfer succeeded, no connection loss logged, nothing in P's log, and the standalone bootstrap did not
+# answer the proxy's GET /pdkv/members within its timeout: the whole host stalled, not one socket. Still open:
+# whether P sent D rank 1 nothing for 10 s or D rank 1's receiver loop did not run to read it.
+FLAKY_TRACE = {"p1-d2-tcp": "intermittent on 2 cores: D rank 1's pulls from P lost or silent while the host stalls (see the comment)"}
 
 
 def test_trace_shows_each_ranks_bytes_equal_to_plans(deployment: Deployment, request: pytest.FixtureRequest) -> None:
     from pdkv.trace import run_trace
 
+    if deployment.connector != "pdkv":
+        pytest.skip("vLLM's MooncakeConnector keeps no per-rank transfer records for pdkv trace to read")
     if deployment.name in FLAKY_TRACE:
         request.applymarker(pytest.mark.xfail(reason=FLAKY_TRACE[deployment.name], strict=False))
 

@@ -205,6 +205,28 @@ def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):
     assert time.monotonic() - start < 0.1
 
 
+def test_p_holding_blocks_waits_in_an_idle_step_until_the_send_concludes(make_pair):
+    pair = make_pair()
+    start = time.monotonic()
+    assert not pair.sender.wait_finished(5.0)  # nothing held: nothing could come, no wait
+    assert time.monotonic() - start < 0.1
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [3])})
+    time.sleep(0.2)
+    start = time.monotonic()
+    assert pair.sender.wait_finished(0.3)  # held, no pull: the whole bound, then the step goes on
+    assert 0.25 < time.monotonic() - start < 1.0
+    threading.Timer(0.3, pair.receiver.apply_step, kwargs={"pulls": [pair.spec("d1", "x1", [7])]}).start()
+    start = time.monotonic()
+    assert pair.sender.wait_finished(5.0)
+    assert 0.25 < time.monotonic() - start < 2.0  # woke by the send's end, well before the bound
+    start = time.monotonic()
+    assert not pair.sender.wait_finished(5.0)  # news not yet taken: no wait
+    assert time.monotonic() - start < 0.1
+    assert pair.sender.take_finished() == {"p1"}
+    assert_copied(pair, [3], [7])
+    assert not pair.sender.wait_finished(5.0)  # nothing held any more
+
+
 def test_d_request_that_never_pulls_releases_ps_blocks_at_once(make_pair):
     pair = make_pair()  # expiry stays at its 120 s default
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [4, 5])})

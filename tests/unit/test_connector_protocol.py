@@ -198,6 +198,10 @@ def test_config_defaults_and_validation():
     assert c.unknown_wait_s == 3.0 and c.transport == "tcp"
     with pytest.raises(ConfigError, match="mooncake_protocol must be one of"):
         load_config({"mooncake_protocol": "carrier-pigeon"})
+    assert c.hold_wait_ms == 20.0 and load_config({"hold_wait_ms": 0}).hold_wait_ms == 0
+    for bad in (-1, 1001):
+        with pytest.raises(ConfigError, match="hold_wait_ms must be 0..1000"):
+            load_config({"hold_wait_ms": bad})
 
 
 def test_config_transport_is_read_from_either_key():
