@@ -10,7 +10,8 @@ role, compares the desired count with the engines running or starting:
   joins the proxy through the members registry once healthy;
 - fewer wanted (down to min): the newest engines drain: the proxy routes
   them nothing new (POST /pdkv/drain), their requests in flight finish, then
-  they are stopped; `drain_timeout_s` bounds the wait (what is still in
+  they are stopped once the engine itself runs nothing either (its own
+  /metrics); `drain_timeout_s` bounds the wait (what is still in
   flight then is cut, and the event says how many). An engine still starting
   has no request and stops at once.
 
@@ -33,6 +34,7 @@ from pdkv.deploy.preflight import port_free
 from pdkv.deploy.restart import RestartPolicy
 from pdkv.deploy.scaling import Role, added_entry, free_port, ports_of, scale_steps, slot_parts
 from pdkv.deploy.schema import Deployment
+from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.supervisor import RUNNING, Supervisor
 from pdkv.deploy.topology import Part
 from pdkv.deploy.vllm_logging import with_vllm_logging
@@ -194,7 +196,9 @@ class Autoscaler:
         answer = self._post_drain(slot.url, True)
         n = answer.get("in_flight") if isinstance(answer, dict) else None
         desired = (self.desired or {}).get(slot.role, 0)
-        if n == 0 or (isinstance(answer, dict) and answer.get("_status") == 404):
+        if isinstance(answer, dict) and answer.get("_status") == 404:
+            self._stop(slot, desired, 0, "the proxy does not route to it")
+        elif n == 0 and self._engine_idle(slot.url):
             self._stop(slot, desired, 0, "its requests finished")
         elif now - slot.drain_since >= self.auto.drain_timeout_s:
             self._stop(slot, desired, n, f"the drain timed out after {self.auto.drain_timeout_s:g} s with {n} request(s) in flight")
@@ -237,6 +241,18 @@ class Autoscaler:
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+
+    def _engine_idle(self, url: str) -> bool:
+        """Whether the engine itself runs and queues nothing (vllm:num_requests_running and _waiting on its /metrics):
+        the proxy's count ends with the client's answer, an engine's own work may trail it. True when unreadable."""
+        import httpx
+
+        try:
+            text = self._http().get(url + "/metrics").text
+        except httpx.HTTPError:
+            return True
+        busy = [v for name, _, v in parse_prometheus(text) if name in ("vllm:num_requests_running", "vllm:num_requests_waiting")]
+        return sum(busy) == 0
 
     def _post_drain(self, url: str, on: bool) -> dict[str, Any] | None:
         import httpx

@@ -11,7 +11,8 @@ the engines serving now) and gets a `Desired` back. Per role:
   says the current count is enough (then one more than now);
 - keep: the counts that would keep predicted latencies under `down_margin`
   x the targets (a band below the targets, so a count met only just is not
-  given up).
+  given up), and never fewer than serve now while the role's observed
+  latency is above that band (the model may be kinder than the engines).
 
 Up: when need exceeds the desired count for `up_after_s`, desired jumps to
 need at once. Down: when keep stays below desired for `down_after_s`,
@@ -124,6 +125,10 @@ class DesiredCounts:
         if obs.itl_ms is not None and obs.itl_ms > self.slo.itl_ms and d <= obs.decode_engines:
             d = obs.decode_engines + 1
         need = {"prefill": self._clamp("prefill", p), "decode": self._clamp("decode", d)}
+        if obs.ttft_ms is not None and obs.ttft_ms > self.slo.ttft_ms * margin:
+            kp = max(kp, obs.prefill_engines)
+        if obs.itl_ms is not None and obs.itl_ms > self.slo.itl_ms * margin:
+            kd = max(kd, obs.decode_engines)
         keep = {"prefill": self._clamp("prefill", max(kp, backlog)), "decode": self._clamp("decode", kd)}
         return need, keep
 

@@ -52,7 +52,7 @@ def usage_tokens(body: bytes, field: str) -> int:
 def request_sample(t: ProxyTiming, prefill_body: bytes, decode_body: bytes, events: int, clock_offset: float) -> RequestSample | None:
     """The sample of one request that P and D answered (None for a failed one). `events`: SSE events D streamed
     (its output tokens, less the closing [DONE]); `clock_offset` turns unix times into the loop's clock."""
-    if t.error is not None or t.status is None or not 200 <= t.status < 300 or t.prefill_responded is None:
+    if t.error is not None or t.status is None or not 200 <= t.status < 300:
         return None
     prompt = usage_tokens(prefill_body, "prompt_tokens")
     if t.stream:
@@ -61,7 +61,7 @@ def request_sample(t: ProxyTiming, prefill_body: bytes, decode_body: bytes, even
     else:
         output = usage_tokens(decode_body, "completion_tokens")
         first = t.prefill_responded
-    ttft = None if first is None else max(0.0, first - t.received)
+    ttft = None if first is None else max(0.0, first - t.received)  # None: D answered alone (no P in this request)
     itl = None
     if t.stream and output > 1 and t.last_byte is not None and t.decode_first_byte is not None:
         itl = max(0.0, t.last_byte - t.decode_first_byte) / (output - 1)
