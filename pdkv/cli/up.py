@@ -132,7 +132,8 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
     live: Live | None = None
 
     def on_line(name: str, line: str) -> None:
-        prefix = Text(f"{name:<{width}} | ", style=COLORS.get(kinds[name], ""))
+        kind = kinds.get(name, name.rsplit("-", 1)[0])  # an engine added by [autoscale] is named by its role
+        prefix = Text(f"{name:<{width}} | ", style=COLORS.get(kind, ""))
         (live.console if live else console).print(prefix + Text(line), highlight=False, soft_wrap=True)
 
     def emit(event: str, **fields: Any) -> None:
