@@ -20,7 +20,7 @@ PROFILE = ((10.0, 0.0, 0.1, 0.0), (5.0, 0.1, 0.0))
 
 
 def planner(profile: Path, **kw) -> dict:
-    return {"profile": str(profile), "ttft_ms": 150, "itl_ms": 500, "interval_s": 0.1, "window_s": 3, "max_prefill": 3,
+    return {"profile": str(profile), "ttft_ms": 150, "itl_ms": 500, "interval_s": 0.1, "window_s": 8, "max_prefill": 3,
             "up_after_s": 0, "down_after_s": 0.5, **kw}
 
 
@@ -67,7 +67,7 @@ def test_a_slow_prefill_raises_the_desired_count_and_the_gauges_show_it(dep: Dep
         # The window passes with no request: the count falls back (after down_after_s) to the minimum.
         for s in dep.prefills:
             s.behaviour.update(waiting=0)
-        wait_for(lambda: c.get("/pdkv/planner").json()["desired"]["prefill"] == 1, timeout=10, what="the count let go")
+        wait_for(lambda: c.get("/pdkv/planner").json()["desired"]["prefill"] == 1, timeout=20, what="the count let go")
 
 
 def test_a_draining_prefill_gets_no_new_request_and_its_requests_in_flight_finish(dep: Deployment) -> None:
