@@ -84,3 +84,14 @@ def test_a_failed_request_leaves_no_sample_and_odd_bodies_count_nothing():
     assert request_sample(timing(status=None), b"", b"", 0, 0.0) is None
     for body in (b"", b"[]", b'{"usage": null}', b'{"usage": {"prompt_tokens": "x"}}', b"not json"):
         assert usage_tokens(body, "prompt_tokens") == 0
+
+
+def test_a_count_raised_by_the_observed_latency_is_held_while_its_engine_starts():
+    profile = make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0))
+    sig = DesiredCounts(profile, Slo(400.0, 40.0), ScalePolicy(down_after_s=10, max_prefill=4))
+    slow = Observation(at_s=0, rate=1.0, prompt_tokens=[100], output_tokens=[10], prefill_engines=1, decode_engines=1, ttft_ms=900.0)
+    assert sig.update(slow).prefill == 2  # the model says one is plenty; the engines say otherwise
+    # The second P takes a minute to start: one serves meanwhile, and the latency stays over the target.
+    assert {sig.update(msgspec.structs.replace(slow, at_s=t)).prefill for t in range(5, 65, 5)} == {2}
+    need, keep = sig.needs(slow)
+    assert need["prefill"] == keep["prefill"] == 2
