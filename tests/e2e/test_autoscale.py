@@ -3,9 +3,10 @@ planner asks for a second, `pdkv up` starts it, the proxy routes to both; once t
 drained and stopped. No request fails, and every answer is P alone's.
 
 The profile is measured here, on this host, by `pdkv profile` against one engine bound to core 0 (its API server
-has core 1). The deployment: P on core 0, D on core 1, and the added P on core 1 too (D is nearly idle with
-8-token outputs); prefix caching off, so the step's repeated prompts are each computed in full, as distinct
-prompts would be.
+has core 1). The deployment: P on core 0, D on core 1, and the added P on core 1 too (D has 8-token outputs to
+make); prefix caching off, so the step's repeated prompts are each computed in full, as distinct prompts would be.
+The TTFT target is checked apart (the last test): on two cores the step's TTFT p90 falls with the second P but
+not below the target, and that test says what was measured.
 """
 
 from __future__ import annotations
@@ -248,8 +249,9 @@ def test_a_load_step_adds_a_prefill_engine_that_serves_and_it_is_drained_after(u
 
 
 @pytest.mark.xfail((os.cpu_count() or 1) < 3, strict=False, reason=(
-    "on 2 cores the second P shares core 1 with D, the API servers, the proxy and the client: the step's TTFT p90 "
-    "did not fall with it (208 ms on one P, 226 ms on two, 900-token prompts; see the report printed above)"))
+    "on 2 cores the second P shares core 1 with D, the API servers, the proxy and the client; measured with ~1,600-token "
+    "prompts, 8 in flight: TTFT p90 388 ms on one P, 307 ms on two (P's answer p90 387 -> 236 ms, D's first byte after "
+    "it 28 -> 137 ms), against a 150 ms target; with ~850-token prompts it did not fall at all (208 -> 226 ms)"))
 def test_the_steps_ttft_p90_falls_below_the_target_on_two_prefill_engines(up: Up) -> None:
     assert MEASURED, "the load step did not run"
     assert MEASURED["two_p"] < MEASURED["one_p"]
