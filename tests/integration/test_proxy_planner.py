@@ -53,7 +53,9 @@ def test_a_slow_prefill_raises_the_desired_count_and_the_gauges_show_it(dep: Dep
         dep.decodes[0].behaviour["delay"] = 0.3  # D's first byte, the TTFT: over the 150 ms target
         for _ in range(4):
             assert c.post("/v1/completions", json=REQUEST).status_code == 200
-        wait_for(lambda: c.get("/pdkv/planner").json()["desired"]["prefill"] == 3, what="a third prefill engine asked for")
+        # A round after the fourth request's answer (the view is the last round's, up to interval_s old).
+        wait_for(lambda: (v := c.get("/pdkv/planner").json())["desired"]["prefill"] == 3 and v["observation"]["requests"] == 4,
+                 what="a third prefill engine asked for, from the four requests")
         view = c.get("/pdkv/planner").json()
         obs = view["observation"]
         assert obs["requests"] == 4 and obs["mean_prompt_tokens"] == 100 and obs["ttft_ms"] >= 300
