@@ -251,7 +251,8 @@ def test_a_load_step_adds_a_prefill_engine_that_serves_and_it_is_drained_after(u
 @pytest.mark.xfail((os.cpu_count() or 1) < 3, strict=False, reason=(
     "on 2 cores the second P shares core 1 with D, the API servers, the proxy and the client; measured with ~1,600-token "
     "prompts, 8 in flight: TTFT p90 388 ms on one P, 307 ms on two (P's answer p90 387 -> 236 ms, D's first byte after "
-    "it 28 -> 137 ms), against a 150 ms target; with ~850-token prompts it did not fall at all (208 -> 226 ms)"))
+    "it 28 -> 137 ms), in another run 633 -> 267 ms, against a 150 ms target; with ~850-token prompts it did not fall "
+    "at all (208 -> 226 ms)"))
 def test_the_steps_ttft_p90_falls_below_the_target_on_two_prefill_engines(up: Up) -> None:
     assert MEASURED, "the load step did not run"
     assert MEASURED["two_p"] < MEASURED["one_p"]
