@@ -159,10 +159,17 @@ complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-fallback
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l local-prefill-tokens
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l no-local-fallback
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l planner-bounds
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l planner-interval
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l planner-profile
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l planner-waits
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l planner-window
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l policy
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l prefill-timeout
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l slo
+complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l slo-quantile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-certfile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l ssl-keyfile
 complete -c pdkv -n '__fish_seen_subcommand_from proxy' -l tokenizer

@@ -40,6 +40,8 @@ Examples:
 
   pdkv proxy --config proxy.toml --port 9000 --json
 
+  pdkv proxy --members http://10.0.0.1:8998 --planner-profile tiny.profile.json --slo ttft=2000,itl=50 --planner-bounds prefill=1:4
+
   PDKV_API_KEY=sk-1 PDKV_ADMIN_KEY=adm pdkv proxy -p http://p1:8100 -d http://d1:8200 --host 0.0.0.0
 
   pdkv proxy -p http://p1:8100 -d http://d1:8200 --ssl-certfile cert.pem --ssl-keyfile key.pem
@@ -47,6 +49,11 @@ Examples:
 With --api-key (or --api-key-file, or $PDKV_API_KEY) /v1/* needs `Authorization:
 Bearer KEY`, as vLLM's --api-key; with --admin-key (or $PDKV_ADMIN_KEY) /pdkv/* and
 /metrics need the admin key. Bodies over 64 MiB answer 413, oversized headers 431.
+
+With --planner-profile and --slo the proxy runs the planner's signal (docs/planner.md): every
+--planner-interval seconds the P and D counts the targets need, from what it observed, as the
+pdkv_planner_* gauges on /metrics and as JSON at GET /pdkv/planner (what `pdkv up -f` with an
+\\[autoscale] table acts on). A config file may hold the same as a \\[planner] table.
 """
 
 
@@ -156,10 +163,30 @@ def proxy(
     ] = None,
     ssl_certfile: Annotated[Path | None, typer.Option("--ssl-certfile", help="Serve TLS with this certificate (PEM).")] = None,
     ssl_keyfile: Annotated[Path | None, typer.Option("--ssl-keyfile", help="The certificate's private key (PEM).")] = None,
+    planner_profile: Annotated[
+        Path | None, typer.Option("--planner-profile", help="Run the planner's signal on this profile (from `pdkv profile`); needs --slo.")
+    ] = None,
+    slo: Annotated[str | None, typer.Option("--slo", metavar="ttft=MS,itl=MS", help="The planner's latency targets.")] = None,
+    slo_quantile: Annotated[float | None, typer.Option("--slo-quantile", help="The targets' quantile. [default: 0.9]")] = None,
+    planner_interval: Annotated[
+        float | None, typer.Option("--planner-interval", help="Seconds between the planner's rounds. [default: 5]")
+    ] = None,
+    planner_window: Annotated[
+        float | None, typer.Option("--planner-window", help="Seconds of requests each round observes. [default: 30]")
+    ] = None,
+    planner_bounds: Annotated[
+        str | None, typer.Option("--planner-bounds", metavar="prefill=MIN:MAX,decode=MIN:MAX", help="Engines the planner may ask for.")
+    ] = None,
+    planner_waits: Annotated[
+        str | None, typer.Option("--planner-waits", metavar="up=S,down=S,margin=F",
+                                 help="Hysteresis: how long a larger need lasts before it is asked for (0), how long a smaller "
+                                 "count suffices before engines are let go (60), and the share of the targets it must predict (0.8).")
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.proxy.guard import load_guard, server_ssl
-    from pdkv.proxy.config import build_config
+    from pdkv.errors import UsageError
+    from pdkv.proxy.config import build_config, planner_values
     from pdkv.proxy.server import serve
 
     guard = load_guard(api_key, api_key_file, admin_key)
@@ -175,6 +202,15 @@ def proxy(
         kv["queue_weight"] = kv_queue_weight
     if tokenizer is not None:
         kv["tokenizer"] = str(tokenizer)
+    planner = dict(file_values.get("planner") or {})
+    if planner_profile is not None or slo is not None:
+        if planner_profile is None or slo is None:
+            raise UsageError("the planner needs both --planner-profile and --slo",
+                             hint="e.g. --planner-profile p.json --slo ttft=500,itl=50")
+        planner.update(planner_values(str(planner_profile), slo, quantile=slo_quantile, interval=planner_interval,
+                                      window=planner_window, bounds=planner_bounds, waits=planner_waits))
+    elif any(v is not None for v in (slo_quantile, planner_interval, planner_window, planner_bounds, planner_waits)) and not planner:
+        raise UsageError("the planner's options need --planner-profile and --slo")
     cfg = build_config(
         prefill or [],
         decode or [],
@@ -190,6 +226,7 @@ def proxy(
         prefill_timeout=prefill_timeout,
         decode_first_byte_timeout=decode_timeout,
         health_interval=health_interval,
+        planner=planner or None,
     )
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -201,7 +238,8 @@ def proxy(
         if json_out:
             import msgspec
 
-            line = {"url": url, "ready": ready, "reason": reason, "policy": str(cfg.policy), "backends": backends}
+            line = {"url": url, "ready": ready, "reason": reason, "policy": str(cfg.policy), "backends": backends,
+                    "planner": cfg.planner is not None}
             sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
             sys.stdout.flush()
             return

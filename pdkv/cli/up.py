@@ -20,6 +20,7 @@ from pdkv.cli.output import console, err_console, print_json
 
 if TYPE_CHECKING:
     from pdkv.deploy import Part, PartEvent, Supervisor
+    from pdkv.deploy.autoscale import ScaleEvent
     from pdkv.deploy.run import UpPlan
 
 HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a whole local 1P1D.
@@ -28,6 +29,9 @@ With no arguments, starts bootstrap, prefill, decode and proxy on this host
 (on CPU with the embedded tiny model when no GPU is present), waits for each
 to be healthy, streams their logs (also to .pdkv/logs/) and stops them all on
 Ctrl-C. Pre-flight checks (ports, model, P/D agreement, bootstrap) run first.
+A deployment file with an \\[autoscale] table also starts engines within its
+bounds when the proxy's planner asks for more, and drains and stops them when
+it asks for fewer (docs/planner.md); --json prints a "scale" event per step.
 
 Examples:
 
@@ -38,6 +42,8 @@ Examples:
   pdkv up -f deploy.toml
 
   pdkv up -f fleet.toml --host B
+
+  pdkv up -f autoscale.toml --json   # \\[autoscale]: engines started and drained as the proxy's planner asks
 
   pdkv up --role prefill --model /models/Qwen3-8B --gpu 0 --device mlx5_0
 
@@ -126,7 +132,8 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
     live: Live | None = None
 
     def on_line(name: str, line: str) -> None:
-        prefix = Text(f"{name:<{width}} | ", style=COLORS.get(kinds[name], ""))
+        kind = kinds.get(name, name.rsplit("-", 1)[0])  # an engine added by [autoscale] is named by its role
+        prefix = Text(f"{name:<{width}} | ", style=COLORS.get(kind, ""))
         (live.console if live else console).print(prefix + Text(line), highlight=False, soft_wrap=True)
 
     def emit(event: str, **fields: Any) -> None:
@@ -138,11 +145,19 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
         if json_out:
             emit(event.kind, name=event.name, message=event.message, code=event.code, delay_s=event.delay_s, pid=event.pid)
         else:
-            style = {"restarted": "green", "gave-up": "bold red"}.get(event.kind, "yellow")
+            style = {"restarted": "green", "started": "green", "gave-up": "bold red"}.get(event.kind, "yellow")
             err_console.print(Text(f"pdkv up: {event.message}", style=style), highlight=False, soft_wrap=True)
 
+    def on_scale(event: ScaleEvent) -> None:
+        if json_out:
+            emit("scale", kind=event.kind, role=event.role, name=event.name, message=event.message, desired=event.desired,
+                 active=event.active, in_flight=event.in_flight)
+        else:
+            style = {"scale-up": "cyan", "stopped": "green", "scale-failed": "bold red"}.get(event.kind, "yellow")
+            err_console.print(Text(f"pdkv up: autoscale: {event.message}", style=style), highlight=False, soft_wrap=True)
+
     run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if show_logs and not json_out else None,  # type: ignore[arg-type]
-                   on_event=on_event)
+                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale)
     sup = run.supervisor
     with run:
         try:
@@ -237,7 +252,7 @@ def up(
                         bootstrap=bootstrap, members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind,
                         timeout=timeout, restart=restart, extra=tuple(extra or ()))
     plan = resolve(options, log_dir)
-    for line in hand_out_key(plan.token, plan.parts):
+    for line in [*plan.notes, *hand_out_key(plan.token, plan.parts)]:
         if json_out:
             sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
         else:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdkv.deploy.engine import EngineSpec, data_parallel_size
-from pdkv.deploy.schema import Deployment, EngineEntry
+from pdkv.deploy.schema import AutoscaleEntry, Deployment, EngineEntry
 from pdkv.errors import ConfigError
 
 
@@ -21,6 +21,14 @@ def proxy_args(dep: Deployment, host: str) -> list[str]:
     if dep.proxy.local_prefill_tokens is not None:
         argv += ["--local-prefill-tokens", str(dep.proxy.local_prefill_tokens)]
     return argv
+
+
+def planner_args(a: AutoscaleEntry) -> list[str]:
+    """`pdkv proxy`'s flags that run the planner's signal with `[autoscale]`'s targets, bounds and waits."""
+    return ["--planner-profile", a.profile, "--slo", f"ttft={a.ttft_ms:g},itl={a.itl_ms:g}", "--slo-quantile", f"{a.quantile:g}",
+            "--planner-interval", f"{a.interval_s:g}",
+            "--planner-bounds", f"prefill={a.prefill.min}:{a.prefill.max},decode={a.decode.min}:{a.decode.max}",
+            "--planner-waits", f"up={a.up_after_s:g},down={a.down_after_s:g},margin={a.down_margin:g}"]
 
 
 def check_one_instance_per_table(dep: Deployment) -> None:

@@ -6,7 +6,8 @@ this host (a deployment file's, one engine by role, or the built-in local
 puts the deployment key where every part inherits it. `prepare` writes what
 the parts need and runs the pre-flight checks. `PartsRun` starts the parts
 stage by stage, warms the deployment up, watches (restarting by each part's
-policy) and stops them all, with SIGINT and SIGTERM stopping cleanly. Nothing
+policy, and with `[autoscale]` starting and draining engines as the proxy's
+planner asks: pdkv.deploy.autoscale) and stops them all, with SIGINT and SIGTERM stopping cleanly. Nothing
 here prints: the command renders what the callbacks and results say.
 """
 
@@ -25,10 +26,13 @@ from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.exposure import exposure_warnings
 from pdkv.deploy.fleet import chosen_hosts
 from pdkv.deploy.loader import load_deployment
+from pdkv.deploy.schema import Deployment
 from pdkv.deploy.machine import gpu_count, local_addresses
 from pdkv.deploy.preflight import preflight, raise_problems
+from pdkv.deploy.scaling import autoscaled
 from pdkv.deploy.restart import RestartPolicy
 from pdkv.deploy.single import role_parts, split_cores, with_cores, with_extra
+from pdkv.deploy.autoscale import Autoscaler, ScaleEvent
 from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.deploy.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment
 from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
@@ -75,6 +79,8 @@ class UpPlan(msgspec.Struct, kw_only=True):
     timeout: float  # seconds each part may take to become healthy
     token: str | None  # the deployment file's key, if it has one
     uses_tiny: bool  # the embedded tiny model must be in its cache first
+    autoscale: Deployment | None = None  # the deployment whose [autoscale] this `pdkv up` acts on (pdkv.deploy.autoscale)
+    notes: list[str] = []  # warnings for the command to show
 
 
 def _check_options(o: UpOptions, gpus: int) -> None:
@@ -119,11 +125,13 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
     uses_tiny = o.model is None and o.file is None
     token: str | None = None
     timeout = o.timeout
+    notes: list[str] = []
     if o.file is not None:
         dep = load_deployment(o.file)
         token = dep.token
         if o.extra:
             dep = with_extra(dep, list(o.extra))
+        dep, notes = autoscaled(dep, o.file)
         # A fleet file: the parts of this host (--host NAME, else the hosts with one of this machine's addresses).
         here = chosen_hosts(dep, o.host, local_addresses() if o.host is None and dep.hosts else ())
         parts = select_parts(deployment_parts(dep), here)
@@ -164,8 +172,9 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
         if o.extra:
             dep = with_extra(dep, list(o.extra))
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
+    scaled = dep if o.file is not None and dep.autoscale is not None and not dep.hosts else None
     return UpPlan(parts=with_vllm_logging(parts, log_dir), bootstraps=boots, served=served, timeout=timeout, token=token,
-                  uses_tiny=uses_tiny)
+                  uses_tiny=uses_tiny, autoscale=scaled, notes=notes)
 
 
 def hand_out_key(token: str | None, parts: Sequence[Part]) -> list[str]:
@@ -204,6 +213,7 @@ class PartsRun:
     def __init__(
         self, parts: Sequence[Part], log_dir: str | Path, *, restart: Literal["on-failure", "no"] | None = None,
         on_line: Callable[[str, str], None] | None = None, on_event: Callable[[PartEvent], None] | None = None,
+        autoscale: Deployment | None = None, on_scale: Callable[[ScaleEvent], None] | None = None,
     ) -> None:
         self.parts = list(parts)
         restart_with: dict[str, list[str]] = {}
@@ -215,6 +225,9 @@ class PartsRun:
             restart=[RestartPolicy(restart or p.restart) for p in self.parts], restart_with=restart_with, on_event=on_event,
         )
         self._previous: Any = None
+        proxy = next((p for p in self.parts if p.kind == "proxy"), None)
+        self.autoscaler = None if autoscale is None or proxy is None else Autoscaler(
+            autoscale, self.supervisor, self.parts, proxy.plan.url, log_dir, on_event=on_scale, restart=restart)
 
     def __enter__(self) -> PartsRun:
         self._previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -225,6 +238,8 @@ class PartsRun:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         try:
+            if self.autoscaler is not None:
+                self.autoscaler.close()
             self.supervisor.stop_all()
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -241,7 +256,7 @@ class PartsRun:
     def watch(self) -> None:
         """Until a part dies and is not started again: then PdkvError naming it, with its log's tail."""
         sup = self.supervisor
-        dead = sup.watch()
+        dead = sup.watch(every=self.autoscaler.tick if self.autoscaler is not None else None)
         assert dead is not None  # watch returns None only when asked to stop
         why = "no part is left running" if sup.states[dead.name] == "failed" else "it is not restarted"
         raise PdkvError(f"{dead.name} exited with code {dead.poll()} and {why}; stopping the rest.\n{dead.log_tail(20)}",

@@ -116,10 +116,16 @@ AutoscalerKind = Literal["hpa", "keda"]
 
 
 class RoleBounds(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`[autoscale.prefill]` or `[autoscale.decode]`: how few and how many engines of the role may serve."""
+    """`[autoscale.prefill]` or `[autoscale.decode]`: how few and how many engines of the role may serve.
+
+    An engine `pdkv up` adds takes the role's first table's settings, a port of its own and, in order, the next
+    of `omp_bind` (CPU cores) or `gpu` (CUDA_VISIBLE_DEVICES): this host's hardware, which no table can say for
+    an engine it does not list (Kubernetes' scheduler places its pods; `pdkv k8s render` ignores both)."""
 
     min: int = 1
     max: int = 1
+    omp_bind: list[str] = []  # CPU: cores of each added engine (default: the cores the fewest engines are bound to)
+    gpu: list[str] = []  # GPU: each added engine's GPUs (needed on a GPU host when max exceeds the engines listed)
 
 
 class AutoscaleEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

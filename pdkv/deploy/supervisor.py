@@ -13,12 +13,12 @@ import msgspec
 
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
-from pdkv.errors import StartError
 from pdkv.deploy.engine import LaunchPlan
+from pdkv.errors import StartError
 
 log = logging.getLogger("pdkv.deploy")
 
-EventKind = Literal["exited", "restarting", "restarted", "gave-up"]
+EventKind = Literal["exited", "restarting", "restarted", "gave-up", "started"]
 RUNNING = ("starting", "ready", "restarting")
 
 
@@ -73,6 +73,7 @@ class Supervisor:
         self.restart_with = restart_with or {}
         self.on_change = on_change or (lambda: None)
         self.on_event = on_event or (lambda _e: None)
+        self._on_line = on_line
         self.procs = [
             ManagedProcess(plan, self.log_dir / f"{plan.name}.log",
                            on_line=(lambda line, n=plan.name: on_line(n, line)) if on_line else None)
@@ -84,6 +85,7 @@ class Supervisor:
         self._due: dict[str, float] = {}  # restarting part -> when it starts again (time.monotonic())
         self._deadline: dict[str, float] = {}  # restarted part, not healthy yet -> when it has failed
         self._start_timeout = 900.0
+        self._added: set[str] = set()  # started by `launch` and not healthy yet: reported "started", not "restarted"
         self.grace = 10.0  # seconds a part has to stop on SIGTERM before SIGKILL
 
     def _set(self, name: str, state: str) -> None:
@@ -131,7 +133,39 @@ class Supervisor:
                     time.sleep(interval)
         return time.monotonic() - t0
 
-    def watch(self, *, interval: float = 0.5, until: Callable[[], bool] | None = None) -> ManagedProcess | None:
+    def launch(self, plan: LaunchPlan, *, stage: int, policy: RestartPolicy) -> None:
+        """Start a part while the watch runs (an engine an autoscaler adds), or start a `retire`d one again with its
+        plan; the watch reports it "started" once healthy, or fails it after the start timeout. From the watching thread."""
+        proc = next((p for p in self.procs if p.name == plan.name), None)
+        if proc is None:
+            log_path = self.log_dir / f"{plan.name}.log"
+            proc = ManagedProcess(plan, log_path, on_line=(lambda line, n=plan.name: self._on_line(n, line)) if self._on_line else None)
+            self.procs.append(proc)
+            self.stages.append(stage)
+            self.policies.append(policy)
+        elif self.states[plan.name] in RUNNING:
+            raise ValueError(f"{plan.name} is running already")
+        self._set(plan.name, "starting")
+        self._added.add(plan.name)
+        try:
+            proc.start()
+        except StartError as exc:
+            self._failed(proc, None, exc.message.removeprefix(f"{proc.name}: "))
+            return
+        self._deadline[plan.name] = time.monotonic() + self._start_timeout
+
+    def retire(self, name: str, grace: float | None = None) -> int | None:
+        """Stop one part for good (an autoscaler's scale-down; its requests drained first): no restart. Its exit code."""
+        proc = next(p for p in self.procs if p.name == name)
+        self._deadline.pop(name, None)
+        self._due.pop(name, None)
+        self._added.discard(name)
+        code = proc.stop(self.grace if grace is None else grace)
+        self._set(name, "stopped")
+        return code
+
+    def watch(self, *, interval: float = 0.5, until: Callable[[], bool] | None = None,
+              every: Callable[[], None] | None = None) -> ManagedProcess | None:
         """Keep the started parts running; return when one's exit ends the deployment (Ctrl-C interrupts it).
 
         Each exit is reported (`on_event`, with the exit code or signal and the
@@ -140,10 +174,16 @@ class Supervisor:
         bound stays "failed" while the others keep serving. Returns the part
         whose exit its policy does not restart ("no", or a clean exit), the
         last part to fail when none is left running, or None once `until()`
-        is true (checked every `interval` s).
+        is true (checked every `interval` s). `every()` runs once per round, on this thread (an autoscaler's
+        tick: it may `launch` and `retire` parts).
         """
         last_failed: ManagedProcess | None = None
         while until is None or not until():
+            if every is not None:
+                try:
+                    every()
+                except Exception:  # an autoscaler's error must not stop supervision
+                    log.exception("watch hook failed")
             for proc in self.procs:
                 state = self.states[proc.name]
                 if state == "ready" and proc.poll() is not None:
@@ -202,6 +242,12 @@ class Supervisor:
         if proc.check_health(timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
             del self._deadline[proc.name]
             self._set(proc.name, "ready")
+            if proc.name in self._added:
+                self._added.discard(proc.name)
+                self.ready_s[proc.name] = time.monotonic() - (proc.started_at or time.monotonic())
+                self._emit(PartEvent(proc.name, "started", f"{proc.name} is healthy (pid {proc.pid}, {self.ready_s[proc.name]:.0f} s)",
+                                     pid=proc.pid))
+                return "ready"
             self._emit(PartEvent(proc.name, "restarted", f"{proc.name} is healthy again (pid {proc.pid})", pid=proc.pid))
             for name in self.restart_with.get(proc.name, []):
                 self._restart_dependent(name, because=proc.name)

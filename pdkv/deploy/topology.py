@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, events_ports, kv_events_port_of, proxy_args
+from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, events_ports, kv_events_port_of, planner_args, proxy_args
 from pdkv.deploy.engine import (
     Connector,
     EngineSpec,
@@ -215,6 +215,8 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 host = p.plan.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
                 argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]
+        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.autoscale)
+            argv += planner_args(dep.autoscale)
         proxy_at = host_address(dep, dep.proxy.host) or connect
         plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
         parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart,

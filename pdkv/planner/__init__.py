@@ -1,5 +1,5 @@
 """Capacity planning against latency targets: profiles of running engines, the queueing arithmetic that turns a
-profile and a workload into P and D counts, the desired-count signal with hysteresis and its gauges, and a fleet
+profile and a workload into P and D counts, the desired-count signal with hysteresis, the observation it reads and its gauges, and a fleet
 simulator. docs/planner.md has the models."""
 
 from pdkv.planner.capacity import Plan, Prediction, plan_capacity, predict
@@ -10,6 +10,7 @@ from pdkv.planner.measure import ProfileSettings, measure_profile, run_profile
 from pdkv.planner.profile import PROFILE_VERSION, Profile, load_profile, save_profile
 from pdkv.planner.signal import Desired, DesiredCounts, Observation, ScalePolicy
 from pdkv.planner.simulate import SimConfig, SimResult, Simulation
+from pdkv.planner.window import RequestSample, observe_window
 from pdkv.planner.workload import Slo, Workload, load_trace, make_workload, parse_lengths, parse_slo
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "Prediction",
     "PrefillFit",
     "Profile",
+    "RequestSample",
     "ProfileSettings",
     "ScalePolicy",
     "SimConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "load_trace",
     "make_workload",
     "measure_profile",
+    "observe_window",
     "parse_lengths",
     "parse_slo",
     "plan_capacity",

@@ -11,7 +11,9 @@ the engines serving now) and gets a `Desired` back. Per role:
   says the current count is enough (then one more than now);
 - keep: the counts that would keep predicted latencies under `down_margin`
   x the targets (a band below the targets, so a count met only just is not
-  given up).
+  given up), never fewer than serve now while the role's observed latency
+  is above that band (the model may be kinder than the engines), and never
+  fewer than need.
 
 Up: when need exceeds the desired count for `up_after_s`, desired jumps to
 need at once. Down: when keep stays below desired for `down_after_s`,
@@ -124,7 +126,13 @@ class DesiredCounts:
         if obs.itl_ms is not None and obs.itl_ms > self.slo.itl_ms and d <= obs.decode_engines:
             d = obs.decode_engines + 1
         need = {"prefill": self._clamp("prefill", p), "decode": self._clamp("decode", d)}
-        keep = {"prefill": self._clamp("prefill", max(kp, backlog)), "decode": self._clamp("decode", kd)}
+        if obs.ttft_ms is not None and obs.ttft_ms > self.slo.ttft_ms * margin:
+            kp = max(kp, obs.prefill_engines)
+        if obs.itl_ms is not None and obs.itl_ms > self.slo.itl_ms * margin:
+            kd = max(kd, obs.decode_engines)
+        # Never keep fewer than are needed: an observed latency over its target raises need above what the model
+        # keeps, and without this the count asked for would be let go while its engine still starts.
+        keep = {"prefill": self._clamp("prefill", max(kp, backlog, p)), "decode": self._clamp("decode", max(kd, d))}
         return need, keep
 
     def update(self, obs: Observation) -> Desired:

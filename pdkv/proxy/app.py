@@ -4,9 +4,8 @@ Routes:
     POST /v1/completions, /v1/chat/completions   P/D proxied (streaming or not)
     GET  /v1/models                               from a decode server
     GET  /health                                  200 when a P/D pair is routable, else 503 + reason
-    GET  /metrics                                 Prometheus text
-    GET  /pdkv/requests[?limit=N&errors=1]        recent per-request timings, newest first
-    GET  /pdkv/requests/{request_id}              one request's timing (request or transfer id)
+    GET  /metrics                                 Prometheus text (with the planner's gauges when it runs)
+    /pdkv/...                                     timings, the planner's view, draining (pdkv.proxy.admin)
 
 One request: P's and D's copies are sent at the same moment (D's connector
 waits for P's KV). D's first byte is forwarded as soon as it arrives. Failures
@@ -38,6 +37,7 @@ import msgspec
 from pdkv.auth import new_binding
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
+from pdkv.proxy.admin import AdminRoutes
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
 from pdkv.proxy.config import KvConnector, ProxyConfig
 from pdkv.proxy.error_answers import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
@@ -48,6 +48,7 @@ from pdkv.proxy.http import UpstreamError, fetch
 from pdkv.proxy.kv_router import KvRouter
 from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
+from pdkv.proxy.planner_loop import PlannerLoop
 from pdkv.proxy.prefill_channel import release_at_prefill, transfer_fate
 from pdkv.proxy.rewrite import decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
@@ -76,7 +77,11 @@ class ProxyApp:
         self.kv = KvRouter.for_config(config, self.metrics.registry)  # None unless the policy is kv-aware
         if self.kv is not None:
             self.health.on_events = self.kv.follow  # engines' KV events learnt from the members registry
+        # The desired-count signal (None when off); ConfigError here when its profile does not load.
+        self.planner = PlannerLoop(config.planner, self.backends, self.metrics.registry) if config.planner else None
+        self.admin = AdminRoutes(self.backends, self.timings, self.planner)
         self._health_task: asyncio.Task | None = None
+        self._planner_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Start health checking (and the kv-aware policy's followers); return after the first health round, or
@@ -87,6 +92,8 @@ class ProxyApp:
         deadline = asyncio.get_running_loop().time() + self.config.health_timeout + 1.0
         while self.health.rounds == 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
+        if self.planner is not None:  # after the first health round: its first count of engines is a real one
+            self._planner_task = asyncio.get_running_loop().create_task(self.planner.run())
 
     async def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
@@ -99,8 +106,10 @@ class ProxyApp:
                 conn.respond(405, error_body(405, f"{path} takes POST", "bad_request"))
                 return
             await self.proxy(req, conn, path)
+        elif path.startswith("/pdkv/"):
+            self.admin.handle(req, conn)
         elif method != "GET":
-            status = 405 if path in ("/health", "/metrics", "/v1/models") or path.startswith("/pdkv/") else 404
+            status = 405 if path in ("/health", "/metrics", "/v1/models") else 404
             conn.respond(status, error_body(status, f"no route {method} {path}", "bad_request"))
         elif path == "/health":
             ready, reason = self.backends.readiness()
@@ -113,14 +122,6 @@ class ProxyApp:
             conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)
         elif path == "/v1/models":
             await self.models(conn)
-        elif path == "/pdkv/requests":
-            conn.respond(200, _json_encode(self.timings.query(req.query)))
-        elif path.startswith("/pdkv/requests/"):
-            timing = self.timings.get(path[len("/pdkv/requests/") :])
-            if timing is None:
-                conn.respond(404, error_body(404, "no such request in the proxy's recent log", "bad_request"))
-            else:
-                conn.respond(200, _json_encode(timing))
         else:
             conn.respond(404, error_body(404, f"no route {method} {path}", "bad_request"))
 
@@ -221,6 +222,8 @@ class ProxyApp:
                     await self._local(conn, t, body, endpoint, d_state, d_headers, stream, fallback)
             finally:
                 self.backends.end(pairing, p_state, d_state)
+                if self.planner is not None:
+                    self.planner.record(t, b"".join(p_ex.chunks), b"".join(d_ex.chunks) if not stream else b"", d_ex.events)
                 if self.kv is not None:
                     self.kv.finished(t)
         finally:
@@ -373,12 +376,13 @@ class ProxyApp:
             log.warning("request %s failed (%s): %s", t.request_id, cause, detail)
 
     async def close(self) -> None:
-        """Stop health checking and the kv-aware policy, and close every upstream connection."""
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
+        """Stop health checking, the planner and the kv-aware policy, and close every upstream connection."""
+        for task in (self._health_task, self._planner_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._health_task = self._planner_task = None
         if self.kv is not None:
             await self.kv.close()
         await self.health.close()

@@ -6,7 +6,8 @@ requests in flight on each, and the pairs that may be routed to (a P and a D
 are paired only when their compatibility keys agree: pdkv.proxy.membership).
 What is up is decided by pdkv.proxy.health through `mark`, `add_prefill`,
 `add_decode`, `retire` and `rebuild`; the request path takes a backend out at
-once through `connect_failed`.
+once through `connect_failed`. A draining backend (`drain`: an autoscaler is
+about to stop it) gets no new request while its requests in flight finish.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ log = logging.getLogger("pdkv.proxy")
 
 
 class BackendState:
-    __slots__ = ("role", "url", "pool", "up", "failures", "reason", "outstanding", "static", "key", "probe_failures")
+    __slots__ = ("role", "url", "pool", "up", "failures", "reason", "outstanding", "static", "key", "probe_failures", "draining")
 
     def __init__(self, role: str, url: str, pool: UpstreamPool, *, static: bool = True) -> None:
         self.role = role
@@ -37,6 +38,7 @@ class BackendState:
         self.static = static  # from the command line: stays whatever the registry says
         self.key: CompatKey | None = None  # from its member record, if it has one
         self.probe_failures = 0
+        self.draining = False  # to be stopped: no new requests, whatever its health
 
 
 class PrefillState(BackendState):
@@ -99,12 +101,31 @@ class Backends:
     def close_retired(self) -> None:
         keep = []
         for b in self._retired:
-            busy = b.outstanding if b.role == "decode" else sum(n for (u, _), n in self._target_load.items() if u == b.url)
-            if busy:
+            if self.busy(b):
                 keep.append(b)
             else:
                 b.pool.close()
         self._retired = keep
+
+    def drain(self, url: str, on: bool = True) -> BackendState | None:
+        """Route no new request to the backend at `url` (or again, with `on` False); None if none is known there."""
+        state = next((b for b in (*self.prefills, *self.decodes) if b.url == url), None)
+        if state is not None and state.draining != on:
+            state.draining = on
+            log.info("%s %s %s", state.role, state.url, "drains: no new requests" if on else "takes requests again")
+            self.rebuild()
+        return state
+
+    def busy(self, state: BackendState) -> int:
+        """Requests this proxy has in flight on `state` (for a prefill server: through any of its engines, until D is done)."""
+        if state.role == "decode":
+            return state.outstanding
+        return sum(n for (u, _), n in self._target_load.items() if u == state.url)
+
+    def drain_report(self) -> list[dict[str, Any]]:
+        """Every backend's routing state and requests in flight, as GET /pdkv/planner and POST /pdkv/drain show them."""
+        return [{"role": b.role, "url": b.url, "up": b.up, "draining": b.draining, "in_flight": self.busy(b)}
+                for b in (*self.prefills, *self.decodes)]
 
     # --- request path
     def pair(self) -> tuple[Pairing, PrefillState, BackendState] | None:
@@ -202,14 +223,14 @@ class Backends:
         """Recompute the routable targets and pairs from the backends' states; call it after a change."""
         targets, owners = [], []
         for p in self.prefills:
-            if not p.up:
+            if not p.up or p.draining:
                 continue
             size = len(p.engines)
             for rank in sorted(p.engines):
                 targets.append(PrefillTarget(p.url, p.bootstrap_url, rank, size, p.engines[rank]))
                 owners.append(p)
         self._targets, self._target_owner = targets, owners
-        self._live_decodes = live = [d for d in self.decodes if d.up]
+        self._live_decodes = live = [d for d in self.decodes if d.up and not d.draining]
         self._target_decodes = [[j for j, d in enumerate(live) if compatible(p.key, d.key)] for p in owners]
         notes = unmatched({p.url: p.key for p in self.prefills}, {d.url: d.key for d in self.decodes})
         for note in notes:

@@ -37,6 +37,25 @@ class PrefillSpec(msgspec.Struct, frozen=True):
     bootstrap_url: str
 
 
+class PlannerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The planner's live signal in the proxy (pdkv.proxy.planner_loop): a profile, the targets, each role's bounds
+    and the waits of the hysteresis (pdkv.planner.signal.ScalePolicy's)."""
+
+    profile: str  # a file from `pdkv profile`
+    ttft_ms: float
+    itl_ms: float
+    quantile: float = 0.9
+    interval_s: float = 5.0  # how often the desired counts are recomputed
+    window_s: float = 30.0  # what the observation covers
+    min_prefill: int = 1
+    max_prefill: int = 256
+    min_decode: int = 1
+    max_decode: int = 256
+    up_after_s: float = 0.0
+    down_after_s: float = 60.0
+    down_margin: float = 0.8
+
+
 class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything `pdkv proxy` needs; timeouts in seconds."""
 
@@ -62,6 +81,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True):
     probe_failures: int = 2
     trace_capacity: int = 4096
     kv: KvConfig = KvConfig()  # the kv-aware policy's settings
+    planner: PlannerConfig | None = None  # the desired-count signal (off when None)
 
 
 def _origin(url: str, what: str) -> str:
@@ -143,4 +163,65 @@ def build_config(
                  "members_interval"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be positive")
+    if config.planner is not None:
+        check_planner(config.planner)
     return config
+
+
+def check_planner(p: PlannerConfig) -> None:
+    """ConfigError for targets, bounds or waits the signal cannot run with (the profile is read at start-up)."""
+    if not (p.ttft_ms > 0 and p.itl_ms > 0 and 0 < p.quantile < 1):
+        raise ConfigError("the planner needs ttft and itl targets above 0 ms and 0 < quantile < 1", hint="e.g. --slo ttft=500,itl=50")
+    if not (p.interval_s > 0 and p.window_s >= p.interval_s):
+        raise ConfigError(f"the planner needs interval > 0 and window >= interval, got {p.interval_s:g} s and {p.window_s:g} s")
+    for role, lo, hi in (("prefill", p.min_prefill, p.max_prefill), ("decode", p.min_decode, p.max_decode)):
+        if not 1 <= lo <= hi:
+            raise ConfigError(f"the planner's {role} bounds need 1 <= min <= max, got {lo}..{hi}", hint="e.g. --planner-bounds prefill=1:4")
+    if p.up_after_s < 0 or p.down_after_s < 0 or not 0 < p.down_margin <= 1:
+        raise ConfigError("the planner needs up_after_s >= 0, down_after_s >= 0 and 0 < down_margin <= 1")
+
+
+def planner_values(profile: str, slo: str, *, quantile: float | None = None, interval: float | None = None,
+                   window: float | None = None, bounds: str | None = None, waits: str | None = None) -> dict[str, Any]:
+    """`pdkv proxy`'s planner flags as a [planner] table: `slo` is `ttft=MS,itl=MS`, `bounds` `prefill=MIN:MAX,decode=MIN:MAX`,
+    `waits` `up=S,down=S,margin=F`. ConfigError (one line) for a value that does not parse."""
+    values: dict[str, Any] = {"profile": profile}
+    for part in _pairs(slo, "--slo", "ttft=MS,itl=MS"):
+        key, value = part
+        if key not in ("ttft", "itl"):
+            raise ConfigError(f"--slo takes ttft and itl, got {key!r}", hint="e.g. --slo ttft=500,itl=50")
+        values[f"{key}_ms"] = _number(value, "--slo")
+    if "ttft_ms" not in values or "itl_ms" not in values:
+        raise ConfigError(f"--slo needs both ttft and itl, got {slo!r}", hint="e.g. --slo ttft=500,itl=50")
+    for key, value in _pairs(bounds or "", "--planner-bounds", "prefill=MIN:MAX,decode=MIN:MAX"):
+        lo, sep, hi = value.partition(":")
+        if key not in ("prefill", "decode") or not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+            raise ConfigError(f"--planner-bounds takes prefill=MIN:MAX,decode=MIN:MAX, got {bounds!r}")
+        values[f"min_{key}"], values[f"max_{key}"] = int(lo), int(hi)
+    names = {"up": "up_after_s", "down": "down_after_s", "margin": "down_margin"}
+    for key, value in _pairs(waits or "", "--planner-waits", "up=S,down=S,margin=F"):
+        if key not in names:
+            raise ConfigError(f"--planner-waits takes up, down and margin, got {key!r}",
+                              hint="e.g. --planner-waits up=0,down=60,margin=0.8")
+        values[names[key]] = _number(value, "--planner-waits")
+    for key, value in (("quantile", quantile), ("interval_s", interval), ("window_s", window)):
+        if value is not None:
+            values[key] = value
+    return values
+
+
+def _pairs(text: str, flag: str, form: str) -> list[tuple[str, str]]:
+    out = []
+    for part in (p for p in text.split(",") if p.strip()):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"{flag} takes {form}, got {text!r}")
+        out.append((key.strip().lower().removesuffix("_ms"), value.strip()))
+    return out
+
+
+def _number(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a number") from None

@@ -60,7 +60,7 @@ class PrefillExchange(Exchange):
 class DecodeExchange(Exchange):
     """D's answer: buffered until the handler commits the client response, then written straight through."""
 
-    __slots__ = ("flight", "chunks", "sink", "first")
+    __slots__ = ("flight", "chunks", "sink", "first", "events")
 
     def __init__(self, flight: Flight) -> None:
         super().__init__()
@@ -68,8 +68,10 @@ class DecodeExchange(Exchange):
         self.chunks: list[bytes] = []
         self.sink: Any = None
         self.first = False
+        self.events = 0  # SSE events seen (streamed: about one per output token, and the closing [DONE])
 
     def on_body(self, data: bytes) -> None:
+        self.events += data.count(b"data: ")
         if self.sink is not None:
             self.sink(data)
             return

@@ -237,3 +237,27 @@ def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path)
             run.watch()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert signal.getsignal(signal.SIGTERM) is before_term and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_part_launched_while_watching_is_reported_started_and_a_retired_one_stays_stopped(tmp_path: Path) -> None:
+    events = Recorder()
+    added = server_plan("added", tmp_path / "no-crash")
+    with Supervisor([bootstrap_plan("a")], tmp_path, on_event=events, restart=[fast()]) as sup:
+        sup.start_all(timeout=30)
+        steps = iter([lambda: sup.launch(added, stage=1, policy=fast())])
+
+        def every() -> None:  # the autoscaler's place: it runs on the watch thread
+            step = next(steps, None)
+            if step is not None:
+                step()
+
+        assert sup.watch(interval=0.05, every=every, until=events.until("added", ["started"])) is None
+        assert sup.states == {"a": "ready", "added": "ready"} and httpx.get(added.url + "/health", timeout=5).status_code == 200
+        pid = sup.procs[1].pid
+        assert sup.retire("added", grace=5) is not None and sup.states["added"] == "stopped" and not _alive(pid)
+        assert sup.watch(interval=0.05, until=lambda: True) is None  # nothing restarts a retired part
+        with pytest.raises(ValueError, match="running already"):
+            sup.launch(sup.procs[0].plan, stage=0, policy=fast())
+        sup.launch(added, stage=1, policy=fast())  # started again: the same plan, port and log
+        assert sup.watch(interval=0.05, until=events.until("added", ["started", "started"])) is None
+        assert sup.procs[1].pid != pid and len(sup.procs) == 2 and "restarted" not in events.kinds("added")

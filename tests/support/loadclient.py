@@ -14,6 +14,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -173,3 +174,25 @@ def mixed_cases(n: int, seed: int, cancel_share: float = 0.0) -> list[Case]:
         out.append(Case(ENDPOINTS[(i // 2) % 2], PROMPTS[rng.randrange(len(PROMPTS))], stream,
                         cancel_after=rng.randint(1, 6) if cancel else None))
     return out
+
+
+def closed_loop(base: str, cases: list[Case], model: str, concurrency: int, stop: Any, *,
+                timeout: float = 120.0) -> list[tuple[float, int, Answer]]:
+    """`concurrency` clients, each sending the next of `cases` (cycled) as soon as its last answer came, until
+    `stop` (a threading.Event) is set; (time.monotonic() at send, case index, answer) of every request, in send order."""
+    out: list[tuple[float, int, Answer]] = []
+    counter = iter(range(10**9))
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            i = next(counter) % len(cases)
+            sent = time.monotonic()
+            out.append((sent, i, await one(client, base, cases[i], model, timeout=timeout)))
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False) as client:
+            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+
+    asyncio.run(main())
+    return sorted(out, key=lambda item: item[0])

@@ -27,7 +27,8 @@ class Stub:
     behaviour keys: status (int), delay (s before answering), hang (never answer), hang_pd (never answer a
     P/D copy, one with kv_transfer_params),
     chunks (SSE events when streaming), gap (s between them), first_then_hang
-    (stream one event, then wait), healthy (bool for /health), body (error body).
+    (stream one event, then wait), healthy (bool for /health), body (error body), prompt_tokens (an OpenAI usage
+    in a non-streamed answer, as vLLM writes it), waiting (vllm:num_requests_waiting on /metrics).
     `seen` holds (headers, json body) per request; `cancelled` counts requests whose
     client (the proxy) went away before the answer was complete.
     """
@@ -41,6 +42,7 @@ class Stub:
         app = web.Application()
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
         self.service = BackgroundService(app)
@@ -54,6 +56,11 @@ class Stub:
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": f"model-from-{self.name}"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        waiting = self.behaviour.get("waiting", 0)
+        text = f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\nvllm:num_requests_running{{model_name="m"}} 1\n'
+        return web.Response(text=text, content_type="text/plain")
 
     async def _wait(self, request: web.Request, seconds: float | None) -> bool:
         """Sleep `seconds` (None: until the client goes); False if the client went away."""
@@ -88,7 +95,10 @@ class Stub:
             if not await self._wait(request, b["delay"]):
                 return web.Response(status=499)
             self.completed += 1
-            return web.json_response({"choices": [{"index": 0, "text": f"{self.name} answer", "finish_reason": "length"}]})
+            answer: dict[str, Any] = {"choices": [{"index": 0, "text": f"{self.name} answer", "finish_reason": "length"}]}
+            if b.get("prompt_tokens"):
+                answer["usage"] = {"prompt_tokens": b["prompt_tokens"], "completion_tokens": body.get("max_tokens", 16)}
+            return web.json_response(answer)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if not await self._wait(request, b["delay"]):

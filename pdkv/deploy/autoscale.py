@@ -1,0 +1,274 @@
+"""`pdkv up -f` acting on the proxy's planner signal: engines started and stopped within `[autoscale]`'s bounds.
+
+`Autoscaler.tick()` runs on the supervisor's watch thread (Supervisor.watch's
+`every`). Every `interval_s` it reads the proxy's GET /pdkv/planner and, per
+role, compares the desired count with the engines running or starting:
+
+- more wanted (within max): a draining engine is taken back first (POST
+  /pdkv/drain draining=false), then the lowest free slot starts
+  (pdkv.deploy.scaling: the role's settings, its own ports and cores); it
+  joins the proxy through the members registry once healthy;
+- fewer wanted (down to min): the newest engines drain: the proxy routes
+  them nothing new (POST /pdkv/drain), their requests in flight finish, then
+  they are stopped once the engine itself runs nothing either (its own
+  /metrics); `drain_timeout_s` bounds the wait (what is still in
+  flight then is cut, and the event says how many). An engine still starting
+  has no request and stops at once.
+
+Every step is a `ScaleEvent` to `on_event`. A proxy that does not answer
+changes nothing (its engines keep serving); the next tick asks again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from pdkv.deploy.engine import parse_cores
+from pdkv.deploy.preflight import port_free
+from pdkv.deploy.restart import RestartPolicy
+from pdkv.deploy.scaling import Role, added_entry, free_port, ports_of, scale_steps, slot_parts
+from pdkv.deploy.schema import Deployment
+from pdkv.deploy.status import parse_prometheus
+from pdkv.deploy.supervisor import RUNNING, Supervisor
+from pdkv.deploy.topology import Part
+from pdkv.deploy.vllm_logging import with_vllm_logging
+from pdkv.errors import PdkvError
+
+log = logging.getLogger("pdkv.deploy")
+
+ScaleKind = Literal["scale-up", "draining", "undrained", "stopped", "scale-failed"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+RETRY_AFTER_S = 30.0  # after a start that could not be set up (no free port, bad binding), before trying again
+STAGE = {"bootstrap": 0, "prefill": 1, "decode": 1}
+
+
+class ScaleEvent(msgspec.Struct, frozen=True):
+    """One scale step; `message` says it in one line."""
+
+    kind: ScaleKind
+    role: str
+    name: str
+    message: str
+    desired: int
+    active: int  # engines of the role running or starting after this step
+    in_flight: int | None = None  # requests on a drained engine when it was stopped (cut when the drain timed out)
+
+
+class Slot:
+    """One engine of a role: its parts (a prefill's bootstrap, then the engine) and where it stands."""
+
+    __slots__ = ("role", "index", "parts", "state", "drain_since")
+
+    def __init__(self, role: Role, index: int, parts: list[Part], state: str = "active") -> None:
+        self.role, self.index, self.parts = role, index, parts
+        self.state = state  # active (running or starting) | draining | stopped
+        self.drain_since = 0.0
+
+    @property
+    def engine(self) -> Part:
+        return self.parts[-1]
+
+    @property
+    def url(self) -> str:
+        return self.engine.plan.url
+
+
+class Autoscaler:
+    """The scale loop over one supervisor; every method runs on the watch thread."""
+
+    def __init__(self, dep: Deployment, supervisor: Supervisor, parts: list[Part], proxy_url: str, log_dir: str | Path, *,
+                 on_event: Callable[[ScaleEvent], None] | None = None, restart: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        assert dep.autoscale is not None
+        self.dep, self.auto, self.sup = dep, dep.autoscale, supervisor
+        self.proxy_url, self.log_dir = proxy_url.rstrip("/"), log_dir
+        self.on_event = on_event or (lambda _e: None)
+        self.restart = restart
+        self.clock = clock
+        self.parts = list(parts)  # every part started so far, the added ones too (their ports are taken)
+        self.slots: dict[Role, list[Slot]] = {}
+        for role in ROLES:
+            engines = [p for p in parts if p.kind == role]
+            boots = {p.plan.name: p for p in parts if p.kind == "bootstrap"}
+            self.slots[role] = [Slot(role, i, ([boots[f"bootstrap-{i}"]] if f"bootstrap-{i}" in boots else []) + [e])
+                                for i, e in enumerate(engines)]
+        self.desired: dict[str, int] | None = None
+        self.view: dict[str, Any] | None = None
+        self._next_poll = 0.0
+        self._retry_at: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
+        self._client: Any = None
+
+    # --- the loop
+    def tick(self) -> None:
+        now = self.clock()
+        for slot in [s for role in ROLES for s in self.slots[role] if s.state == "draining"]:
+            self._drain_step(slot, now)
+        if now < self._next_poll:
+            return
+        self._next_poll = now + self.auto.interval_s
+        view = self._get("/pdkv/planner")
+        if not isinstance(view, dict) or not isinstance(view.get("desired"), dict):
+            return
+        self.view, self.desired = view, view["desired"]
+        for role in ROLES:
+            self.apply(role, int(view["desired"][role]), now)
+
+    def active(self, role: Role) -> list[Slot]:
+        return [s for s in self.slots[role] if s.state == "active"]
+
+    def apply(self, role: Role, desired: int, now: float) -> None:
+        """Start or drain engines of `role` towards `desired` (within the role's bounds)."""
+        bounds = self.auto.prefill if role == "prefill" else self.auto.decode
+        step = scale_steps(desired, len(self.active(role)), (bounds.min, bounds.max))
+        while step > 0:
+            draining = [s for s in self.slots[role] if s.state == "draining"]
+            if draining:
+                self._undrain(max(draining, key=lambda s: s.index), desired)
+            elif now < self._retry_at[role] or not self._start(role, desired):
+                return
+            step -= 1
+        # The newest first; slot 0 never (a prefill's slot 0 holds the members registry the others join).
+        for slot in sorted(self.active(role), key=lambda s: -s.index)[: max(0, -step)]:
+            if slot.index > 0:
+                self._drain(slot, desired, now)
+
+    # --- scale up
+    def _start(self, role: Role, desired: int) -> bool:
+        stopped = [s for s in self.slots[role] if s.state == "stopped"]
+        try:
+            slot = min(stopped, key=lambda s: s.index) if stopped else self._new_slot(role)
+        except PdkvError as exc:
+            self._retry_at[role] = self.clock() + RETRY_AFTER_S
+            self._emit("scale-failed", role, f"{role}-{len(self.slots[role])}", f"cannot add a {role} engine: {exc.message}", desired)
+            return False
+        policy = RestartPolicy(self.restart or slot.engine.restart)  # type: ignore[arg-type]
+        for part in slot.parts:
+            if self.sup.states.get(part.plan.name) not in RUNNING:
+                self.sup.launch(part.plan, stage=STAGE[part.kind], policy=policy)
+        slot.state = "active"
+        self._post_drain(slot.url, False)  # a slot started again: the proxy may still hold it as draining
+        cores = f" on cores {slot.engine.spec.omp_bind}" if slot.engine.spec and slot.engine.spec.omp_bind else ""
+        self._emit("scale-up", role, slot.engine.plan.name, f"starting {slot.engine.plan.name} at {slot.url}{cores}: the planner "
+                   f"asks for {desired} {role} engine(s)", desired)  # fmt: skip
+        return True
+
+    def _new_slot(self, role: Role) -> Slot:
+        slots = self.slots[role]
+        index, added = len(slots), len(slots) - len(self.dep.prefill if role == "prefill" else self.dep.decode)
+        taken = ports_of(self.parts)
+        is_free = lambda port: port_free(self.dep.host, port)  # noqa: E731
+        port = free_port(max(s.engine.spec.port for s in slots if s.engine.spec) + 1, taken, is_free)
+        taken.add(port)
+        events = free_port(max(taken) + 1, taken, is_free, step=2) if self.dep.kv_events else None
+        busy: dict[int, int] = {}
+        for s in (s for r in ROLES for s in self.slots[r] if s.state != "stopped"):
+            for core in parse_cores(s.engine.spec.omp_bind if s.engine.spec else None) or ():
+                busy[core] = busy.get(core, 0) + 1
+        entry = added_entry(self.dep, role, added, port, events, busy)
+        parts = with_vllm_logging(slot_parts(self.dep, role, index, entry), self.log_dir)
+        held = [p for part in parts for h, p in part.ports if p in ports_of(self.parts) or not port_free(h, p)]
+        if held:
+            raise PdkvError(f"port(s) {', '.join(map(str, sorted(set(held))))} of {role}-{index} are taken on this host")
+        slot = Slot(role, index, parts)
+        slots.append(slot)
+        self.parts += parts
+        return slot
+
+    # --- scale down
+    def _drain(self, slot: Slot, desired: int, now: float) -> None:
+        if self.sup.states.get(slot.engine.plan.name) != "ready":  # still starting: no request can be on it
+            self._stop(slot, desired, 0, "it was still starting")
+            return
+        slot.state, slot.drain_since = "draining", now
+        answer = self._post_drain(slot.url, True)
+        n = answer.get("in_flight") if isinstance(answer, dict) else None
+        self._emit("draining", slot.role, slot.engine.plan.name, f"draining {slot.engine.plan.name}: no new requests, "
+                   f"{n if n is not None else 'its'} request(s) in flight finish first; the planner asks for {desired}", desired, n)
+        self._drain_step(slot, now)
+
+    def _drain_step(self, slot: Slot, now: float) -> None:
+        answer = self._post_drain(slot.url, True)
+        n = answer.get("in_flight") if isinstance(answer, dict) else None
+        desired = (self.desired or {}).get(slot.role, 0)
+        if isinstance(answer, dict) and answer.get("_status") == 404:
+            self._stop(slot, desired, 0, "the proxy does not route to it")
+        elif n == 0 and self._engine_idle(slot.url):
+            self._stop(slot, desired, 0, "its requests finished")
+        elif now - slot.drain_since >= self.auto.drain_timeout_s:
+            self._stop(slot, desired, n, f"the drain timed out after {self.auto.drain_timeout_s:g} s with {n} request(s) in flight")
+
+    def _undrain(self, slot: Slot, desired: int) -> None:
+        self._post_drain(slot.url, False)
+        slot.state = "active"
+        self._emit("undrained", slot.role, slot.engine.plan.name, f"{slot.engine.plan.name} takes requests again: the planner asks "
+                   f"for {desired}", desired)  # fmt: skip
+
+    def _stop(self, slot: Slot, desired: int, in_flight: int | None, why: str) -> None:
+        name = slot.engine.plan.name
+        code = self.sup.retire(name)
+        slot.state = "stopped"
+        self._emit("stopped", slot.role, name, f"stopped {name} ({why}; exit code {code})", desired, in_flight)
+
+    # --- the proxy
+    def _emit(self, kind: ScaleKind, role: Role, name: str, message: str, desired: int, in_flight: int | None = None) -> None:
+        event = ScaleEvent(kind, role, name, message, desired, len(self.active(role)), in_flight)
+        log.info("autoscale: %s", message)
+        try:
+            self.on_event(event)
+        except Exception:  # reporting must not stop scaling
+            log.exception("scale event report failed")
+
+    def _http(self) -> Any:
+        if self._client is None:
+            import httpx
+
+            from pdkv.proxy.guard import admin_headers
+
+            self._client = httpx.Client(timeout=2.0, headers=admin_headers())
+        return self._client
+
+    def _get(self, path: str) -> Any:
+        import httpx
+
+        try:
+            r = self._http().get(self.proxy_url + path)
+            return r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _engine_idle(self, url: str) -> bool:
+        """Whether the engine itself runs and queues nothing (vllm:num_requests_running and _waiting on its /metrics):
+        the proxy's count ends with the client's answer, an engine's own work may trail it. True when unreadable."""
+        import httpx
+
+        try:
+            text = self._http().get(url + "/metrics").text
+        except httpx.HTTPError:
+            return True
+        busy = [v for name, _, v in parse_prometheus(text) if name in ("vllm:num_requests_running", "vllm:num_requests_waiting")]
+        return sum(busy) == 0
+
+    def _post_drain(self, url: str, on: bool) -> dict[str, Any] | None:
+        import httpx
+
+        try:
+            r = self._http().post(self.proxy_url + "/pdkv/drain", json={"url": url, "draining": on})
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 404:
+            return {"_status": 404}
+        try:
+            return r.json() if r.status_code == 200 else None
+        except ValueError:
+            return None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
