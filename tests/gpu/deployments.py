@@ -59,12 +59,12 @@ PORTS = {
 }
 
 
-def deployment_toml(name: str, model: str) -> str:
+def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     connector, protocol = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
     engine_args = json.dumps([
-        *GRAPH_ARGS[GRAPHS], "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
+        *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
         # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
         # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
@@ -73,7 +73,7 @@ def deployment_toml(name: str, model: str) -> str:
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
-    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {GRAPHS}.
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {graphs}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
 connector = "{connector}"

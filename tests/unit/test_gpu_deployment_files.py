@@ -1,0 +1,31 @@
+"""The GPU tier's deployment files (tests/gpu/deployments.py) load and plan here, in both engine modes: a mistake
+in them would otherwise first show on a lent GPU machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu.deployments import GRAPH_ARGS, NAMES, PORTS, deployment_toml
+from pdkv.deploy import deployment_parts
+from pdkv.deploy.loader import load_deployment
+
+
+@pytest.mark.parametrize("graphs", sorted(GRAPH_ARGS))
+@pytest.mark.parametrize("name", NAMES)
+def test_each_file_loads_and_its_engines_share_gpu_0(tmp_path, name: str, graphs: str) -> None:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(deployment_toml(name, "/models/qwen3-8b", graphs))
+    parts = deployment_parts(load_deployment(path))
+    engines = [p for p in parts if p.kind in ("prefill", "decode")]
+    assert [p.spec.port for p in engines] == [PORTS[name].prefill, PORTS[name].decode]
+    for part in engines:
+        argv = part.plan.argv
+        assert part.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and part.plan.env["VLLM_BATCH_INVARIANT"] == "1"
+        if graphs == "eager":
+            assert "--enforce-eager" in argv and "--compilation-config" not in argv
+        else:
+            assert "--enforce-eager" not in argv
+            config = json.loads(argv[argv.index("--compilation-config") + 1])
+            assert config == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
