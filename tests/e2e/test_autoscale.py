@@ -59,7 +59,8 @@ class Up:
         self.proc, self.stderr, self.logs = proc, stderr, logs
         self.events: queue.Queue = queue.Queue()
         self.seen: list[dict] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self.ready: dict = {}
         self.target_ms = 0.0
 
@@ -158,6 +159,9 @@ max = 1
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        running.reader.join(timeout=10)  # it reads to the end of pdkv up's output, then the pipe is closed here
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _planner(proxy: str) -> dict:
