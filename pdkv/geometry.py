@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.errors import ConfigError, UnsupportedModelError, UsageError
+from pdkv.errors import ConfigError, TransferError, UnsupportedModelError, UsageError
+from pdkv.tp_heads import check_tp_pair, head_shares
 
 DTYPE_BYTES: dict[str, int] = {
     "bfloat16": 2,
@@ -300,7 +301,6 @@ def geometry_from_model(model: str | Path, *, tp: int = 1, dtype: str | None = N
 def parse_tp_pair(text: str) -> tuple[int, int]:
     """`--tp N` (P and D alike) or `--tp P:D` -> (P's TP, D's TP); UsageError for anything else or sizes that do
     not divide each other."""
-    from pdkv.tp_heads import check_tp_pair
 
     p, sep, d = text.partition(":")
     try:
@@ -316,10 +316,8 @@ def parse_tp_pair(text: str) -> tuple[int, int]:
 def rank_transfers(geometry: KVGeometry, p_tp: int, d_tp: int, *, prompt_tokens: int, block_size: int) -> list[RankTransfer]:
     """Every (P rank, D rank) write of one prompt, from the whole model's `geometry` (tp 1), in the layout pdkv's
     connector moves (LBHNC: one region per layer, each block's heads one after another, K and V inside each head).
-    Dense heads split as pdkv.transport.planner.head_shares says; MLA's latent is whole on every rank, and each D
+    Dense heads split as pdkv.tp_heads.head_shares says; MLA's latent is whole on every rank, and each D
     rank takes it from one P rank. Pure."""
-    from pdkv.errors import TransferError
-    from pdkv.tp_heads import head_shares
 
     blocks = blocks_for(prompt_tokens, block_size)
     per_layer = geometry.block_bytes_per_layer(block_size)  # one block of one layer, every head

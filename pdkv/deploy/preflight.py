@@ -13,8 +13,10 @@ from typing import Any
 
 import msgspec
 
+from pdkv.deploy.engine import parse_cores
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
-from pdkv.errors import ConfigError
+from pdkv.errors import ConfigError, TransferError
+from pdkv.tp_heads import rank_heads
 
 SHIM_FOLDER = "cpu_accelerator"  # tests/shims/cpu_accelerator: a test-only fake accelerator index for vLLM's connector
 
@@ -130,7 +132,6 @@ def check_vllm_release(parts: list[Part]) -> list[Problem]:
 
 
 def _missing_cores(bind: str | None) -> list[int]:
-    from pdkv.deploy.engine import parse_cores
 
     return [c for c in parse_cores(bind) or () if c >= (os.cpu_count() or 1)]
 
@@ -213,8 +214,6 @@ def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config
 
 def _head_split(pair: str, p_tp: int, d_tp: int, config: dict[str, Any] | None) -> list[Problem]:
     """P and D of different TP sizes with pdkv's connector: the model's KV heads must split over both sizes."""
-    from pdkv.errors import TransferError
-    from pdkv.tp_heads import rank_heads
 
     if config is None:
         return []  # a hub id: the engines check it when D first pulls
@@ -277,7 +276,6 @@ def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Pro
 def shared_cores(parts: list[Part]) -> list[str]:
     """One line per CPU engine whose cores (omp_bind) another engine of this host binds too: more TP ranks than
     cores. Each engine still runs, but the forwards of the ranks sharing a core take turns on it."""
-    from pdkv.deploy.engine import parse_cores
 
     owner: dict[int, str] = {}
     out: list[str] = []
