@@ -6,13 +6,13 @@
 # tokenizer that names every id; scripts/gpu/run.sh writes seeded random weights on the host).
 #
 # Usage: bash scripts/gpu/pack.sh [OUT]      (default OUT=.gpu; run as root on a Debian host with PyPI access)
-# Writes OUT/bundle.tgz.aa, .ab, ... (PIECE_MB each, default 60) and OUT/bundle.sha256.
+# Writes OUT/bundle.tgz.aa, .ab, ... (PIECE_MB each, default 50: a piece and the checkout fit one 64 MiB device call) and OUT/bundle.sha256.
 # Copy OUT/ and this checkout to the GPU host, then: bash scripts/gpu/run.sh OUT
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 OUT="$(realpath -m "${1:-.gpu}")"
-PIECE_MB="${PIECE_MB:-60}"
+PIECE_MB="${PIECE_MB:-50}"
 CACHE="${PDKV_GPU_WHEELS:-$HOME/.cache/pdkv/gpu-wheels}"
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT

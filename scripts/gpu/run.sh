@@ -5,7 +5,8 @@
 #   BUNDLE_DIR  the folder holding bundle.tgz.* and bundle.sha256
 #   WORK        where the bundle unpacks and the model's weights are written (default /tmp/pdkv-gpu); kept, so
 #               a second run on the same host skips both
-# Environment: OUT (results; default WORK/out), STEPS (default "tests bench kill transport": any of them, run in the
+# Environment: OUT (the few result files: summary.txt, the test logs, gpu_pd.json, digest.txt; default WORK/out;
+# the engines' logs, `pdkv up`'s events and the rest go to WORK/aux, and digest.txt quotes what matters of them), STEPS (default "tests bench kill transport": any of them, run in the
 # order named), PDKV_GPU_GRAPHS ("eager", the default, or "full-decode": tests/gpu/deployments.py).
 #
 # Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
@@ -19,7 +20,9 @@ BUNDLE="$(realpath "${1:?usage: run.sh BUNDLE_DIR [WORK]}")"
 WORK="${2:-/tmp/pdkv-gpu}"
 OUT="${OUT:-$WORK/out}"
 STEPS="${STEPS:-tests bench kill transport}"
-mkdir -p "$WORK" "$OUT"
+AUX="$WORK/aux"
+rm -rf "$AUX"
+mkdir -p "$WORK" "$OUT" "$AUX"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 say() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
@@ -40,7 +43,7 @@ if ! ldconfig -p | grep -q 'libcurl.so.4 '; then LIBS="$LIBS:$WORK/deb/curl/usr/
 export LD_LIBRARY_PATH="$LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export IBV_CONFIG_DIR="$WORK/deb/rdma/etc/libibverbs.d"
 export HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1 MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
-export PDKV_GPU_MODEL="$WORK/model" PDKV_GPU_OUT="$OUT"
+export PDKV_GPU_MODEL="$WORK/model" PDKV_GPU_OUT="$AUX"
 PY=python3
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
@@ -56,7 +59,7 @@ for name in ("torch", "vllm", "mooncake.engine", "pdkv.connector.vllm_connector"
 EOF
 
 if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if has_weights('$WORK/model') else 1)"; then
-    $PY -m pdkv model random "$WORK/model" --config "$WORK/model/config.json" --json > "$OUT/model.json" \
+    $PY -m pdkv model random "$WORK/model" --config "$WORK/model/config.json" --json > "$AUX/model.json" \
         || { say "model: writing the weights failed"; exit 3; }
 fi
 say "model ready ($(elapsed))"
@@ -65,7 +68,7 @@ FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
 PIDS=()
 for name in pdkv-ipc pdkv-tcp mooncake-tcp; do
-    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$OUT/logs-$name" > "$OUT/up-$name.jsonl" 2> "$OUT/up-$name.stderr" &
+    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
     PIDS+=($!)
 done
 stop_all() {
@@ -76,18 +79,37 @@ stop_all() {
     done
     for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
 }
-trap stop_all EXIT
+digest() {
+    # What a reader needs of WORK/aux, in one file: every event of `pdkv up` but the long ready line, each log's
+    # errors and its last lines, the near-ties the tests saw.
+    {
+        for f in "$AUX"/up-*.jsonl "$AUX"/up-*.stderr; do
+            echo "=== $f"; grep -v '"event": "ready"' "$f" | tail -n 20 | cut -c1-400
+        done
+        for f in "$AUX"/logs-*/*.log; do
+            echo "=== $f"
+            grep -n -E "Traceback|Error|error:|CUDA|out of memory|Killed|died|exited|signal" "$f" | head -n 25 | cut -c1-400
+            echo "--- last lines"; tail -n 25 "$f" | cut -c1-400
+        done
+        echo "=== ties (P/D left P alone's answer at a bf16 tie): $(cat "$AUX"/ties.jsonl 2>/dev/null | wc -l)"
+        cat "$AUX"/ties.jsonl 2>/dev/null
+    } > "$OUT/digest.txt" 2>&1
+}
+finish() { stop_all; digest; }
+trap finish EXIT
 ready=0
 for _ in $(seq 540); do
-    ready=$(grep -l '"event": "ready"' "$OUT"/up-*.jsonl 2>/dev/null | wc -l)
+    ready=$(grep -l '"event": "ready"' "$AUX"/up-*.jsonl 2>/dev/null | wc -l)
     [ "$ready" = 3 ] && break
     for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "a pdkv up ended early"; break 2; }; done
     sleep 1
 done
 say "deployments ready: $ready of 3 ($(elapsed))"
-grep -h '"event": "ready"' "$OUT"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
+gpu_memory() { say "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) ($1)"; }
+gpu_memory "all engines up"
+grep -h '"event": "ready"' "$AUX"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
 if [ "$ready" != 3 ]; then
-    for f in "$OUT"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
+    for f in "$AUX"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
     exit 1
 fi
 export PDKV_GPU_UP=1
@@ -95,15 +117,16 @@ export PDKV_GPU_UP=1
 rc=0
 step_tests() {
     # The deployments' tests, in a process of their own: a crash in another GPU test cannot take them down.
-    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_pd.py -k "not killed" --junitxml "$OUT/tests.xml" \
+    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_pd.py -k "not killed" --junitxml "$AUX/tests.xml" \
         > "$OUT/tests.log" 2>&1 || rc=1
     say "deployment tests: $(tail -n 1 "$OUT/tests.log") ($(elapsed))"
+    gpu_memory "after the tests"
 }
 step_bench() {
-    $PY benchmarks/gpu_pd.py --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$OUT/gpu_pd.stderr" || { rc=1; tail -n 20 "$OUT/gpu_pd.stderr" >> "$SUMMARY"; }
+    $PY benchmarks/gpu_pd.py --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
     $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
-        --baseline --iters 30 --json > "$OUT/bench-ipc.json" 2> "$OUT/bench-ipc.stderr" || rc=1
-    $PY - "$OUT/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+        --baseline --iters 30 --json > "$AUX/bench-ipc.json" 2> "$AUX/bench-ipc.stderr" || rc=1
+    $PY - "$AUX/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
 for c in r["cases"]:
@@ -111,6 +134,8 @@ for c in r["cases"]:
     print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
           f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
 PYEOF
+    # vLLM's MooncakeConnector times its own writes (P's stats log, every 10 s): beside pdkv's traced write.
+    grep -h "KV Transfer metrics" "$AUX"/logs-mooncake-tcp/* 2>/dev/null | tail -n 3 | cut -c1-400 >> "$SUMMARY"
     say "bench done ($(elapsed))"
 }
 step_kill() {
@@ -118,8 +143,8 @@ step_kill() {
     say "kill tests: $(tail -n 1 "$OUT/tests-kill.log") ($(elapsed))"
 }
 step_transport() {
-    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$OUT/tests-transport.log" 2>&1 || rc=1
-    say "transport tests: $(tail -n 1 "$OUT/tests-transport.log") ($(elapsed))"
+    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$AUX/tests-transport.log" 2>&1 || rc=1
+    say "transport tests: $(tail -n 1 "$AUX/tests-transport.log") ($(elapsed))"
 }
 # The steps run in the order STEPS names them.
 for step in $STEPS; do

@@ -2,7 +2,8 @@
 
 pdkv's connector over CUDA IPC and over Mooncake tcp, and vLLM's MooncakeConnector over Mooncake tcp, each
 serving a Qwen3-architecture model at Qwen3-8B's size (seeded random weights: `pdkv model random`) through
-pdkv's proxy. Greedy answers equal P alone's (batch-invariant kernels on both engines); the seed's request is
+pdkv's proxy. Greedy answers equal P alone's (batch-invariant kernels on both engines), or leave it only at a
+bf16 tie of P alone's top two logits (tests/support/greedy.py says why one can fall either way); the seed's request is
 traced (63 blocks, 148,635,648 bytes over 36 layers); the engines' KV usage returns to 0; P killed under
 load leaves no request unanswered.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from support.greedy import tie_verdict
 
 from tests.gpu import deployments as deps
 
@@ -57,6 +59,31 @@ def complete(url: str, ids: list[int], max_tokens: int, *, stream: bool = False)
             if line.startswith("data: ") and line != "data: [DONE]":
                 parts += [c.get("text", "") for c in json.loads(line[6:])["choices"]]
     return "".join(parts)
+
+
+Alone = tuple[list[str], list[dict[str, float]]]
+
+
+def alone(url: str, ids: list[int], max_tokens: int) -> Alone:
+    """P alone's greedy tokens and its top-2 log-probabilities at each."""
+    body = {"model": SERVED, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S, trust_env=False)
+    assert r.status_code == 200, f"{url}: {r.status_code} {r.text[:300]}"
+    lp = r.json()["choices"][0]["logprobs"]
+    return lp["tokens"], lp["top_logprobs"]
+
+
+def differences(name: str, got: list[str], want: list[Alone], prompts: list[list[int]]) -> list[str]:
+    """Why each P/D answer is not P alone's (tests/support/greedy.py's rule); near-ties are noted in OUT/ties.jsonl."""
+    wrong = []
+    for i, (g, (tokens, top)) in enumerate(zip(got, want, strict=True)):
+        why = tie_verdict(g.split(), tokens, top)
+        if why is not None:
+            wrong.append(f"request {i} ({len(prompts[i])} prompt tokens): {why}")
+        elif OUT is not None and g.split() != [t.strip() for t in tokens]:
+            with (OUT / "ties.jsonl").open("a") as f:
+                f.write(json.dumps({"deployment": name, "prompt_tokens": len(prompts[i]), "tokens": len(tokens)}) + "\n")
+    return wrong
 
 
 def kv_usage(url: str) -> float:
@@ -94,8 +121,8 @@ def dep(request: pytest.FixtureRequest, running: dict[str, deps.Running]) -> dep
 def test_greedy_answer_equals_p_alone(dep: deps.Running, length: int) -> None:
     ids = prompt_ids(length, seed=length + 1000 * deps.NAMES.index(dep.name))
     got = complete(dep.proxy, ids, 16)
-    want = complete(dep.prefill, ids, 16)
-    assert got == want, f"{dep.name}, {length} prompt tokens: P/D {got!r} != P alone {want!r}"
+    want = alone(dep.prefill, ids, 16)
+    assert not differences(dep.name, [got], [want], [ids]), f"{dep.name}: P/D {got!r} != P alone {want[0]!r}"
     assert len(got.split()) == 16
 
 
@@ -105,16 +132,14 @@ def test_sixteen_mixed_requests_in_flight(dep: deps.Running) -> None:
              for i in range(16)]
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda c: complete(dep.proxy, c[0], c[1], stream=c[2]), cases))
-    want = [complete(dep.prefill, ids, n) for ids, n, _ in cases]
-    wrong = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    want = [alone(dep.prefill, ids, n) for ids, n, _ in cases]
+    wrong = differences(dep.name, got, want, [c[0] for c in cases])
     if wrong:  # say whether P alone itself answers otherwise under the same load (then the engine, not the KV)
         with ThreadPoolExecutor(16) as pool:
             alone_loaded = list(pool.map(lambda c: complete(dep.prefill, c[0], c[1]), cases))
-        i = wrong[0]
-        at = next(k for k, (a, b) in enumerate(zip(got[i].split(), want[i].split(), strict=False)) if a != b)
-        raise AssertionError(
-            f"{dep.name}: {len(wrong)} of 16 differ from P alone's; request {i} ({len(cases[i][0])} prompt tokens) from "
-            f"token {at}; P alone with 16 in flight differs from P alone for {sum(a != w for a, w in zip(alone_loaded, want))}")
+        loaded_wrong = differences(dep.name, alone_loaded, want, [c[0] for c in cases])
+        raise AssertionError(f"{dep.name}: {len(wrong)} of 16 differ from P alone's: {wrong[0]}; P alone with 16 in flight "
+                             f"differs from P alone for {len(loaded_wrong)}")
 
 
 def test_seed_request_trace(dep: deps.Running) -> None:
@@ -164,7 +189,7 @@ def _kill_engine(url: str) -> list[int]:
 def test_p_killed_under_load_every_request_answered(running: dict[str, deps.Running], name: str) -> None:
     dep = running[name]
     cases = [(prompt_ids(600 + 37 * i, seed=9100 + i), 24) for i in range(16)]
-    want = [complete(dep.prefill, ids, n) for ids, n in cases]
+    want = [alone(dep.prefill, ids, n) for ids, n in cases]
     t0 = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(complete, dep.proxy, ids, n) for ids, n in cases]
@@ -172,6 +197,6 @@ def test_p_killed_under_load_every_request_answered(running: dict[str, deps.Runn
         killed = _kill_engine(dep.prefill)
         got = [f.result(timeout=REQUEST_TIMEOUT_S + 30) for f in futures]
     assert killed
-    wrong = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
-    assert not wrong, f"{name}: after P was killed, {len(wrong)} of 16 answers differ from P alone's"
+    wrong = differences(name, got, want, [c[0] for c in cases])
+    assert not wrong, f"{name}: after P was killed, {len(wrong)} of 16 answers differ from P alone's: {wrong[0]}"
     assert time.monotonic() - t0 < REQUEST_TIMEOUT_S
