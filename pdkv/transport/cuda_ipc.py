@@ -41,11 +41,15 @@ MAX_GRAPHS = 64
 class _BlockGraph:
     """A captured CUDA graph: upload the (bases, block ids) table from pinned memory, then the block kernel.
 
-    Replaying it costs a few microseconds where a Triton launch from Python costs a hundred or more.
+    Replaying it costs a few microseconds where a Triton launch from Python costs a hundred or more. It holds the
+    device table its kernel reads (`device`) as long as the graph lives: a graph keeps no tensor alive, and a
+    table freed after capture went back to the engine's allocator, so each replay wrote block ids into whatever
+    tensor the engine put there next (on an H200, P died of a device-side assert in its own forward).
     """
 
-    def __init__(self, host: Any, graph: Any) -> None:
+    def __init__(self, host: Any, device: Any, graph: Any) -> None:
         self.host = host
+        self.device = device
         self.graph = graph
 
 
@@ -247,7 +251,7 @@ class CudaIpcTransport:
                 with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                     dev.copy_(host, non_blocking=True)
                     kernel[grid](*args, **meta)
-            cached = _BlockGraph(host, graph)
+            cached = _BlockGraph(host, dev, graph)
             while len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
         self._graphs[key] = cached

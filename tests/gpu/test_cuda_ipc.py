@@ -88,3 +88,34 @@ def test_ipc_write_lands_exactly_and_refuses_out_of_range():
     finally:
         parent.send("stop")
         proc.join(30)
+
+
+def test_a_captured_block_graph_keeps_the_table_it_reads_from() -> None:
+    """The block graph's device table lives as long as the graph: tensors allocated after capture stay untouched.
+
+    Freed after capture, the table's memory went to the next allocation of its size, and every replay wrote block
+    ids into it (in a serving engine: P's own tensors, until a device-side assert killed it).
+    """
+    import numpy as np
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from pdkv.transport.cuda_ipc import GRAPH_BLOCK_STEP, CudaIpcTransport
+
+    regions, blocks, block_len = 2, GRAPH_BLOCK_STEP, 4096
+    with CudaIpcTransport(0) as t:
+        graph = t._block_graph(0, regions, blocks, block_len)
+        words = 2 * regions + 2 * blocks  # the table's size: the allocation the freed table would have gone to
+        bystanders = [torch.full((words,), -7, dtype=torch.int64, device="cuda:0") for _ in range(64)]
+        src = torch.randint(0, 256, (regions * blocks * block_len,), dtype=torch.uint8, device="cuda:0")
+        dst = torch.zeros_like(src)
+        span = blocks * block_len
+        bases = [src.data_ptr() + r * span for r in range(regions)] + [dst.data_ptr() + r * span for r in range(regions)]
+        ids = np.arange(blocks, dtype=np.int64)
+        graph.host.numpy()[:] = np.concatenate([np.array(bases, dtype=np.int64), ids, ids[::-1]])
+        t._run(0, graph.graph.replay)
+        torch.cuda.synchronize(0)
+        assert all(bool((b == -7).all()) for b in bystanders), "a replay wrote into memory allocated after capture"
+        want = src.view(regions, blocks, block_len).flip(1)
+        assert torch.equal(dst.view(regions, blocks, block_len), want)
