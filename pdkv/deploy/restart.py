@@ -3,7 +3,9 @@
 `RestartPolicy.exited(now, code)` is told each time the part exits on its
 own and answers with a `RestartDecision`:
 
-- mode "no", or an exit with code 0 (the part chose to end): no restart;
+- mode "no": no restart;
+- every part is a server, so an exit nobody asked for is a failure whatever its code: vLLM's API server
+  exits 0 after its engine core died (seen on an H200: a CUDA error in the engine, then a clean exit);
 - more than `burst` exits within the last `window_s` seconds: give up, the part stays down;
 - otherwise restart after `initial_s`, doubling with every exit since the
   part last ran `reset_after_s` without dying, up to `max_s`.
@@ -28,7 +30,7 @@ RESTART_MODES: tuple[str, ...] = ("on-failure", "no")
 class Verdict(StrEnum):
     RESTART = "restart"
     GIVE_UP = "give-up"  # the restart bound was reached
-    NO_RESTART = "no-restart"  # the policy says "no", or the part ended cleanly
+    NO_RESTART = "no-restart"  # the policy says "no"
 
 
 class RestartDecision(msgspec.Struct, frozen=True):
@@ -80,11 +82,8 @@ class RestartPolicy:
         self.restarts = 0  # restarts granted so far
 
     def exited(self, now: float, code: int | None) -> RestartDecision:
-        """Record that the part exited at `now` with `code` (negative: a signal) and decide."""
-        how = describe_exit(code)
-        if code == 0 and self.mode == "on-failure":
-            return RestartDecision(Verdict.NO_RESTART, why=f"{how} (a clean exit is not restarted on-failure)")
-        return self.failed(now, how)
+        """Record that the part exited on its own at `now` with `code` (negative: a signal) and decide."""
+        return self.failed(now, describe_exit(code))
 
     def failed(self, now: float, how: str) -> RestartDecision:
         """Record a failure at `now` described by `how` (an exit, or a start that never became healthy) and decide."""

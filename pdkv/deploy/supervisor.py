@@ -172,7 +172,7 @@ class Supervisor:
         log's last line) and handed to that part's policy. A restart keeps the
         part's plan: its ports, cores and environment. A part past its restart
         bound stays "failed" while the others keep serving. Returns the part
-        whose exit its policy does not restart ("no", or a clean exit), the
+        whose exit its policy does not restart (restart "no"), the
         last part to fail when none is left running, or None once `until()`
         is true (checked every `interval` s). `every()` runs once per round, on this thread (an autoscaler's
         tick: it may `launch` and `retire` parts).

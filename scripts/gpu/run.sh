@@ -5,9 +5,13 @@
 #   BUNDLE_DIR  the folder holding bundle.tgz.* and bundle.sha256
 #   WORK        where the bundle unpacks and the model's weights are written (default /tmp/pdkv-gpu); kept, so
 #               a second run on the same host skips both
-# Environment: OUT (the few result files: summary.txt, the test logs, gpu_pd.json, digest.txt; default WORK/out;
-# the engines' logs, `pdkv up`'s events and the rest go to WORK/aux, and digest.txt quotes what matters of them), STEPS (default "tests bench kill transport": any of them, run in the
-# order named), ROUNDS (the benchmark's timed rounds, default 10), PDKV_GPU_GRAPHS ("eager", the default, or "full-decode": tests/gpu/deployments.py).
+# Environment:
+#   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
+#           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
+#   STEPS   any of "bench tests transport kill" (the default), run in the order named; kill last: the
+#           deployments' P restart after it.
+#   ROUNDS  the benchmark's timed rounds (default 10).
+#   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #
 # Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
 # deployments of tests/gpu/deployments.py at once with `pdkv up -f` (P and D of each on GPU 0); run the GPU
@@ -19,7 +23,7 @@ cd "$ROOT"
 BUNDLE="$(realpath "${1:?usage: run.sh BUNDLE_DIR [WORK]}")"
 WORK="${2:-/tmp/pdkv-gpu}"
 OUT="${OUT:-$WORK/out}"
-STEPS="${STEPS:-tests bench kill transport}"
+STEPS="${STEPS:-bench tests transport kill}"
 AUX="$WORK/aux"
 rm -rf "$AUX"
 mkdir -p "$WORK" "$OUT" "$AUX"
@@ -123,7 +127,8 @@ step_tests() {
     gpu_memory "after the tests"
 }
 step_bench() {
-    $PY benchmarks/gpu_pd.py --rounds "${ROUNDS:-10}" --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
+    $PY benchmarks/gpu_pd.py --rounds "${ROUNDS:-10}" --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" \
+        || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
     $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
         --baseline --iters 30 --json > "$AUX/bench-ipc.json" 2> "$AUX/bench-ipc.stderr" || rc=1
     $PY - "$AUX/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
