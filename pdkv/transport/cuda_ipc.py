@@ -41,16 +41,13 @@ MAX_GRAPHS = 64
 class _BlockGraph:
     """A captured CUDA graph: upload the (bases, block ids) table from pinned memory, then the block kernel.
 
-    Replaying it costs a few microseconds where a Triton launch from Python costs a hundred or more. It holds the
-    device table its kernel reads (`device`) as long as the graph lives: a graph keeps no tensor alive, and a
-    table freed after capture went back to the engine's allocator, so each replay wrote block ids into whatever
-    tensor the engine put there next (on an H200, P died of a device-side assert in its own forward).
+    Replaying it costs a few microseconds where a Triton launch from Python costs a hundred or more. `device`, the
+    table the kernel reads, lives as long as the graph: a graph holds no tensor, and a table freed after capture
+    is the engine's next tensor of that size, which each replay overwrote (P died of a device-side assert).
     """
 
     def __init__(self, host: Any, device: Any, graph: Any) -> None:
-        self.host = host
-        self.device = device
-        self.graph = graph
+        self.host, self.device, self.graph = host, device, graph
 
 
 class _RegionLayout(msgspec.Struct, frozen=True):
