@@ -296,7 +296,6 @@ class CudaIpcTransport:
         import numpy as np
 
         self._bind_thread()
-
         check_ranges(list(local_blocks), list(remote_blocks), local_regions, remote_regions)
         if not len(local_blocks) or not local_regions:
             return Written(0, 0)
