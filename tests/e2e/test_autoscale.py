@@ -220,7 +220,7 @@ def test_a_load_step_adds_a_prefill_engine_that_serves_and_it_is_drained_after(u
             assert time.monotonic() < deadline, "the proxy never routed to the added prefill engine"
             time.sleep(0.5)
         both_at = time.time()
-        time.sleep(20)  # the step, on two P
+        time.sleep(12)  # the step, on two P
     finally:
         stop.set()
         loader.join(timeout=180)
