@@ -14,13 +14,18 @@ TIE_NATS of each other.
 
 from __future__ import annotations
 
-__all__ = ["TIE_NATS", "tie_verdict"]
+__all__ = ["TIE_NATS", "same_tokens", "tie_verdict"]
 
 TIE_NATS = 0.07  # two bf16 steps of a logit between 4 and 8
 
 
 def _norm(token: str) -> str:
     return token.strip().lstrip("\u0120\u2581")
+
+
+def same_tokens(got: list[str], want: list[str]) -> bool:
+    """Token for token the same, spaces and tokenizer markers aside."""
+    return [_norm(t) for t in got] == [_norm(t) for t in want]
 
 
 def tie_verdict(got: list[str], want: list[str], want_top: list[dict[str, float]], tie_nats: float = TIE_NATS) -> str | None:

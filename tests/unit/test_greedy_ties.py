@@ -1,6 +1,6 @@
 """The GPU tier's rule for comparing P/D's greedy answer with P alone's (tests/support/greedy.py)."""
 
-from support.greedy import TIE_NATS, tie_verdict
+from support.greedy import TIE_NATS, same_tokens, tie_verdict
 
 WANT = ["t1", "t2", "t3", "t4"]
 TOP = [{"t1": -1.0, "t9": -1.5}, {"t2": -2.0, "t7": -2.03}, {"t3": -1.0, "t8": -3.0}, {"t4": -0.5, "t5": -0.9}]
@@ -40,3 +40,8 @@ def test_tokenizer_markers_and_spaces_are_not_differences() -> None:
 
 def test_the_bound_is_two_bf16_steps_near_the_top() -> None:
     assert 2 * 2**-5 <= TIE_NATS < 3 * 2**-5
+
+
+def test_same_tokens_ignores_spaces_and_markers_only() -> None:
+    assert same_tokens(["t1", "t2"], [" t1", "\u0120t2"])
+    assert not same_tokens(["t1", "t2"], ["t1", "t3"])
