@@ -148,8 +148,7 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
     wait_usage_zero(d.url)
 
 
-# Over cma in the extended tier: the default run kills P over tcp (its pulls end by the side channel's bounds alike).
-@pytest.mark.parametrize("protocol", [pytest.param("cma", marks=pytest.mark.extended), "tcp"])
+@pytest.mark.parametrize("protocol", ["cma", "tcp"])
 def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, protocol: str):
     engines.pair(protocol, protocol)
     d = engines.decode(protocol)
