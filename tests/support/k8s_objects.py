@@ -19,6 +19,26 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 CRD = ROOT / "tests" / "fixtures" / "k8s" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 KEDA_SCHEMA = ROOT / "tests" / "fixtures" / "k8s" / "keda.sh_scaledobjects.handwritten.schema.yaml"
+
+DEPLOYMENT = """model = "/models/Qwen3-8B"
+device = "mlx5_0"
+{top}
+{tables}
+[[prefill]]
+port = 8010
+{prefill}
+[[decode]]
+port = 8020
+{decode}
+[kubernetes]
+{kubernetes}
+"""
+
+
+def deployment_text(prefill: str = "", decode: str = "", kubernetes: str = "", top: str = "block_size = 16", tables: str = "") -> str:
+    """A one-P, one-D deployment file for `pdkv k8s render`, with the given lines in each table (`kubernetes` may
+    end with tables of its own, such as `[autoscale]`)."""
+    return DEPLOYMENT.format(prefill=prefill, decode=decode, kubernetes=kubernetes, top=top, tables=tables)
 K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
 

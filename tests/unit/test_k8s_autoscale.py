@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from support.k8s_objects import EXAMPLES, K8S_VERSIONS, lws_crd_version, render_file, render_text, validate
+from support.k8s_objects import EXAMPLES, K8S_VERSIONS, deployment_text, lws_crd_version, render_file, render_text, validate
 
 from pdkv.deploy.loader import load_deployment
 from pdkv.errors import ConfigError
@@ -26,17 +26,7 @@ from pdkv.planner import Desired, PlannerGauges
 EXAMPLE = EXAMPLES / "k8s-autoscale.toml"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "k8s.md"
 
-BASE = """model = "/models/Qwen3-8B"
-device = "mlx5_0"
-block_size = 16
-[[prefill]]
-port = 8010
-{prefill}
-[[decode]]
-port = 8020
-{decode}
-[kubernetes]
-name = "q"
+KUBERNETES = """name = "q"
 namespace = "serving"
 gpus_per_node = 4
 [autoscale]
@@ -49,12 +39,11 @@ min = 1
 max = 4
 [autoscale.decode]
 min = 2
-max = 6
-"""
+max = 6"""
 
 
 def text(prefill: str = "", decode: str = "replicas = 2", autoscale: str = "") -> str:
-    return BASE.format(prefill=prefill, decode=decode, autoscale=autoscale)
+    return deployment_text(prefill=prefill, decode=decode, kubernetes=KUBERNETES.format(autoscale=autoscale))
 
 
 VARIANTS = {

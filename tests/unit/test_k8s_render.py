@@ -10,7 +10,9 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import pytest
-from support.k8s_objects import EXAMPLES, K8S_VERSIONS, containers, env_of, flag, pod_templates, render_file, render_text, validate
+from support.k8s_objects import (
+    EXAMPLES, K8S_VERSIONS, containers, deployment_text, env_of, flag, pod_templates, render_file, render_text, validate,
+)
 
 from pdkv.bootstrap import TOKEN_ENV
 from pdkv.deploy.loader import load_deployment
@@ -20,34 +22,19 @@ from pdkv.deploy.engine import kv_transfer_config
 
 FILES = {"1p1d": EXAMPLES / "k8s-1p1d.toml", "4p2d": EXAMPLES / "k8s-4p2d.toml"}
 
-BASE = """model = "/models/Qwen3-8B"
-device = "mlx5_0"
-{top}
-{tables}
-[[prefill]]
-port = 8010
-{prefill}
-[[decode]]
-port = 8020
-{decode}
-[kubernetes]
-{kubernetes}
-"""
-
-
-def base(prefill: str = "", decode: str = "", kubernetes: str = "", top: str = "block_size = 16", tables: str = "") -> str:
-    return BASE.format(prefill=prefill, decode=decode, kubernetes=kubernetes, top=top, tables=tables)
-
 
 VARIANTS = {
     **{name: None for name in FILES},
-    "tcp-no-doctor-token": base(top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
-    "tp2-mixed": base(prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
-    "cpu-tcp": base(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
-    "tp-p1-d2": base(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
-    "no-kv-events": base(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
-    "external-bootstrap": base(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
-    "autoscale-keda": base(prefill="tp = 8", tables='[autoscale]\nprofile = "p.json"\nttft_ms = 500\nitl_ms = 40\nkubernetes = "keda"'),
+    "tcp-no-doctor-token": deployment_text(
+        top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
+    "tp2-mixed": deployment_text(
+        prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
+    "cpu-tcp": deployment_text(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
+    "tp-p1-d2": deployment_text(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
+    "no-kv-events": deployment_text(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
+    "external-bootstrap": deployment_text(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
+    "autoscale-keda": deployment_text(
+        prefill="tp = 8", tables='[autoscale]\nprofile = "p.json"\nttft_ms = 500\nitl_ms = 40\nkubernetes = "keda"'),
 }
 
 
@@ -288,19 +275,19 @@ def test_namespace_override_reaches_every_object_and_the_members_url():
 @pytest.mark.parametrize(
     ("text", "words"),
     [
-        (base(kubernetes='imagee = "x"'), "imagee"),
-        (base(prefill="tp = 3"), "tp = 3, which does not divide gpus_per_node = 8"),
-        (base(prefill="tp = 12", kubernetes="gpus_per_node = 8"), "which 8 does not divide"),
-        (base(kubernetes='rdma_resource = "rdma ib"'), "is not a Kubernetes resource name"),
-        (base(kubernetes='gpu_resource = "gpu"'), "is not a Kubernetes resource name"),
-        (base(kubernetes='name = "Qwen_3"'), "is not a Kubernetes name"),
-        (base(kubernetes='shm_size = "lots"'), "is not a Kubernetes quantity"),
-        (base(top='connector = "mooncake"'), "members"),
-        (base(top='protocol = "cma"\nplatform = "cpu"\nblock_size = 32'), "inside one host"),
-        (base(prefill='bootstrap_url = "http://10.0.0.9:8998"'), "bootstrap_url"),
-        (base(decode="block_size = 32"), "block size differs: P 16, D 32"),
-        (base(prefill="replicas = 0"), "replicas = 0"),
-        (base(decode='env = { VLLM_HOST_IP = "10.0.0.3" }'), "sets VLLM_HOST_IP in env"),
+        (deployment_text(kubernetes='imagee = "x"'), "imagee"),
+        (deployment_text(prefill="tp = 3"), "tp = 3, which does not divide gpus_per_node = 8"),
+        (deployment_text(prefill="tp = 12", kubernetes="gpus_per_node = 8"), "which 8 does not divide"),
+        (deployment_text(kubernetes='rdma_resource = "rdma ib"'), "is not a Kubernetes resource name"),
+        (deployment_text(kubernetes='gpu_resource = "gpu"'), "is not a Kubernetes resource name"),
+        (deployment_text(kubernetes='name = "Qwen_3"'), "is not a Kubernetes name"),
+        (deployment_text(kubernetes='shm_size = "lots"'), "is not a Kubernetes quantity"),
+        (deployment_text(top='connector = "mooncake"'), "members"),
+        (deployment_text(top='protocol = "cma"\nplatform = "cpu"\nblock_size = 32'), "inside one host"),
+        (deployment_text(prefill='bootstrap_url = "http://10.0.0.9:8998"'), "bootstrap_url"),
+        (deployment_text(decode="block_size = 32"), "block size differs: P 16, D 32"),
+        (deployment_text(prefill="replicas = 0"), "replicas = 0"),
+        (deployment_text(decode='env = { VLLM_HOST_IP = "10.0.0.3" }'), "sets VLLM_HOST_IP in env"),
     ],
 )
 def test_bad_input_is_one_config_error(tmp_path: Path, text: str, words: str):
@@ -352,12 +339,12 @@ def test_engines_publish_kv_events_unless_the_file_turns_them_off(tmp_path):
         folder.mkdir()
         return [containers(t)[0]["command"] for _, kind, _, t in _engines(render_text(folder, text)) if kind != "worker"]
 
-    assert all(flag(c, "--kv-events-config") for c in commands(base()))
+    assert all(flag(c, "--kv-events-config") for c in commands(deployment_text()))
     assert not any("--kv-events-config" in c for c in commands(VARIANTS["no-kv-events"]))
 
 
 def test_a_data_parallel_engine_declares_a_publisher_and_a_replay_port_per_rank(tmp_path):
-    text = base(prefill='extra_args = ["--data-parallel-size", "2"]')
+    text = deployment_text(prefill='extra_args = ["--data-parallel-size", "2"]')
     (_, _, _, template), *_ = [e for e in _engines(render_text(tmp_path, text)) if e[2] == "prefill"]
     (c,) = containers(template)
     declared = {p["name"]: p["containerPort"] for p in c["ports"]}
