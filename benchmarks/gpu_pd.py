@@ -100,18 +100,39 @@ def main() -> int:
         phases = {p.name: p.p50_ms for p in summ.phases}
         write = [t.transfer.write_ms for t in got if t.transfer is not None and t.transfer.write_ms is not None]
         gbps = [t.transfer.achieved_gbps for t in got if t.transfer is not None and t.transfer.achieved_gbps is not None]
-        traces[name] = {"phases_p50_ms": phases, "client_ttft_p50_ms": summ.client_ttft.p50_ms if summ.client_ttft else None,
+        fine = {f"{a} -> {b}": statistics.median(gaps) for a, b in FINE if (gaps := _gaps(got, a, b))}
+        traces[name] = {"phases_p50_ms": phases, "fine_p50_ms": fine,
+                        "client_ttft_p50_ms": summ.client_ttft.p50_ms if summ.client_ttft else None,
                         "write_ms_p50": statistics.median(write) if write else None,
                         "achieved_gbps_p50": statistics.median(gbps) if gbps else None,
                         "bytes": got[-1].transfer.bytes if got[-1].transfer else None}
         print(f"\n{name}: seed request traced {args.traces}x, p50 per phase (ms):")
         for pname, ms in phases.items():
             print(f"  {pname:34} {ms:8.2f}")
+        print("  within the handover, event to event:")
+        for pname, ms in fine.items():
+            print(f"    {pname:40} {ms:8.2f}")
         print(f"  client TTFT p50 {traces[name]['client_ttft_p50_ms']}; KV write p50 {traces[name]['write_ms_p50']} ms "
               f"({traces[name]['achieved_gbps_p50']} Gb/s) for {traces[name]['bytes']} B")
     if args.json:
         args.json.write_text(json.dumps({"samples": samples, "summary": summary, "traces": traces}, indent=1))
     return 0
+
+
+# The handover's events one by one (pdkv.connector.timing): where the ms between P's forward and D's step go.
+FINE = (("p_forward_done", "transfer_start"), ("transfer_start", "kv_ready"), ("kv_ready", "transfer_end"),
+        ("transfer_end", "reply_sent"), ("reply_sent", "notified"), ("notified", "reported"),
+        ("reported", "first_token_scheduled"))
+
+
+def _gaps(traces, a: str, b: str) -> list[float]:
+    """b - a in ms, for each trace that recorded both."""
+    out = []
+    for t in traces:
+        at = {e.name: e.at for e in t.events}
+        if a in at and b in at:
+            out.append((at[b] - at[a]) * 1e3)
+    return out
 
 
 if __name__ == "__main__":

@@ -325,6 +325,7 @@ class KVSender:
             self.trace.event(a.transfer_id, "transfer_start", session=req.session)
             if fence is not None:
                 fence.synchronize()
+                self.trace.event(a.transfer_id, "kv_ready")
             self.transport.connect(req.session, announced.ipc)
             nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, announced.regions, heads)
             self.trace.event(a.transfer_id, "transfer_end")

@@ -4,6 +4,7 @@ Event names, in seed order:
 
     P: registered (12), p_forward_done (15: a one-token request's prompt is computed,
        its write may start), p_computed and p_finished (23), pull_received (22), transfer_start (28),
+       kv_ready (15: on a GPU, the forward done there; the write waits for it),
        transfer_end (29), reply_sent (30), freed (32-33)
     D: pull_scheduled (18-19), pull_sent (21), notified (34), reported (35),
        first_token_scheduled (37-38)
@@ -117,8 +118,9 @@ class TraceLog:
             if nbytes:
                 self._bytes.inc(nbytes)
                 self._descriptors.inc(descriptors)
-                if "transfer_start" in t.events and "transfer_end" in t.events:
-                    self.transfer_s.observe(t.events["transfer_end"] - t.events["transfer_start"])
+                start = t.events.get("kv_ready", t.events.get("transfer_start"))  # on a GPU: once P's forward is done there
+                if start is not None and "transfer_end" in t.events:
+                    self.transfer_s.observe(t.events["transfer_end"] - start)
             self._outcomes.labels(self.role, status).inc()
             if self.role == "decode" or status != "sent":
                 self._write(t)

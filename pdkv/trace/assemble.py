@@ -15,6 +15,12 @@ split at P's scheduling:
     -> first_token_scheduled                D notified            (34-37)
     -> decode_first_byte                    D one-token forward   (38-39)
 
+On a GPU, P's forward is still running when its launch returns: the write
+first waits for it (`kv_ready`), and that wait is P's, not the transfer's:
+
+    transfer_start -> kv_ready              P forward on the GPU  (15)
+    -> notified                             transfer              (28-30)
+
 When P started the write right after its prefill forward (`p_forward_done`,
 a one-token P request), P's sampling and finish run beside the transfer,
 off the path to D's first token, and the chain is:
@@ -68,6 +74,7 @@ EVENTS: dict[str, tuple[str, Lane, str]] = {
     "prefill_responded": ("24-25", "proxy", "P's answer reaches the proxy (discarded)"),
     "p_finished": ("26-27", "P", "P's next step hands the block ids to the sender"),
     "transfer_start": ("28", "P", "P starts the KV write"),
+    "kv_ready": ("15", "P", "P's forward done on the GPU: the KV is there to read"),
     "transfer_end": ("29", "P", "KV write done"),
     "reply_sent": ("30-31", "P", "P tells D the KV is there"),
     "notified": ("34", "D", "D's receiver learns the KV arrived"),
@@ -94,6 +101,8 @@ PDKV_CHAIN: tuple[tuple[str, str, str], ...] = (
 )
 # The early write: P's finish and next step leave the path; the wait for D's pull starts at the forward.
 EARLY_CHAIN: tuple[tuple[str, str, str], ...] = (*PDKV_CHAIN[:3], ("p_forward_done", "wait for D's pull", "16-22"), *PDKV_CHAIN[5:])
+# On a GPU: the write waits for P's forward to finish there (kv_ready) before it moves a byte.
+GPU_TAIL: tuple[tuple[str, str, str], ...] = (("transfer_start", "P forward on the GPU", "15"), ("kv_ready", "transfer", "28-30"))
 PROXY_CHAIN: tuple[tuple[str, str, str], ...] = (
     ("received", "proxy forward", "8-10"),
     ("prefill_dispatched", "P request (seen by the proxy)", "11-25"),
@@ -197,7 +206,8 @@ def bytes_by_rank(records: Sequence[TransferTrace]) -> str:
 
 def _transfer(records: Sequence[TransferTrace], crit: TransferTrace, link_gbps: float) -> TransferFacts:
     ev = crit.events
-    write_s = ev["transfer_end"] - ev["transfer_start"] if "transfer_start" in ev and "transfer_end" in ev else None
+    start = ev.get("kv_ready", ev.get("transfer_start"))  # on a GPU the write begins once P's forward is done there
+    write_s = ev["transfer_end"] - start if start is not None and "transfer_end" in ev else None
     achieved = crit.bytes * 8 / write_s / 1e9 if write_s and crit.bytes else None
     return TransferFacts(
         bytes=sum(r.bytes for r in records),
@@ -242,6 +252,9 @@ def assemble(
         chain = PROXY_CHAIN
     else:
         chain = EARLY_CHAIN if "p_forward_done" in crit.events else PDKV_CHAIN
+        if "kv_ready" in crit.events:
+            at_start = [a for a, _, _ in chain].index("transfer_start")
+            chain = (*chain[:at_start], *GPU_TAIL, *chain[at_start + 1 :])
     phases, notes = _phases(at, chain, received)
     if proxy.route:  # why it went where it went (the kv-aware policy's plan)
         notes.insert(0, f"routed by kv-aware: {proxy.route}" + (" (decode alone, no P)" if proxy.local_prefill == "kv_local" else ""))

@@ -30,7 +30,8 @@ ARROWS = (
     ("reply_sent", "notified"),
     ("decode_first_byte", "client_first_token"),
 )
-PHASE_LANE = {"proxy forward": "proxy", "P queue": "P", "D notified": "D", "D one-token forward": "D", "transfer": "P"}
+PHASE_LANE = {"proxy forward": "proxy", "P queue": "P", "D notified": "D", "D one-token forward": "D", "transfer": "P",
+              "P forward on the GPU": "P"}
 
 CSS = """
 body{font:14px/1.45 -apple-system,'Segoe UI',Helvetica,Arial,sans-serif;color:#1d2430;margin:24px 32px;background:#fff}

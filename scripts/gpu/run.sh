@@ -8,8 +8,9 @@
 # Environment:
 #   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
-#   STEPS   any of "bench tests transport kill" (the default), run in the order named; kill last: the
-#           deployments' P restart after it.
+#   STEPS   any of "bench tests transport profile kill", run in the order named (default "bench tests transport
+#           kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc deployment's
+#           P and D into OUT/qwen3-8b-h200.profile.json, then `pdkv plan --slo` of the seed's workload on it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #
@@ -151,11 +152,25 @@ step_transport() {
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$AUX/tests-transport.log" 2>&1 || rc=1
     say "transport tests: $(tail -n 1 "$AUX/tests-transport.log") ($(elapsed))"
 }
+step_profile() {
+    local p d profile="$OUT/qwen3-8b-h200.profile.json"
+    read -r p d < <($PY -c "from tests.gpu.deployments import urls; u = urls('pdkv-ipc'); print(u.prefill, u.decode)")
+    $PY -m pdkv profile --prefill "$p" --decode "$d" --model "$WORK/model" -o "$profile" \
+        --hardware "1 x H200 shared by 6 engines (3 deployments' P and D, 4 GiB of KV each), vLLM 0.26, CUDA graphs of decode steps, batch-invariant kernels" \
+        > "$AUX/profile.txt" 2>&1 || { rc=1; tail -n 20 "$AUX/profile.txt" >> "$SUMMARY"; }
+    grep -E "fit:|warning" "$AUX/profile.txt" | cut -c1-300 | tee -a "$SUMMARY"
+    # The seed's workload (1,000-token prompts, 128 output tokens) on that profile.
+    for rate in 5 20; do
+        $PY -m pdkv plan --profile "$profile" --slo ttft=500,itl=50 --rate "$rate" --prompt-tokens 1000 --output-tokens 128 \
+            2>&1 | tee -a "$SUMMARY" || rc=1
+    done
+    say "profile done ($(elapsed))"
+}
 # The steps run in the order STEPS names them.
 for step in $STEPS; do
     case "$step" in
-        tests|bench|kill|transport) "step_$step" ;;
-        *) say "unknown step: $step (tests, bench, kill, transport)"; rc=2 ;;
+        tests|bench|kill|transport|profile) "step_$step" ;;
+        *) say "unknown step: $step (tests, bench, kill, transport, profile)"; rc=2 ;;
     esac
 done
 exit $rc

@@ -195,6 +195,21 @@ def test_early_write_chain_takes_p_forward_done_and_leaves_ps_finish_off_the_pat
     assert not t.notes
 
 
+def test_on_a_gpu_the_wait_for_ps_forward_there_is_ps_not_the_transfers() -> None:
+    # The forward's launch returned at 20.0; the GPU finished it at 23.0 (kv_ready); the write took 0.5 ms.
+    events = {"registered": 10.0, "p_forward_done": 20.0, "pull_received": 15.0, "transfer_start": 20.2, "kv_ready": 23.0,
+              "transfer_end": 23.5, "reply_sent": 23.7, "notified": 24.0, "p_computed": 25.0, "p_finished": 27.0,
+              "reported": 24.5, "first_token_scheduled": 26.0}
+    t = assemble(proxy_record(decode_first_byte=30.0), [connector_record(events)], model="tiny")
+    got = {p.name: p.ms for p in t.phases}
+    assert list(got) == ["proxy forward", "P queue", "P prefill", "wait for D's pull", "P forward on the GPU", "transfer",
+                         "D notified", "D one-token forward"]
+    assert got["P forward on the GPU"] == near(2.8) and got["transfer"] == near(1.0)
+    assert [p.steps for p in t.phases][4:6] == ["15", "28-30"]
+    assert t.phases_ms == near(30.0)
+    assert t.transfer is not None and t.transfer.write_ms == near(0.5)  # the write alone, not the GPU's tail
+
+
 def test_the_kv_aware_plan_is_the_first_note() -> None:
     plan = "prefix_hit: P1 holds 640/1000; D0 holds 0/1000; P costs [1000, 360]; D costs [250]"
     routed = msgspec.structs.replace(proxy_record(), route=plan)
