@@ -23,8 +23,8 @@ from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 from pdkv.connector.checks import announced_share, check_announce, check_pull
 from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend, pull_key
 from pdkv.connector.timing import TraceLog
-from pdkv.connector.writers import WriterPools
-from pdkv.errors import PdkvError, TransferError
+from pdkv.connector.writers import WriterPools, write_transfer
+from pdkv.errors import PdkvError
 from pdkv.protocol import (
     Announce,
     ErrorReply,
@@ -37,7 +37,6 @@ from pdkv.protocol import (
     TraceReport,
 )
 from pdkv.transport.base import Region, Transport
-from pdkv.transport.planner import check_ranges
 from pdkv.tp_heads import HeadShare, pullers
 
 log = logging.getLogger("pdkv.connector")
@@ -309,26 +308,11 @@ class KVSender:
         task.add_done_callback(lambda _t: told.set_result(None))
 
     def _transfer(self, a: StartSend, fence: Any) -> tuple[str | None, int, int]:
-        """Write one transfer (on a transfer thread): (error, bytes, descriptors). `fence`, if set, is the
-        GPU event the forward that computed these blocks recorded."""
-        req: PullRequest = a.pull.request
+        """Write one transfer (on a transfer thread): (error, bytes, descriptors). `fence`: what the write waits
+        for first (write_transfer)."""
         try:
-            want = len(req.block_ids)
-            if req.first_block + want > len(a.blocks):
-                raise TransferError(
-                    f"decode asks for blocks {req.first_block}..{req.first_block + want - 1} of a prompt P holds in {len(a.blocks)}"
-                )
-            local = a.blocks[req.first_block : req.first_block + want]
-            announced: Announce = a.pull.announced
-            heads = a.pull.heads
-            check_ranges(local, req.block_ids, self.regions, announced.regions, heads)  # before any byte moves
-            self.trace.event(a.transfer_id, "transfer_start", session=req.session)
-            if fence is not None:
-                fence.synchronize()
-                self.trace.event(a.transfer_id, "kv_ready")
-            self.transport.connect(req.session, announced.ipc)
-            nbytes, ndesc = self.transport.write_blocks(req.session, local, req.block_ids, self.regions, announced.regions, heads)
-            self.trace.event(a.transfer_id, "transfer_end")
+            nbytes, ndesc = write_transfer(self.transport, self.regions, a, fence,
+                                           lambda name, **fields: self.trace.event(a.transfer_id, name, **fields))
         except PdkvError as exc:
             return str(exc), 0, 0
         except Exception as exc:  # noqa: BLE001 - any failure must reach D and free the blocks

@@ -1,12 +1,19 @@
-"""P's write threads, one small pool per D, so that a stalled D holds up only its own transfers."""
+"""P's writes: one transfer's bytes (`write_transfer`), on threads of one small pool per D, so that a stalled D
+holds up only its own transfers."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from pdkv.connector.send_table import StartSend
+from pdkv.errors import TransferError
+from pdkv.protocol import Announce, PullRequest
+from pdkv.transport.base import Region, Transport
+from pdkv.transport.planner import check_ranges
 
 # Writes to one D run on up to this many threads at once; each D has its own.
 WRITERS_PER_PEER = 4
@@ -40,3 +47,29 @@ class WriterPools:
             pools, self._pools = list(self._pools.values()), OrderedDict()
         for pool in pools:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def write_transfer(
+    transport: Transport, regions: Sequence[Region], a: StartSend, fence: Any, event: Callable[..., None]
+) -> tuple[int, int]:
+    """Write the blocks `a`'s pull asks for into D's announced regions: (bytes, descriptors); raises on failure.
+
+    `fence`: None (the KV is there), or a GPU event of the forward that computed the blocks, which the write
+    waits for first. `event(name, **fields)` records the trace's transfer_start, kv_ready and transfer_end."""
+    req: PullRequest = a.pull.request
+    want = len(req.block_ids)
+    if req.first_block + want > len(a.blocks):
+        last = req.first_block + want - 1
+        raise TransferError(f"decode asks for blocks {req.first_block}..{last} of a prompt P holds in {len(a.blocks)}")
+    local = a.blocks[req.first_block : req.first_block + want]
+    announced: Announce = a.pull.announced
+    heads = a.pull.heads
+    check_ranges(local, req.block_ids, regions, announced.regions, heads)  # before any byte moves
+    event("transfer_start", session=req.session)
+    if fence is not None:
+        fence.synchronize()
+        event("kv_ready")
+    transport.connect(req.session, announced.ipc)
+    out = transport.write_blocks(req.session, local, req.block_ids, regions, announced.regions, heads)
+    event("transfer_end")
+    return out
