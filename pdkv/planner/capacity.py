@@ -55,6 +55,7 @@ class Prediction(msgspec.Struct, frozen=True):
     ttft_ms: float
     itl_ms: float
     kv_fits: bool
+    kv_share: float = 0.0  # the KV D needs at its 99th-percentile batch / what it holds (0: capacity unknown)
 
 
 class Plan(msgspec.Struct, frozen=True):
@@ -106,18 +107,19 @@ def decode_batch(profile: Profile, workload: Workload, engines: int) -> float:
     return math.inf if slope >= 1 else r * d.base_ms / (1 - slope)
 
 
-def predict_decode(profile: Profile, workload: Workload, engines: int, q: float) -> tuple[RolePrediction, bool]:
+def predict_decode(profile: Profile, workload: Workload, engines: int, q: float) -> tuple[RolePrediction, float]:
+    """D's prediction and its KV share (the KV its 99th-percentile batch needs / what it holds; 0: unknown)."""
     m = decode_batch(profile, workload, engines)
     if math.isinf(m):
-        return RolePrediction(engines, math.inf, math.inf, math.inf), False
+        return RolePrediction(engines, math.inf, math.inf, math.inf), math.inf
     k = workload.mean_prompt + workload.mean_output / 2
     b = max(1, _poisson_quantile(m, q))
     itl = profile.decode_fit.itl_ms(b, b * k)
     capacity = profile.model.kv_capacity_tokens
     full = workload.mean_prompt + workload.mean_output
-    fits = capacity is None or _poisson_quantile(m, KV_QUANTILE) * full <= capacity
+    share = _poisson_quantile(m, KV_QUANTILE) * full / capacity if capacity else 0.0
     usage = m * full / capacity if capacity else 0.0
-    return RolePrediction(engines, usage, itl, m), fits
+    return RolePrediction(engines, usage, itl, m), share
 
 
 def _quantile(cdf: Callable[[float], float], q: float, hi: float) -> float:
@@ -160,10 +162,11 @@ def predict_prefill(profile: Profile, workload: Workload, engines: int, q: float
 
 def predict(profile: Profile, workload: Workload, prefill_engines: int, decode_engines: int, q: float) -> Prediction:
     """Predicted TTFT and ITL at quantile `q` for a given number of P and D engines."""
-    dec, fits = predict_decode(profile, workload, decode_engines, q)
+    dec, kv_share = predict_decode(profile, workload, decode_engines, q)
     first_step = profile.decode_fit.itl_ms(max(1.0, dec.mean_batch), max(1.0, dec.mean_batch) * workload.mean_prompt)
     pre = predict_prefill(profile, workload, prefill_engines, q, profile.handover_ms + first_step)
-    return Prediction(prefill=pre, decode=dec, ttft_ms=pre.latency_ms, itl_ms=dec.latency_ms, kv_fits=fits)
+    return Prediction(prefill=pre, decode=dec, ttft_ms=pre.latency_ms, itl_ms=dec.latency_ms, kv_fits=kv_share <= 1.0,
+                      kv_share=kv_share)
 
 
 def _fewest(ok: Callable[[int], bool], max_engines: int) -> int | None:
@@ -177,10 +180,11 @@ def _fewest(ok: Callable[[int], bool], max_engines: int) -> int | None:
     return lo
 
 
-def _binding(pred: Prediction, slo: Slo) -> tuple[Binding, Literal["prefill", "decode", "none"]]:
-    if not pred.kv_fits:
+def binding_of(pred: Prediction, slo: Slo) -> tuple[Binding, Literal["prefill", "decode", "none"]]:
+    """The target with the least headroom: the largest of TTFT / its target, ITL / its target and D's KV share."""
+    ttft, itl, kv = pred.ttft_ms / slo.ttft_ms, pred.itl_ms / slo.itl_ms, pred.kv_share
+    if kv >= max(ttft, itl):
         return "kv", "decode"
-    ttft, itl = pred.ttft_ms / slo.ttft_ms, pred.itl_ms / slo.itl_ms
     return ("ttft", "prefill") if ttft >= itl else ("itl", "decode")
 
 
@@ -190,8 +194,8 @@ def plan_capacity(profile: Profile, workload: Workload, slo: Slo, *, max_engines
     common = dict(slo=slo, rate=workload.rate, mean_prompt_tokens=workload.mean_prompt, mean_output_tokens=workload.mean_output)
 
     def d_ok(n: int) -> bool:
-        dec, fits = predict_decode(profile, workload, n, q)
-        return fits and dec.latency_ms <= slo.itl_ms
+        dec, kv_share = predict_decode(profile, workload, n, q)
+        return kv_share <= 1.0 and dec.latency_ms <= slo.itl_ms
 
     n_d = _fewest(d_ok, max_engines)
     if n_d is None:
@@ -199,7 +203,7 @@ def plan_capacity(profile: Profile, workload: Workload, slo: Slo, *, max_engines
         pred = predict(profile, workload, max_engines, max_engines, q)
         why = (f"one sequence alone decodes at {alone:.1f} ms per token, over the {slo.itl_ms:g} ms target" if alone > slo.itl_ms
                else f"even {max_engines} D engines do not meet ITL {slo.itl_ms:g} ms (or hold the KV)")  # fmt: skip
-        return Plan(False, max_engines, max_engines, *_binding(pred, slo), pred, reason=why, **common)
+        return Plan(False, max_engines, max_engines, *binding_of(pred, slo), pred, reason=why, **common)
     n_p = _fewest(lambda n: predict(profile, workload, n, n_d, q).ttft_ms <= slo.ttft_ms, max_engines)
     if n_p is None:
         pred = predict(profile, workload, max_engines, n_d, q)
@@ -208,4 +212,4 @@ def plan_capacity(profile: Profile, workload: Workload, slo: Slo, *, max_engines
                else f"even {max_engines} P engines do not meet TTFT {slo.ttft_ms:g} ms")  # fmt: skip
         return Plan(False, max_engines, n_d, "ttft", "prefill", pred, reason=why, **common)
     pred = predict(profile, workload, n_p, n_d, q)
-    return Plan(True, n_p, n_d, *_binding(pred, slo), pred, **common)
+    return Plan(True, n_p, n_d, *binding_of(pred, slo), pred, **common)

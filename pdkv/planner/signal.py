@@ -33,7 +33,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.errors import UsageError
-from pdkv.planner.capacity import Binding, plan_capacity, predict
+from pdkv.planner.capacity import Binding, binding_of, plan_capacity, predict
 from pdkv.planner.profile import Profile
 from pdkv.planner.workload import Slo, Workload
 
@@ -164,10 +164,5 @@ class DesiredCounts:
         dp, dd = self._desired["prefill"], self._desired["decode"]
         workload = Workload(rate=max(obs.rate, 1e-9), prompt_tokens=obs.prompt_tokens or [1], output_tokens=obs.output_tokens or [1])
         pred = predict(self.profile, workload, dp, dd, self.slo.quantile)
-        if not pred.kv_fits:
-            binding: Binding = "kv"
-        elif obs.rate <= 0:
-            binding = "none"
-        else:
-            binding = "ttft" if pred.ttft_ms / self.slo.ttft_ms >= pred.itl_ms / self.slo.itl_ms else "itl"
+        binding: Binding = "none" if obs.rate <= 0 and pred.kv_fits else binding_of(pred, self.slo)[0]
         return Desired(dp, dd, binding, need["prefill"], need["decode"], keep["prefill"], keep["decode"], pred.ttft_ms, pred.itl_ms)

@@ -89,6 +89,10 @@ def test_kv_capacity_asks_for_more_d_than_itl_alone():
     tight = plan_capacity(make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0), capacity=20_000), w, slo)
     assert tight.decode_engines > free.decode_engines
     assert tight.prediction.kv_fits
+    # What set D's count is named: the KV (its 99th-percentile need near what D holds), not the ITL far below target.
+    assert tight.binding == "kv" and tight.binding_role == "decode"
+    assert tight.prediction.itl_ms / slo.itl_ms < tight.prediction.kv_share <= 1.0
+    assert free.binding != "kv" and free.prediction.kv_share == 0.0  # capacity unknown: no KV share
 
 
 def test_infeasible_targets_say_why():
