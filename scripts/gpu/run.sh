@@ -13,6 +13,7 @@
 #           P and D into OUT/qwen3-8b-h200.profile.json, then `pdkv plan --slo` of the seed's workload on it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
+#   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #
 # Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
 # deployments of tests/gpu/deployments.py at once with `pdkv up -f` (P and D of each on GPU 0); run the GPU
@@ -52,7 +53,7 @@ export PDKV_GPU_MODEL="$WORK/model" PDKV_GPU_OUT="$AUX"
 PY=python3
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$SUMMARY"
-say "engines: ${PDKV_GPU_GRAPHS:-eager}; steps: $STEPS"
+say "engines: ${PDKV_GPU_GRAPHS:-full-decode}; D's scheduling: ${PDKV_GPU_DECODE_SCHEDULING:-async}; steps: $STEPS"
 $PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import importlib
 for name in ("torch", "vllm", "mooncake.engine", "pdkv.connector.vllm_connector"):

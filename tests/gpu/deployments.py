@@ -37,6 +37,10 @@ BLOCK_SIZE = 16
 # of the whole model (vLLM's FULL_DECODE_ONLY; the mixed steps, prefills, run eager), with no torch.compile, so six
 # engines start within 2-3 minutes on one H200 (D's one-token forward 24-28 ms, against 67 ms eager); or "eager".
 GRAPHS = os.environ.get("PDKV_GPU_GRAPHS", "full-decode")
+# D's scheduling: "async" (the default: vLLM 0.26's async scheduling, which hands a step's output to the
+# scheduler one step late) or "sync" (`--no-async-scheduling` on D: a concluded pull is scheduled one idle
+# step sooner, a decode step does not overlap the next one's scheduling). P's stays vLLM's default.
+DECODE_SCHEDULING = os.environ.get("PDKV_GPU_DECODE_SCHEDULING", "async")
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
@@ -63,17 +67,20 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     connector, protocol = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
-    engine_args = json.dumps([
+    args = [
         *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
         # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
         # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
         "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
-    ])
+    ]
+    engine_args = json.dumps(args)
+    decode_args = json.dumps(args + (["--no-async-scheduling"] if DECODE_SCHEDULING == "sync" else []))
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
-    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {graphs}.
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {graphs},
+# D's scheduling {DECODE_SCHEDULING}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
 connector = "{connector}"
@@ -100,7 +107,7 @@ env = {env}
 [[decode]]
 gpu = "0"
 port = {p.decode}
-extra_args = {engine_args}
+extra_args = {decode_args}
 env = {env}
 
 [proxy]
