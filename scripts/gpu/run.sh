@@ -8,9 +8,11 @@
 # Environment:
 #   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
-#   STEPS   any of "bench tests transport profile kill", run in the order named (default "bench tests transport
-#           kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc deployment's
-#           P and D into OUT/qwen3-8b-h200.profile.json, then `pdkv plan --slo` of the seed's workload on it.
+#   STEPS   any of "bench tests transport profile check kill", run in the order named (default "bench tests
+#           transport kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc
+#           deployment's P and D into OUT/qwen3-8b-h200.profile.json, then `pdkv plan --slo` of the seed's
+#           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
+#           of that P against the measured one at 30% and 70% load.
 #   ROUNDS  the benchmark's timed rounds (default 10).
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
@@ -167,11 +169,20 @@ step_profile() {
     done
     say "profile done ($(elapsed))"
 }
+step_check() {
+    local p profile="$OUT/qwen3-8b-h200.profile.json"
+    [ -f "$profile" ] || { say "check: no profile (name the profile step before it)"; rc=1; return; }
+    p=$($PY -c "from tests.gpu.deployments import urls; print(urls('pdkv-ipc').prefill)")
+    $PY benchmarks/planner_check.py --url "$p" --profile "$profile" --prompt-tokens 1000 --utilization 0.3,0.7 \
+        --seconds "${CHECK_SECONDS:-40}" > "$AUX/check.txt" 2>&1 || rc=1
+    tail -n 12 "$AUX/check.txt" | cut -c1-300 | tee -a "$SUMMARY"
+    say "check done ($(elapsed))"
+}
 # The steps run in the order STEPS names them.
 for step in $STEPS; do
     case "$step" in
-        tests|bench|kill|transport|profile) "step_$step" ;;
-        *) say "unknown step: $step (tests, bench, kill, transport, profile)"; rc=2 ;;
+        tests|bench|kill|transport|profile|check) "step_$step" ;;
+        *) say "unknown step: $step (tests, bench, kill, transport, profile, check)"; rc=2 ;;
     esac
 done
 exit $rc
