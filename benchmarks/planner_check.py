@@ -2,8 +2,9 @@
 
 Reads a profile (`pdkv profile -o FILE`) of the engine at --url, then for each
 --utilization u sends one-token requests of --prompt-tokens random token ids
-to the engine as a Poisson stream at the rate that keeps P busy a share u of
-the time by the profile (rate = u / S(L)), for --seconds, and measures each
+to the engine as a Poisson stream at the rate that keeps P's engine busy a
+share u of the time by the profile (rate = u / S(L), S the engine's time for a
+prompt alone, without the request's time outside the engine), for --seconds, and measures each
 request's TTFT at the client. Beside each measurement: the simulator's TTFT
 for the same rate and length (pdkv.planner.simulate, one P, no D: decode and
 handover taken out of the profile, as this is P alone), and the analytic
@@ -115,7 +116,7 @@ def main() -> int:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(rows), indent=2).decode() + "\n")
     else:
         print(f"profile {args.profile}: {profile.model.name} on {profile.hardware.description}; prompts of {args.prompt_tokens} tokens, "
-              f"S = {service_s * 1000:.1f} ms alone")  # fmt: skip
+              f"S = {service_s * 1000:.1f} ms of P's engine alone, + {profile.prefill_fit.outside_ms:.1f} ms outside it")  # fmt: skip
         print("util  req/s  requests  measured p50/p90 ms  simulated p50/p90 ms  analytic p90 ms  error p50/p90  load")
         for r in rows:
             print(f"{r.utilization:4.2f} {r.rate:6.1f} {r.requests:9d}  {r.measured_p50_ms:8.1f} {r.measured_p90_ms:8.1f}   "

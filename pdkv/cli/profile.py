@@ -53,11 +53,11 @@ def render_profile(profile, out=None) -> None:
         pre.add_column(col, justify="right")
     f = profile.prefill_fit
     for b in profile.prefill:
-        fit = f.step_ms(b.prompt_tokens * b.concurrency, b.prompt_tokens**2 * b.concurrency, b.concurrency)
+        fit = f.step_ms(b.prompt_tokens * b.concurrency, b.prompt_tokens**2 * b.concurrency, b.concurrency) + f.outside_ms
         pre.add_row(str(b.prompt_tokens), str(b.concurrency), f"{median(b.latencies_ms):,.1f}", f"{b.makespan_ms:,.1f}", f"{fit:,.1f}")
     out.print(pre)
     out.print(f"  fit: step = {f.overhead_ms:.3f} ms + {f.ms_per_request:.3f} ms x requests + {f.ms_per_token:.5f} ms x tokens"
-              f" + {f.ms_per_token_sq:.3g} ms x tokens^2"
+              f" + {f.ms_per_token_sq:.3g} ms x tokens^2 on P's engine, + {f.outside_ms:.2f} ms a request outside it"
               f"  (RMS error {f.rms_error_ms:.2f} ms over {f.points} bursts)")  # fmt: skip
     dec = Table(title="Decode (D): streams side by side", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("batch", "ran at", "context tokens", "ITL ms (D)", "client p50 ms", "KV usage", "running", "fit ms"):

@@ -135,8 +135,8 @@ def _quantile(cdf: Callable[[float], float], q: float, hi: float) -> float:
 
 
 def predict_prefill(profile: Profile, workload: Workload, engines: int, q: float, extra_ms: float) -> RolePrediction:
-    """TTFT at quantile `q` with `engines` P (G/G/1 each, round-robin arrivals); `extra_ms` is added to every request
-    (handover, D's first step)."""
+    """TTFT at quantile `q` with `engines` P (G/G/1 each, round-robin arrivals, served for the engine's time); each
+    request's time outside the engine and `extra_ms` (handover, D's first step) are added to every request."""
     f = profile.prefill_fit
     service = [f.prompt_ms(n) / 1000 for n in workload.prompt_tokens]
     lam = workload.rate / engines
@@ -157,7 +157,7 @@ def predict_prefill(profile: Profile, workload: Workload, engines: int, q: float
         return total / len(service)
 
     t = _quantile(cdf, q, max(service) + 10 * tail + 1e-3)
-    return RolePrediction(engines, rho, t * 1000 + extra_ms)
+    return RolePrediction(engines, rho, t * 1000 + f.outside_ms + extra_ms)
 
 
 def predict(profile: Profile, workload: Workload, prefill_engines: int, decode_engines: int, q: float) -> Prediction:
@@ -207,7 +207,7 @@ def plan_capacity(profile: Profile, workload: Workload, slo: Slo, *, max_engines
     n_p = _fewest(lambda n: predict(profile, workload, n, n_d, q).ttft_ms <= slo.ttft_ms, max_engines)
     if n_p is None:
         pred = predict(profile, workload, max_engines, n_d, q)
-        longest = profile.prefill_fit.prompt_ms(max(workload.prompt_tokens))
+        longest = profile.prefill_fit.alone_ms(max(workload.prompt_tokens))
         why = (f"the longest prompt alone takes {longest:.0f} ms on P, over the {slo.ttft_ms:g} ms TTFT target" if longest > slo.ttft_ms
                else f"even {max_engines} P engines do not meet TTFT {slo.ttft_ms:g} ms")  # fmt: skip
         return Plan(False, max_engines, n_d, "ttft", "prefill", pred, reason=why, **common)

@@ -4,11 +4,14 @@ Prefill, one forward of a batch of k prompts of L_i tokens:
 
     step_ms = overhead_ms + ms_per_request * k + ms_per_token * sum(L_i) + ms_per_token_sq * sum(L_i^2)
 
-the fixed cost of a forward, what each request costs beside its tokens (the
-HTTP exchange, scheduling, sampling: large on a CPU host), the linear
-layers, and attention's quadratic part. A burst of c prompts of L tokens sent at once is observed as its
-makespan (the last answer), which this model predicts as one step over all
-of them; a single prompt is the case c = 1.
+the fixed cost of a forward, what each request costs beside its tokens
+(scheduling, sampling), the linear layers, and attention's quadratic part.
+A burst of c prompts of L tokens sent at once is observed as its makespan
+(the last answer), which this model predicts as one step over all of them
+plus `outside_ms`: a request's time outside the engine (the HTTP exchange,
+the API server's work before and after the engine; large on a CPU host),
+which is in its TTFT but does not hold P's engine, so under load it
+overlaps other requests' forwards. A single prompt is the case c = 1.
 
 Decode, one step of a running batch of B sequences holding T tokens of KV:
 
@@ -31,7 +34,8 @@ from pdkv.errors import UsageError
 
 
 class PrefillFit(msgspec.Struct, frozen=True):
-    """step_ms = overhead_ms + ms_per_request * k + ms_per_token * sum(L) + ms_per_token_sq * sum(L^2)."""
+    """step_ms = overhead_ms + ms_per_request * k + ms_per_token * sum(L) + ms_per_token_sq * sum(L^2), P's engine;
+    a request's TTFT adds `outside_ms`, its time outside the engine (0 in profiles that did not measure it)."""
 
     overhead_ms: float
     ms_per_request: float
@@ -39,6 +43,7 @@ class PrefillFit(msgspec.Struct, frozen=True):
     ms_per_token_sq: float
     rms_error_ms: float = 0.0
     points: int = 0
+    outside_ms: float = 0.0
 
     def step_ms(self, tokens: float, tokens_sq: float | None = None, requests: float = 1) -> float:
         """One forward over `requests` prompts totalling `tokens`, `tokens_sq` the sum of their squares (one prompt: tokens^2)."""
@@ -46,8 +51,12 @@ class PrefillFit(msgspec.Struct, frozen=True):
         return self.overhead_ms + self.ms_per_request * requests + self.ms_per_token * tokens + self.ms_per_token_sq * sq
 
     def prompt_ms(self, prompt_tokens: float) -> float:
-        """One prompt alone on an idle engine."""
+        """One prompt alone on an idle engine: the engine's time, what the prompt holds P for."""
         return self.step_ms(prompt_tokens)
+
+    def alone_ms(self, prompt_tokens: float) -> float:
+        """One prompt alone, as its client sees it: the engine's time and the time outside it."""
+        return self.step_ms(prompt_tokens) + self.outside_ms
 
 
 class DecodeFit(msgspec.Struct, frozen=True):
@@ -112,11 +121,13 @@ def nonnegative_least_squares(rows: Sequence[Sequence[float]], y: Sequence[float
     return [x[j] / norms[j] for j in range(k)], math.sqrt(sse / len(y))
 
 
-def fit_prefill(bursts: Sequence[tuple[int, int, float]]) -> PrefillFit:
-    """Fit PrefillFit to bursts of (prompt_tokens, concurrency, makespan_ms)."""
+def fit_prefill(bursts: Sequence[tuple[int, int, float]], outside_ms: float = 0.0) -> PrefillFit:
+    """Fit PrefillFit to bursts of (prompt_tokens, concurrency, makespan_ms), `outside_ms` of each makespan being
+    time outside the engine (measured apart: pdkv.planner.profile.outside_ms)."""
     rows = [[1.0, float(c), float(c * n), float(c * n * n)] for n, c, _ in bursts]
-    (a, r, b, q), rms = nonnegative_least_squares(rows, [ms for _, _, ms in bursts])
-    return PrefillFit(overhead_ms=a, ms_per_request=r, ms_per_token=b, ms_per_token_sq=q, rms_error_ms=rms, points=len(bursts))
+    (a, r, b, q), rms = nonnegative_least_squares(rows, [max(0.0, ms - outside_ms) for _, _, ms in bursts])
+    return PrefillFit(overhead_ms=a, ms_per_request=r, ms_per_token=b, ms_per_token_sq=q, rms_error_ms=rms, points=len(bursts),
+                      outside_ms=outside_ms)
 
 
 def fit_decode(points: Sequence[tuple[float, float, float]]) -> DecodeFit:

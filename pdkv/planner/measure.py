@@ -123,13 +123,15 @@ class Scrape(msgspec.Struct, frozen=True):
     itl_count: float = 0.0
     steps: float = 0.0  # vllm:iteration_tokens_total's count: engine steps taken
     generated: float = 0.0  # vllm:generation_tokens_total
+    engine_s: float = 0.0  # vllm:request_queue_time_seconds + vllm:request_prefill_time_seconds, sums: P's own time
+    engine_count: float = 0.0  # requests in that sum (vllm:request_prefill_time_seconds_count)
 
 
 def parse_scrape(text: str) -> Scrape:
     """The few vLLM series a profile needs, read with prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    running = usage = itl_sum = itl_count = steps = generated = 0.0
+    running = usage = itl_sum = itl_count = steps = generated = engine = engine_count = 0.0
     block_size = blocks = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -145,13 +147,17 @@ def parse_scrape(text: str) -> Scrape:
                 steps += s.value
             elif s.name == "vllm:generation_tokens_total":
                 generated += s.value
+            elif s.name in ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"):
+                engine += s.value
+            elif s.name == "vllm:request_prefill_time_seconds_count":
+                engine_count += s.value
             elif s.name == "vllm:cache_config_info":
                 if s.labels.get("block_size", "").isdigit():
                     block_size = int(s.labels["block_size"])
                 if s.labels.get("num_gpu_blocks", "").isdigit():
                     blocks = int(s.labels["num_gpu_blocks"])
     return Scrape(running=running, kv_usage=usage, block_size=block_size, num_blocks=blocks, itl_sum_s=itl_sum, itl_count=itl_count,
-                  steps=steps, generated=generated)  # fmt: skip
+                  steps=steps, generated=generated, engine_s=engine, engine_count=engine_count)  # fmt: skip
 
 
 async def scrape(client, url: str) -> Scrape:
@@ -171,10 +177,37 @@ async def _complete(client, url: str, model: str, prompt: list[int], timeout_s: 
 
 async def prefill_burst(client, url: str, model: str, rng: random.Random, tokens: int, concurrency: int,
                         timeout_s: float) -> PrefillBurst:  # fmt: skip
+    import httpx
+
     prompts = [_prompt(rng, tokens) for _ in range(concurrency)]
+    try:
+        before: Scrape | None = await scrape(client, url)
+    except (httpx.HTTPError, ValueError):
+        before = None
     t0 = time.perf_counter()
     latencies = await asyncio.gather(*(_complete(client, url, model, p, timeout_s) for p in prompts))
-    return PrefillBurst(tokens, concurrency, [round(v, 3) for v in latencies], round((time.perf_counter() - t0) * 1e3, 3))
+    makespan = round((time.perf_counter() - t0) * 1e3, 3)
+    return PrefillBurst(tokens, concurrency, [round(v, 3) for v in latencies], makespan,
+                        await _engine_ms(client, url, before, concurrency))
+
+
+async def _engine_ms(client, url: str, before: Scrape | None, requests: int) -> float | None:
+    """P's own time for the `requests` just answered (see PrefillBurst.engine_ms); None when its /metrics does not say.
+    The engine records a request's times as its answer is made, so a scrape right after it may miss the last one: a
+    few more are allowed for."""
+    import httpx
+
+    if before is None:
+        return None
+    for _ in range(5):
+        try:
+            after = await scrape(client, url)
+        except (httpx.HTTPError, ValueError):
+            return None
+        if after.engine_count - before.engine_count >= requests:
+            return round((after.engine_s - before.engine_s) * 1e3, 3)
+        await asyncio.sleep(0.02)
+    return None
 
 
 async def _stream(client, url: str, model: str, prompt: list[int], tokens: int, timeout_s: float) -> float | None:

@@ -51,6 +51,9 @@ class PrefillBurst(msgspec.Struct, frozen=True):
     concurrency: int
     latencies_ms: list[float]  # each request's, send to answer
     makespan_ms: float  # the last answer
+    # P's own time for the burst's requests, summed: the growth of vllm:request_queue_time_seconds and
+    # vllm:request_prefill_time_seconds (the engine core's stamps: queued, scheduled, first token); None: not read
+    engine_ms: float | None = None
 
 
 class DecodeRun(msgspec.Struct, frozen=True):
@@ -104,9 +107,17 @@ def median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
+def outside_ms(prefill: list[PrefillBurst]) -> float:
+    """A request's time outside P's engine: the median, over bursts of one request whose engine time was read, of its
+    latency less that time (0 when none was read)."""
+    gaps = [b.latencies_ms[0] - b.engine_ms for b in prefill if b.concurrency == 1 and b.engine_ms is not None and b.latencies_ms]
+    return round(max(0.0, median(gaps)), 3) if gaps else 0.0
+
+
 def fits_from(prefill: list[PrefillBurst], decode: list[DecodeRun]) -> tuple[PrefillFit, DecodeFit]:
-    """The curves through the raw measurements (a decode run counts by its `decode_ms`)."""
-    p = fit_prefill([(b.prompt_tokens, b.concurrency, b.makespan_ms) for b in prefill])
+    """The curves through the raw measurements (a decode run counts by its `decode_ms`; P's by its engine time, the
+    time outside the engine apart)."""
+    p = fit_prefill([(b.prompt_tokens, b.concurrency, b.makespan_ms) for b in prefill], outside_ms(prefill))
     d = fit_decode([(r.ran_batch, r.kv_tokens, ms) for r in decode if (ms := r.decode_ms) is not None])
     return p, d
 

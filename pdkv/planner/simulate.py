@@ -8,7 +8,8 @@ turn (round-robin, the proxy's default policy).
 - P serves its queue in order, one forward at a time: the forward takes every
   waiting prompt up to `max_batch_tokens` and lasts the profile's prefill step
   for them (overhead + per request + per token + per token squared).
-- After `handover_ms` the request joins a D. D decodes every sequence it
+- After `handover_ms` and its time outside P's engine (the prefill fit's
+  `outside_ms`: HTTP and API server, a delay that holds no engine) the request joins a D. D decodes every sequence it
   holds together, one token each per step, a step lasting the profile's ITL
   for its batch and KV. A sequence's first token comes one step after it
   joins (TTFT ends there); it leaves after its last. A D admits a sequence
@@ -215,7 +216,8 @@ class Simulation:
     def _prefill_done(self, p: _Engine, batch: list[int]) -> None:
         p.busy = False
         for rid in batch:
-            self._at(self.now + self.profile.handover_ms / 1000, "d_join", rid)
+            # The request's time outside P's engine (HTTP, API server) holds no engine: a delay, as the handover is.
+            self._at(self.now + (self.profile.handover_ms + self.profile.prefill_fit.outside_ms) / 1000, "d_join", rid)
         self._prefill_next(p)
         self._stop_if_drained(p)
 

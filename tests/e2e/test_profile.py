@@ -30,6 +30,8 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     by = {(b.prompt_tokens, b.concurrency): [] for b in profile.prefill}
     for b in profile.prefill:
         assert len(b.latencies_ms) == b.concurrency and b.makespan_ms >= max(b.latencies_ms)
+        # P's own time for the burst (its /metrics), within what the client waited for all of its requests
+        assert b.engine_ms is not None and 0 < b.engine_ms <= sum(b.latencies_ms), b
         by[(b.prompt_tokens, b.concurrency)].append(b.makespan_ms)
     # Four prompts of 384 tokens take longer than one of 32 (48 times the tokens; a shared host's noise is tens of ms).
     assert min(by[(384, 4)]) > max(by[(32, 1)])
@@ -44,6 +46,7 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
     f, d = profile.prefill_fit, profile.decode_fit
     assert min(f.overhead_ms, f.ms_per_request, f.ms_per_token, f.ms_per_token_sq, d.base_ms, d.ms_per_seq, d.ms_per_kv_token) >= 0
     assert f.points == 8 and d.points == 4
+    assert 0 < f.outside_ms < min(b.latencies_ms[0] for b in profile.prefill if b.concurrency == 1)  # HTTP, API server
     # The curves in the file are the ones its raw measurements give, and explain them better than their mean does
     # (per-point closeness is left out: under a load average of 14 on two cores, one point was off by 2x).
     assert fits_from(profile.prefill, profile.decode) == (f, d)

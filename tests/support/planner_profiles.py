@@ -12,12 +12,14 @@ def make_profile(
     *,
     capacity: int | None = None,
     handover_ms: float = 0.0,
+    outside_ms: float = 0.0,
 ) -> Profile:
-    """A profile whose fits are exactly `prefill` (overhead, per request, per token, per token^2) and `decode`
-    (base, per sequence, per KV token), its raw points on those curves."""
-    pf = PrefillFit(*prefill)
+    """A profile whose fits are exactly `prefill` (overhead, per request, per token, per token^2; `outside_ms` a
+    request's time outside the engine) and `decode` (base, per sequence, per KV token), its raw points on those curves."""
+    pf = PrefillFit(*prefill, outside_ms=outside_ms)
     df = DecodeFit(*decode)
-    bursts = [PrefillBurst(n, c, [pf.step_ms(n * c, n * n * c, c)] * c, pf.step_ms(n * c, n * n * c, c))
+    bursts = [PrefillBurst(n, c, [pf.step_ms(n * c, n * n * c, c) + outside_ms] * c, pf.step_ms(n * c, n * n * c, c) + outside_ms,
+                           pf.step_ms(n * c, n * n * c, c) if c == 1 else None)
               for n in (128, 512, 1024) for c in (1, 4)]  # fmt: skip
     runs = [DecodeRun(b, ctx, 64, [df.itl_ms(b, b * (ctx + 32))] * b) for b in (1, 8) for ctx in (256, 1024)]
     return Profile(

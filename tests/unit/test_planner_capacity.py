@@ -21,6 +21,15 @@ def test_idle_engine_ttft_is_the_prefill_alone_plus_what_comes_after():
     assert pre.latency_ms == pytest.approx(PROFILE.prefill_fit.prompt_ms(1000) + 7.0, rel=1e-6)
 
 
+def test_time_outside_the_engine_is_in_ttft_but_not_in_ps_load():
+    outside = make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0), outside_ms=15.0)
+    idle = predict_prefill(outside, fixed(1e-9), 1, 0.9, extra_ms=7.0)
+    assert idle.latency_ms == pytest.approx(outside.prefill_fit.prompt_ms(1000) + 15.0 + 7.0, rel=1e-6)
+    busy, same = predict_prefill(outside, fixed(5.0), 1, 0.9, 0.0), predict_prefill(PROFILE, fixed(5.0), 1, 0.9, 0.0)
+    assert busy.utilization == same.utilization == pytest.approx(5.0 * 0.110)
+    assert busy.latency_ms == pytest.approx(same.latency_ms + 15.0, rel=1e-6)
+
+
 def test_mm1_tail_matches_its_closed_form():
     # Fixed-length prompts: M/D/1. Its wait here: mass 1-rho at 0, an exponential tail of mean E[W]/rho beyond.
     s = PROFILE.prefill_fit.prompt_ms(1000) / 1000

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from pdkv.errors import ConfigError, UsageError
@@ -15,6 +16,18 @@ def test_exact_curve_is_recovered():
     f = fit_prefill(bursts)
     assert (f.overhead_ms, f.ms_per_request, f.ms_per_token, f.ms_per_token_sq) == pytest.approx((12.0, 3.0, 0.05, 2e-5), rel=1e-6)
     assert f.rms_error_ms == pytest.approx(0, abs=1e-6) and f.points == 9
+
+
+def test_a_requests_time_outside_the_engine_is_measured_apart_and_kept_out_of_ps_step():
+    made = make_profile((10.0, 2.0, 0.05, 0.0), outside_ms=6.0)
+    p, _ = fits_from(made.prefill, made.decode)
+    assert p.outside_ms == pytest.approx(6.0)  # latency less P's own time, bursts of one request
+    assert (p.overhead_ms, p.ms_per_request, p.ms_per_token) == pytest.approx((10.0, 2.0, 0.05), rel=1e-6)
+    assert p.prompt_ms(1000) == pytest.approx(62.0) and p.alone_ms(1000) == pytest.approx(68.0)
+    # Without the engine's own times (an older profile, or /metrics unread) it all counts as P's.
+    unread = [msgspec.structs.replace(b, engine_ms=None) for b in made.prefill]
+    q, _ = fits_from(unread, made.decode)
+    assert q.outside_ms == 0.0 and q.prompt_ms(1000) == pytest.approx(68.0)
 
 
 def test_noisy_decode_curve_lands_near_the_truth():

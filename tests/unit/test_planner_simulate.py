@@ -32,6 +32,20 @@ def test_a_request_alone_takes_the_profiles_times():
     assert sim.result.attainment == 1.0
 
 
+def test_the_time_outside_ps_engine_delays_each_request_and_holds_no_engine():
+    profile = make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0), handover_ms=3.0, outside_ms=12.0)
+    alone = run(0.05, 400, output=20, profile=profile)
+    step = profile.decode_fit.itl_ms(1, 0)
+    for a, f in zip(alone.arrival, alone.first, strict=True):
+        assert (f - a) * 1000 == pytest.approx(profile.prefill_fit.prompt_ms(1000) + 12.0 + 3.0 + step, rel=1e-9)
+    # At 8 req/s P's engine is busy 88% of the time, with or without the 12 ms outside it: the same arrivals queue
+    # alike on P, and every TTFT is 12 ms longer, no more.
+    busy, same = run(8.0, 300, profile=profile), run(8.0, 300, profile=make_profile((10.0, 0.0, 0.1, 0.0), (20.0, 0.5, 0.0),
+                                                                                     handover_ms=3.0))
+    assert busy.result.ttft_p50_ms == pytest.approx(same.result.ttft_p50_ms + 12.0, rel=1e-9)
+    assert busy.result.ttft_p90_ms == pytest.approx(same.result.ttft_p90_ms + 12.0, rel=1e-9)
+
+
 def test_same_seed_same_day_and_another_seed_another():
     a, b, c = run(5.0, 60).result, run(5.0, 60).result, run(5.0, 60, seed=1).result
     assert a == b and a.requests != c.requests
