@@ -14,6 +14,8 @@
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load.
 #   ROUNDS  the benchmark's timed rounds (default 10).
+#   DEPLOYMENTS  which of tests/gpu/deployments.py to start (default all three: pdkv-ipc pdkv-tcp mooncake-tcp);
+#           profile and check need pdkv-ipc alone, bench and the tests all three.
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #
@@ -75,7 +77,9 @@ say "model ready ($(elapsed))"
 FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
 PIDS=()
-for name in pdkv-ipc pdkv-tcp mooncake-tcp; do
+DEPLOYMENTS="${DEPLOYMENTS:-pdkv-ipc pdkv-tcp mooncake-tcp}"
+N=$(echo $DEPLOYMENTS | wc -w)
+for name in $DEPLOYMENTS; do
     setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
     PIDS+=($!)
 done
@@ -108,15 +112,15 @@ trap finish EXIT
 ready=0
 for _ in $(seq 540); do
     ready=$(grep -l '"event": "ready"' "$AUX"/up-*.jsonl 2>/dev/null | wc -l)
-    [ "$ready" = 3 ] && break
+    [ "$ready" = "$N" ] && break
     for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "a pdkv up ended early"; break 2; }; done
     sleep 1
 done
-say "deployments ready: $ready of 3 ($(elapsed))"
+say "deployments ready: $ready of $N ($(elapsed))"
 gpu_memory() { say "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) ($1)"; }
 gpu_memory "all engines up"
 grep -h '"event": "ready"' "$AUX"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
-if [ "$ready" != 3 ]; then
+if [ "$ready" != "$N" ]; then
     for f in "$AUX"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
     exit 1
 fi
@@ -159,7 +163,7 @@ step_profile() {
     local p d profile="$OUT/qwen3-8b-h200.profile.json"
     read -r p d < <($PY -c "from tests.gpu.deployments import urls; u = urls('pdkv-ipc'); print(u.prefill, u.decode)")
     $PY -m pdkv profile --prefill "$p" --decode "$d" --model "$WORK/model" -o "$profile" \
-        --hardware "1 x H200 shared by 6 engines (3 deployments' P and D, 4 GiB of KV each), vLLM 0.26, CUDA graphs of decode steps, batch-invariant kernels" \
+        --hardware "1 x H200 shared by $((2 * N)) engines ($N deployments' P and D, 4 GiB of KV each), vLLM 0.26, CUDA graphs of decode steps, batch-invariant kernels" \
         > "$AUX/profile.txt" 2>&1 || { rc=1; tail -n 20 "$AUX/profile.txt" >> "$SUMMARY"; }
     grep -E "fit:|warning" "$AUX/profile.txt" | cut -c1-300 | tee -a "$SUMMARY"
     # The seed's workload (1,000-token prompts, 128 output tokens) on that profile.
