@@ -17,8 +17,9 @@ HELP = """Measure a prefill and a decode engine: prefill time against prompt len
 latency against batch size and KV in use. Writes a versioned profile (JSON, with the model and the hardware
 in it) that `pdkv plan --slo` and `pdkv simulate` read.
 
-P gets bursts of distinct random prompts, one output token each; D gets batches of streamed completions
-side by side, its /metrics polled for KV usage. Point it at idle engines: other traffic skews the curves.
+P gets bursts of distinct random prompts, one output token each; its /metrics, read around each burst, give its own time.
+D gets batches of streamed completions side by side, its /metrics polled for KV usage.
+Point it at idle engines: other traffic skews the curves.
 One engine may play both roles (P and D URLs equal).
 
 Examples:
