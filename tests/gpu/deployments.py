@@ -64,6 +64,8 @@ PORTS = {
 
 
 def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
+    if DECODE_SCHEDULING not in ("async", "sync"):
+        raise ValueError(f"PDKV_GPU_DECODE_SCHEDULING must be async or sync, got {DECODE_SCHEDULING!r}")
     connector, protocol = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
