@@ -29,3 +29,18 @@ def test_each_file_loads_and_its_engines_share_gpu_0(tmp_path, name: str, graphs
             assert "--enforce-eager" not in argv
             config = json.loads(argv[argv.index("--compilation-config") + 1])
             assert config == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+def test_decode_scheduling_changes_d_alone(tmp_path, monkeypatch, scheduling: str) -> None:
+    import gpu.deployments as deployments
+
+    monkeypatch.setattr(deployments, "DECODE_SCHEDULING", scheduling)
+    path = tmp_path / "pdkv-ipc.toml"
+    path.write_text(deployment_toml("pdkv-ipc", "/models/qwen3-8b"))
+    argv = {p.kind: p.plan.argv for p in deployment_parts(load_deployment(path)) if p.kind in ("prefill", "decode")}
+    assert "--no-async-scheduling" not in argv["prefill"]
+    assert ("--no-async-scheduling" in argv["decode"]) == (scheduling == "sync")
+    monkeypatch.setattr(deployments, "DECODE_SCHEDULING", "synch")
+    with pytest.raises(ValueError, match="async or sync"):
+        deployment_toml("pdkv-ipc", "/models/qwen3-8b")
