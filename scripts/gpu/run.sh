@@ -10,7 +10,7 @@
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
 #   STEPS   any of "bench tests transport profile check kill", run in the order named (default "bench tests
 #           transport kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc
-#           deployment's P and D into OUT/qwen3-8b-h200.profile.json, then `pdkv plan --slo` of the seed's
+#           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load.
 #   ROUNDS  the benchmark's timed rounds (default 10).
@@ -160,10 +160,12 @@ step_transport() {
     say "transport tests: $(tail -n 1 "$AUX/tests-transport.log") ($(elapsed))"
 }
 step_profile() {
-    local p d profile="$OUT/qwen3-8b-h200.profile.json"
-    read -r p d < <($PY -c "from tests.gpu.deployments import urls; u = urls('pdkv-ipc'); print(u.prefill, u.decode)")
+    local p d kv gpu profile="$OUT/qwen3-8b.profile.json"
+    read -r p d kv < <($PY -c "from tests.gpu.deployments import KV_CACHE_BYTES, urls; u = urls('pdkv-ipc'); print(u.prefill, u.decode, KV_CACHE_BYTES >> 30)")
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+    # The GPUs and vLLM's version the profile detects itself; the description says how the engines share the GPU.
     $PY -m pdkv profile --prefill "$p" --decode "$d" --model "$WORK/model" -o "$profile" \
-        --hardware "1 x H200 shared by $((2 * N)) engines ($N deployments' P and D, 4 GiB of KV each), vLLM 0.26, CUDA graphs of decode steps, batch-invariant kernels" \
+        --hardware "1 x $gpu shared by $((2 * N)) engines ($N deployments' P and D, $kv GiB of KV each), ${PDKV_GPU_GRAPHS:-full-decode} engines, batch-invariant kernels" \
         > "$AUX/profile.txt" 2>&1 || { rc=1; tail -n 20 "$AUX/profile.txt" >> "$SUMMARY"; }
     grep -E "fit:|warning" "$AUX/profile.txt" | cut -c1-300 | tee -a "$SUMMARY"
     # The seed's workload (1,000-token prompts, 128 output tokens) on that profile.
@@ -174,7 +176,7 @@ step_profile() {
     say "profile done ($(elapsed))"
 }
 step_check() {
-    local p profile="$OUT/qwen3-8b-h200.profile.json"
+    local p profile="$OUT/qwen3-8b.profile.json"
     [ -f "$profile" ] || { say "check: no profile (name the profile step before it)"; rc=1; return; }
     p=$($PY -c "from tests.gpu.deployments import urls; print(urls('pdkv-ipc').prefill)")
     $PY benchmarks/planner_check.py --url "$p" --profile "$profile" --prompt-tokens 1000 --utilization 0.3,0.7 \
