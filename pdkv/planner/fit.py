@@ -7,11 +7,18 @@ Prefill, one forward of a batch of k prompts of L_i tokens:
 the fixed cost of a forward, what each request costs beside its tokens
 (scheduling, sampling), the linear layers, and attention's quadratic part.
 A burst of c prompts of L tokens sent at once is observed as its makespan
-(the last answer), which this model predicts as one step over all of them
-plus `outside_ms`: a request's time outside the engine (the HTTP exchange,
-the API server's work before and after the engine; large on a CPU host),
-which is in its TTFT but does not hold P's engine, so under load it
-overlaps other requests' forwards. A single prompt is the case c = 1.
+(the last answer): the s forwards P took for it, back to back, so s fixed
+costs and each prompt's own, plus `outside_ms`: a request's time outside
+the engine (the HTTP exchange, the API server's work before and after the
+engine; large on a CPU host), which is in its TTFT but does not hold P's
+engine, so under load it overlaps other requests' forwards. A single
+prompt is the case c = s = 1. The count s is P's own (its steps during the
+burst, from its /metrics): the API server hands a burst's prompts to the
+engine one by one, so the first is often forwarded alone, and a token
+budget splits the rest. Taken as one forward (s = 1, the count unknown),
+the later forwards' fixed costs are charged to each request, and a queue
+under load, batched in fewer forwards than that implies, is predicted slower
+than it runs.
 
 Decode, one step of a running batch of B sequences holding T tokens of KV:
 
@@ -121,11 +128,13 @@ def nonnegative_least_squares(rows: Sequence[Sequence[float]], y: Sequence[float
     return [x[j] / norms[j] for j in range(k)], math.sqrt(sse / len(y))
 
 
-def fit_prefill(bursts: Sequence[tuple[int, int, float]], outside_ms: float = 0.0) -> PrefillFit:
-    """Fit PrefillFit to bursts of (prompt_tokens, concurrency, makespan_ms), `outside_ms` of each makespan being
-    time outside the engine (measured apart: pdkv.planner.profile.outside_ms)."""
-    rows = [[1.0, float(c), float(c * n), float(c * n * n)] for n, c, _ in bursts]
-    (a, r, b, q), rms = nonnegative_least_squares(rows, [max(0.0, ms - outside_ms) for _, _, ms in bursts])
+def fit_prefill(bursts: Sequence[tuple[int, int, float] | tuple[int, int, float, int]], outside_ms: float = 0.0) -> PrefillFit:
+    """Fit PrefillFit to bursts of (prompt_tokens, concurrency, makespan_ms[, steps]), `outside_ms` of each makespan
+    being time outside the engine (measured apart: pdkv.planner.profile.outside_ms); `steps` the forwards P took for
+    the burst (one when not given)."""
+    seen = [(n, c, ms, burst[3] if len(burst) > 3 else 1) for burst in bursts for n, c, ms in [burst[:3]]]
+    rows = [[float(steps), float(c), float(c * n), float(c * n * n)] for n, c, _, steps in seen]
+    (a, r, b, q), rms = nonnegative_least_squares(rows, [max(0.0, ms - outside_ms) for _, _, ms, _ in seen])
     return PrefillFit(overhead_ms=a, ms_per_request=r, ms_per_token=b, ms_per_token_sq=q, rms_error_ms=rms, points=len(bursts),
                       outside_ms=outside_ms)
 

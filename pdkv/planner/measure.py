@@ -187,27 +187,28 @@ async def prefill_burst(client, url: str, model: str, rng: random.Random, tokens
     t0 = time.perf_counter()
     latencies = await asyncio.gather(*(_complete(client, url, model, p, timeout_s) for p in prompts))
     makespan = round((time.perf_counter() - t0) * 1e3, 3)
-    return PrefillBurst(tokens, concurrency, [round(v, 3) for v in latencies], makespan,
-                        await _engine_ms(client, url, before, concurrency))
+    engine_ms, steps = await _engine_share(client, url, before, concurrency)
+    return PrefillBurst(tokens, concurrency, [round(v, 3) for v in latencies], makespan, engine_ms, steps)
 
 
-async def _engine_ms(client, url: str, before: Scrape | None, requests: int) -> float | None:
-    """P's own time for the `requests` just answered (see PrefillBurst.engine_ms); None when its /metrics does not say.
-    The engine records a request's times as its answer is made, so a scrape right after it may miss the last one: a
-    few more are allowed for."""
+async def _engine_share(client, url: str, before: Scrape | None, requests: int) -> tuple[float | None, int | None]:
+    """P's own time for the `requests` just answered and the forwards it took for them (PrefillBurst.engine_ms and
+    engine_steps); None when its /metrics does not say. The engine records a request's times as its answer is made,
+    so a scrape right after it may miss the last one: a few more are allowed for."""
     import httpx
 
     if before is None:
-        return None
+        return None, None
     for _ in range(5):
         try:
             after = await scrape(client, url)
         except (httpx.HTTPError, ValueError):
-            return None
+            return None, None
         if after.engine_count - before.engine_count >= requests:
-            return round((after.engine_s - before.engine_s) * 1e3, 3)
+            steps = int(after.steps - before.steps)
+            return round((after.engine_s - before.engine_s) * 1e3, 3), steps if steps > 0 else None
         await asyncio.sleep(0.02)
-    return None
+    return None, None
 
 
 async def _stream(client, url: str, model: str, prompt: list[int], tokens: int, timeout_s: float) -> float | None:

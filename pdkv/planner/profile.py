@@ -6,7 +6,7 @@ measurements are kept beside the fitted curves, so a profile can be
 refitted, or checked by eye, without the engines.
 
     {"version": 1, "created": "...", "model": {...}, "hardware": {...},
-     "prefill": [{"prompt_tokens", "concurrency", "latencies_ms", "makespan_ms"}, ...],
+     "prefill": [{"prompt_tokens", "concurrency", "latencies_ms", "makespan_ms", "engine_ms", "engine_steps"}, ...],
      "decode": [{"batch", "context_tokens", "output_tokens", "itl_ms", "kv_usage", "running", "engine_itl_ms", "mean_batch"}, ...],
      "prefill_fit": {...}, "decode_fit": {...}, "handover_ms": 0.0}
 """
@@ -54,6 +54,8 @@ class PrefillBurst(msgspec.Struct, frozen=True):
     # P's own time for the burst's requests, summed: the growth of vllm:request_queue_time_seconds and
     # vllm:request_prefill_time_seconds (the engine core's stamps: queued, scheduled, first token); None: not read
     engine_ms: float | None = None
+    # P's forwards that answered the burst: the growth of vllm:iteration_tokens_total's count; None: not read
+    engine_steps: int | None = None
 
 
 class DecodeRun(msgspec.Struct, frozen=True):
@@ -117,7 +119,7 @@ def outside_ms(prefill: list[PrefillBurst]) -> float:
 def fits_from(prefill: list[PrefillBurst], decode: list[DecodeRun]) -> tuple[PrefillFit, DecodeFit]:
     """The curves through the raw measurements (a decode run counts by its `decode_ms`; P's by its engine time, the
     time outside the engine apart)."""
-    p = fit_prefill([(b.prompt_tokens, b.concurrency, b.makespan_ms) for b in prefill], outside_ms(prefill))
+    p = fit_prefill([(b.prompt_tokens, b.concurrency, b.makespan_ms, b.engine_steps or 1) for b in prefill], outside_ms(prefill))
     d = fit_decode([(r.ran_batch, r.kv_tokens, ms) for r in decode if (ms := r.decode_ms) is not None])
     return p, d
 

@@ -32,6 +32,9 @@ def test_profile_measures_prefill_and_decode_curves(start_vllm, tiny_model, tmp_
         assert len(b.latencies_ms) == b.concurrency and b.makespan_ms >= max(b.latencies_ms)
         # P's own time for the burst (its /metrics), within what the client waited for all of its requests
         assert b.engine_ms is not None and 0 < b.engine_ms <= sum(b.latencies_ms), b
+        # and the forwards it took (each answers one prompt at least): one for a prompt alone
+        assert b.engine_steps is not None and 1 <= b.engine_steps <= b.concurrency, b
+        assert b.concurrency > 1 or b.engine_steps == 1, b
         by[(b.prompt_tokens, b.concurrency)].append(b.makespan_ms)
     # Four prompts of 384 tokens take longer than one of 32 (48 times the tokens; a shared host's noise is tens of ms).
     assert min(by[(384, 4)]) > max(by[(32, 1)])

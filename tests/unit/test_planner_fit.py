@@ -30,6 +30,26 @@ def test_a_requests_time_outside_the_engine_is_measured_apart_and_kept_out_of_ps
     assert q.outside_ms == 0.0 and q.prompt_ms(1000) == pytest.approx(68.0)
 
 
+def test_a_burst_answered_in_several_forwards_pays_each_forwards_fixed_cost_not_each_requests():
+    # The engine as vLLM runs a burst: the first prompt alone (the API server hands the rest over while it runs), then
+    # the rest as the token budget allows, each forward paying the fixed 30 ms.
+    def burst(n: int, c: int, budget: int = 4096) -> tuple[int, int, float, int]:
+        per = budget // n  # prompts a forward takes
+        forwards = [1] + [min(per, c - 1 - i) for i in range(0, c - 1, per)]  # prompts in each forward
+        ms = sum(30.0 + 2.0 * k + 0.02 * k * n for k in forwards)
+        return n, c, ms, len(forwards)
+
+    seen = [burst(n, c) for n in (128, 1024, 2048) for c in (1, 2, 4, 8)]
+    assert {s for *_, s in seen} == {1, 2, 3, 5}
+    f = fit_prefill(seen)
+    assert (f.overhead_ms, f.ms_per_request, f.ms_per_token) == pytest.approx((30.0, 2.0, 0.02), rel=1e-6)
+    assert f.step_ms(4 * 1024, None, 4) == pytest.approx(30.0 + 8.0 + 0.02 * 4096)  # four queued prompts, one forward
+    # Taken as one forward each, the same bursts put later forwards' fixed costs on every request: four queued
+    # prompts in one forward are predicted well over their time.
+    one = fit_prefill([(n, c, ms) for n, c, ms, _ in seen])
+    assert one.step_ms(4 * 1024, 4 * 1024 * 1024, 4) > 1.15 * f.step_ms(4 * 1024, 4 * 1024 * 1024, 4)
+
+
 def test_noisy_decode_curve_lands_near_the_truth():
     rng = random.Random(1)
     points = [(b, b * t, (8.0 + 0.3 * b + 0.001 * b * t) * rng.uniform(0.97, 1.03)) for b in (1, 4, 16, 64) for t in (128, 1024)]
