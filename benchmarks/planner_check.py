@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--utilization", default="0.3,0.7")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--tolerance", type=float, default=0.2)
+    ap.add_argument("--max-batch-tokens", type=int, default=SimConfig(duration_s=0).max_batch_tokens,
+                    help="the engine's --max-num-batched-tokens: the simulated P's tokens a forward")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -105,7 +107,7 @@ def main() -> int:
         w = Workload(rate, [args.prompt_tokens], [1])
         slo = Slo(ttft_ms=1e9, itl_ms=1e9)
         # At least 5,000 simulated requests, so the simulated quantiles are the model's, not its sampling noise.
-        config = SimConfig(duration_s=max(args.seconds, 5000 / rate), seed=args.seed)
+        config = SimConfig(duration_s=max(args.seconds, 5000 / rate), seed=args.seed, max_batch_tokens=args.max_batch_tokens)
         sim = Simulation(p_only, w, slo, lambda t, r=rate: r, rate, config, 1, 1)
         sim.run()
         ttft = [(f - a) * 1000 for a, f in zip(sim.arrival, sim.first, strict=True)]

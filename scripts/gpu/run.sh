@@ -176,11 +176,11 @@ step_profile() {
     say "profile done ($(elapsed))"
 }
 step_check() {
-    local p profile="$OUT/qwen3-8b.profile.json"
+    local p budget profile="$OUT/qwen3-8b.profile.json"
     [ -f "$profile" ] || { say "check: no profile (name the profile step before it)"; rc=1; return; }
-    p=$($PY -c "from tests.gpu.deployments import urls; print(urls('pdkv-ipc').prefill)")
+    read -r p budget < <($PY -c "from tests.gpu.deployments import MAX_BATCH_TOKENS, urls; print(urls('pdkv-ipc').prefill, MAX_BATCH_TOKENS)")
     $PY benchmarks/planner_check.py --url "$p" --profile "$profile" --prompt-tokens 1000 --utilization 0.3,0.7 \
-        --seconds "${CHECK_SECONDS:-40}" > "$AUX/check.txt" 2>&1 || rc=1
+        --max-batch-tokens "$budget" --seconds "${CHECK_SECONDS:-40}" > "$AUX/check.txt" 2>&1 || rc=1
     tail -n 12 "$AUX/check.txt" | cut -c1-300 | tee -a "$SUMMARY"
     say "check done ($(elapsed))"
 }

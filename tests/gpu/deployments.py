@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
 READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
 KV_CACHE_BYTES = 4 << 30  # per engine: 29k tokens of Qwen3-8B's KV; six engines (15.3 GiB of weights each) fit one H200
+MAX_BATCH_TOKENS = 4096  # P's and D's tokens a forward (vLLM's --max-num-batched-tokens); the planner check's simulator too
 BLOCK_SIZE = 16
 # How the engines run their forwards: "full-decode" (the default): every step of decodes only replays a CUDA graph
 # of the whole model (vLLM's FULL_DECODE_ONLY; the mixed steps, prefills, run eager), with no torch.compile, so six
@@ -74,7 +75,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
         # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
         # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
-        "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096",
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(MAX_BATCH_TOKENS),
     ]
     engine_args = json.dumps(args)
     decode_args = json.dumps(args + (["--no-async-scheduling"] if DECODE_SCHEDULING == "sync" else []))
