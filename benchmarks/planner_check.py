@@ -31,7 +31,7 @@ import msgspec
 
 from pdkv.planner.capacity import predict_prefill
 from pdkv.planner.fit import DecodeFit
-from pdkv.planner.measure import TOKEN_IDS, engine_model
+from pdkv.planner.measure import TOKEN_IDS, engine_model, scrape
 from pdkv.planner.profile import load_profile
 from pdkv.planner.simulate import SimConfig, Simulation
 from pdkv.planner.workload import Slo, Workload
@@ -49,6 +49,12 @@ class Row(msgspec.Struct):
     p50_error: float  # simulated / measured - 1
     p90_error: float
     load_average: float  # the host's 1-minute load average when the run ended: other work on the same cores skews both
+    # Where the measured time went, by P's own /metrics over the run (None where it did not say): its queue and
+    # prefill time a request (mean), and the prompts a forward answered (requests over forwards); the simulator's same
+    engine_ms: float | None = None
+    per_forward: float | None = None
+    simulated_engine_ms: float = 0.0
+    simulated_per_forward: float = 0.0
 
 
 def _q(values: list[float], q: float) -> float:
@@ -56,7 +62,9 @@ def _q(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, int(q * len(s) + 0.999999) - 1))]
 
 
-async def measure(url: str, model: str, rate: float, seconds: float, tokens: int, seed: int) -> list[float]:
+async def measure(url: str, model: str, rate: float, seconds: float, tokens: int,
+                  seed: int) -> tuple[list[float], float | None, float | None]:
+    """Each request's latency (ms), and P's own mean time a request and prompts a forward over the run (its /metrics)."""
     rng = random.Random(seed)
     latencies: list[float] = []
 
@@ -67,6 +75,7 @@ async def measure(url: str, model: str, rate: float, seconds: float, tokens: int
         latencies.append((time.perf_counter() - t0) * 1e3)
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=512)) as client:
+        before = await scrape(client, url)
         tasks = []
         start = time.perf_counter()
         at = 0.0
@@ -79,7 +88,12 @@ async def measure(url: str, model: str, rate: float, seconds: float, tokens: int
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(client, [rng.choice(TOKEN_IDS) for _ in range(tokens)])))
         await asyncio.gather(*tasks)
-    return latencies
+        await asyncio.sleep(0.2)  # the engine records a request's times as its answer is made
+        after = await scrape(client, url)
+    answered = after.engine_count - before.engine_count
+    forwards = after.steps - before.steps
+    engine_ms = (after.engine_s - before.engine_s) * 1e3 / answered if answered > 0 else None
+    return latencies, engine_ms, answered / forwards if forwards > 0 and answered > 0 else None
 
 
 def main() -> int:
@@ -103,7 +117,7 @@ def main() -> int:
     rows = []
     for i, u in enumerate(float(v) for v in args.utilization.split(",")):
         rate = u / service_s
-        measured = asyncio.run(measure(args.url, model, rate, args.seconds, args.prompt_tokens, args.seed + i))
+        measured, engine_ms, per_forward = asyncio.run(measure(args.url, model, rate, args.seconds, args.prompt_tokens, args.seed + i))
         w = Workload(rate, [args.prompt_tokens], [1])
         slo = Slo(ttft_ms=1e9, itl_ms=1e9)
         # At least 5,000 simulated requests, so the simulated quantiles are the model's, not its sampling noise.
@@ -113,17 +127,22 @@ def main() -> int:
         ttft = [(f - a) * 1000 for a, f in zip(sim.arrival, sim.first, strict=True)]
         analytic = predict_prefill(p_only, w, 1, 0.9, 0.0).latency_ms
         m50, m90, s50, s90 = _q(measured, 0.5), _q(measured, 0.9), _q(ttft, 0.5), _q(ttft, 0.9)
-        rows.append(Row(u, rate, len(measured), m50, m90, s50, s90, analytic, s50 / m50 - 1, s90 / m90 - 1, os.getloadavg()[0]))
+        sim_engine = sum(ttft) / len(ttft) - profile.prefill_fit.outside_ms
+        rows.append(Row(u, rate, len(measured), m50, m90, s50, s90, analytic, s50 / m50 - 1, s90 / m90 - 1, os.getloadavg()[0],
+                        engine_ms, per_forward, sim_engine, sim.prefilled / max(1, sim.prefill_forwards)))  # fmt: skip
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(rows), indent=2).decode() + "\n")
     else:
         print(f"profile {args.profile}: {profile.model.name} on {profile.hardware.description}; prompts of {args.prompt_tokens} tokens, "
               f"S = {service_s * 1000:.1f} ms of P's engine alone, + {profile.prefill_fit.outside_ms:.1f} ms outside it")  # fmt: skip
-        print("util  req/s  requests  measured p50/p90 ms  simulated p50/p90 ms  analytic p90 ms  error p50/p90  load")
+        print("util  req/s  requests  measured p50/p90 ms  simulated p50/p90 ms  analytic p90 ms  error p50/p90  load"
+              "  P's own ms/request, prompts/forward: measured | simulated")
         for r in rows:
+            own = f"{r.engine_ms:6.1f} {r.per_forward:5.2f}" if r.engine_ms is not None and r.per_forward is not None else "     - -    "
             print(f"{r.utilization:4.2f} {r.rate:6.1f} {r.requests:9d}  {r.measured_p50_ms:8.1f} {r.measured_p90_ms:8.1f}   "
                   f"{r.simulated_p50_ms:8.1f} {r.simulated_p90_ms:8.1f}    {r.analytic_p90_ms:8.1f}     "
-                  f"{r.p50_error:+.1%} {r.p90_error:+.1%}  {r.load_average:.1f}")  # fmt: skip
+                  f"{r.p50_error:+.1%} {r.p90_error:+.1%}  {r.load_average:.1f}  {own} | "
+                  f"{r.simulated_engine_ms:6.1f} {r.simulated_per_forward:5.2f}")  # fmt: skip
     return 0 if all(abs(r.p50_error) <= args.tolerance and abs(r.p90_error) <= args.tolerance for r in rows) else 1
 
 

@@ -301,8 +301,11 @@ async def measure_profile(prefill_url: str, decode_url: str, settings: ProfileSe
         if d_model != model:
             raise UsageError(f"P serves {model!r} but D serves {d_model!r}", hint="profile a P and a D of one deployment")
         _check(settings, min(v for v in (max_len, d_max_len, 1 << 30) if v))
-        # Warm-up: the first request of a fresh engine pays for compilation and graph capture.
-        await prefill_burst(client, prefill_url, model, rng, min(settings.prompt_tokens), 1, settings.timeout_s)
+        # Warm-up: a fresh engine's first forwards of a shape pay for compilation, autotuning and allocation (on an
+        # H200 the first bursts of short prompts came out slower than the later ones of prompts four times as long):
+        # each prompt length once, at the highest concurrency, before any is measured.
+        for tokens in settings.prompt_tokens:
+            await prefill_burst(client, prefill_url, model, rng, tokens, max(settings.concurrency), settings.timeout_s)
         await decode_run(client, decode_url, model, rng, 1, min(settings.context_tokens), 2, settings.timeout_s)
         tick("warm-up")
         bursts = []

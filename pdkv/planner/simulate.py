@@ -128,6 +128,7 @@ class Simulation:
         self.first: list[float] = []
         self.done: list[float] = []
         self.timeline: list[TimelinePoint] = []
+        self.prefill_forwards = self.prefilled = 0  # P's forwards, and the prompts they answered
         self.desired = {"prefill": prefill, "decode": decode}
         self.serving: dict[Role, list[_Engine]] = {"prefill": [], "decode": []}  # refreshed whenever one starts or stops serving
         for _ in range(prefill):
@@ -211,6 +212,8 @@ class Simulation:
             tokens += self.prompt[rid]
             squares += self.prompt[rid] ** 2
         p.busy = True
+        self.prefill_forwards += 1
+        self.prefilled += len(batch)
         self._at(self.now + self.profile.prefill_fit.step_ms(tokens, squares, len(batch)) / 1000, "p_done", (p, batch))
 
     def _prefill_done(self, p: _Engine, batch: list[int]) -> None:
