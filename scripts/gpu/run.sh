@@ -12,7 +12,8 @@
 #           transport kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc
 #           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
-#           of that P against the measured one at 30% and 70% load.
+#           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
+#           for a prompt against how long it was idle before it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
 #   DEPLOYMENTS  which of tests/gpu/deployments.py to start (default all three: pdkv-ipc pdkv-tcp mooncake-tcp);
 #           profile and check need pdkv-ipc alone, bench and the tests all three.
@@ -184,11 +185,18 @@ step_check() {
     tail -n 12 "$AUX/check.txt" | cut -c1-300 | tee -a "$SUMMARY"
     say "check done ($(elapsed))"
 }
+step_wake() {
+    local p
+    p=$($PY -c "from tests.gpu.deployments import urls; print(urls('pdkv-ipc').prefill)")
+    $PY benchmarks/engine_wake.py --url "$p" --prompt-tokens 1000 > "$AUX/wake.txt" 2>&1 || rc=1
+    cut -c1-200 "$AUX/wake.txt" | tee -a "$SUMMARY"
+    say "wake done ($(elapsed))"
+}
 # The steps run in the order STEPS names them.
 for step in $STEPS; do
     case "$step" in
-        tests|bench|kill|transport|profile|check) "step_$step" ;;
-        *) say "unknown step: $step (tests, bench, kill, transport, profile, check)"; rc=2 ;;
+        tests|bench|kill|transport|profile|check|wake) "step_$step" ;;
+        *) say "unknown step: $step (tests, bench, kill, transport, profile, check, wake)"; rc=2 ;;
     esac
 done
 exit $rc
