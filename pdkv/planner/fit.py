@@ -132,7 +132,7 @@ def fit_prefill(bursts: Sequence[tuple[int, int, float] | tuple[int, int, float,
     """Fit PrefillFit to bursts of (prompt_tokens, concurrency, makespan_ms[, steps]), `outside_ms` of each makespan
     being time outside the engine (measured apart: pdkv.planner.profile.outside_ms); `steps` the forwards P took for
     the burst (one when not given)."""
-    seen = [(n, c, ms, burst[3] if len(burst) > 3 else 1) for burst in bursts for n, c, ms in [burst[:3]]]
+    seen = [(b[0], b[1], b[2], b[3] if len(b) > 3 else 1) for b in bursts]  # (tokens, concurrency, makespan, forwards)
     rows = [[float(steps), float(c), float(c * n), float(c * n * n)] for n, c, _, steps in seen]
     (a, r, b, q), rms = nonnegative_least_squares(rows, [max(0.0, ms - outside_ms) for _, _, ms, _ in seen])
     return PrefillFit(overhead_ms=a, ms_per_request=r, ms_per_token=b, ms_per_token_sq=q, rms_error_ms=rms, points=len(bursts),

@@ -43,7 +43,7 @@ def test_a_burst_answered_in_several_forwards_pays_each_forwards_fixed_cost_not_
     assert {s for *_, s in seen} == {1, 2, 3, 5}
     f = fit_prefill(seen)
     assert (f.overhead_ms, f.ms_per_request, f.ms_per_token) == pytest.approx((30.0, 2.0, 0.02), rel=1e-6)
-    assert f.step_ms(4 * 1024, None, 4) == pytest.approx(30.0 + 8.0 + 0.02 * 4096)  # four queued prompts, one forward
+    assert f.step_ms(4 * 1024, 4 * 1024 * 1024, 4) == pytest.approx(30.0 + 8.0 + 0.02 * 4096)  # four queued prompts, one forward
     # Taken as one forward each, the same bursts put later forwards' fixed costs on every request: four queued
     # prompts in one forward are predicted well over their time.
     one = fit_prefill([(n, c, ms) for n, c, ms, _ in seen])
