@@ -53,8 +53,8 @@ async def run(url: str, gaps: list[float], count: int, tokens: int, rounds: int,
                     latencies.append((time.perf_counter() - t0) * 1e3)
                 await asyncio.sleep(0.2)
                 after = await scrape(client, url)
-                n = after.engine_count - before.engine_count
-                own = f"{(after.engine_s - before.engine_s) * 1e3 / n:8.1f}" if n > 0 else "       -"
+                own_ms, answered, _ = after.since(before)
+                own = f"{own_ms / answered:8.1f}" if answered > 0 else "       -"
                 print(f"{r:5d} {gap:7.0f} {median(latencies):15.1f} {own:>19}  {_gpu()}", flush=True)
 
 

@@ -90,9 +90,8 @@ async def measure(url: str, model: str, rate: float, seconds: float, tokens: int
         await asyncio.gather(*tasks)
         await asyncio.sleep(0.2)  # the engine records a request's times as its answer is made
         after = await scrape(client, url)
-    answered = after.engine_count - before.engine_count
-    forwards = after.steps - before.steps
-    engine_ms = (after.engine_s - before.engine_s) * 1e3 / answered if answered > 0 else None
+    own_ms, answered, forwards = after.since(before)
+    engine_ms = own_ms / answered if answered > 0 else None
     return latencies, engine_ms, answered / forwards if forwards > 0 and answered > 0 else None
 
 

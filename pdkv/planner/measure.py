@@ -126,6 +126,11 @@ class Scrape(msgspec.Struct, frozen=True):
     engine_s: float = 0.0  # vllm:request_queue_time_seconds + vllm:request_prefill_time_seconds, sums: P's own time
     engine_count: float = 0.0  # requests in that sum (vllm:request_prefill_time_seconds_count)
 
+    def since(self, before: Scrape) -> tuple[float, float, float]:
+        """Between `before` and this scrape of one engine: its own time (ms, queue and prefill, summed over requests),
+        the requests it answered, and the forwards it took."""
+        return (self.engine_s - before.engine_s) * 1e3, self.engine_count - before.engine_count, self.steps - before.steps
+
 
 def parse_scrape(text: str) -> Scrape:
     """The few vLLM series a profile needs, read with prometheus_client's own parser."""
@@ -204,9 +209,9 @@ async def _engine_share(client, url: str, before: Scrape | None, requests: int) 
             after = await scrape(client, url)
         except (httpx.HTTPError, ValueError):
             return None, None
-        if after.engine_count - before.engine_count >= requests:
-            steps = int(after.steps - before.steps)
-            return round((after.engine_s - before.engine_s) * 1e3, 3), steps if steps > 0 else None
+        own_ms, answered, forwards = after.since(before)
+        if answered >= requests:
+            return round(own_ms, 3), int(forwards) if forwards > 0 else None
         await asyncio.sleep(0.02)
     return None, None
 
