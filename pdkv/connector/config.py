@@ -30,6 +30,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # processes of one host, KV in host memory (ipc and cma are pdkv's own; vLLM's connector has neither).
     # Read from `mooncake_protocol` (vLLM's key) or `transport` (load_config).
     transport: TransportName = "tcp"
+    # ipc on vLLM 0.34+: how D shares its KV memory with P. "fd": the extensible KV cache, each segment one CUDA
+    # VMM allocation exported as a file descriptor (EXPORTS_FD); "legacy": CUDA IPC handles, which turns the
+    # extensible KV cache off (LEGACY_IPC), for engines that cannot have it (--kv-cache-memory-bytes,
+    # --num-gpu-blocks-override, a GPU without VMM). Older vLLMs allocate with cudaMalloc: handles either way.
+    ipc_handles: Literal["fd", "legacy"] = "fd"
     device_name: str = ""
     # "host:port" of a standalone bootstrap server; unset: P's TP0 worker runs one.
     bootstrap_server_address: str | None = None
@@ -122,6 +127,21 @@ def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         return msgspec.convert(fields, ConnectorConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
+
+
+def kv_cache_access(config: ConnectorConfig) -> tuple[str, ...]:
+    """The names of the `KVCacheAccess` flags (vLLM 0.34+) the connector declares for `config`'s transport; pure.
+
+    tcp/rdma: Mooncake registers the KV memory, each segment must be one allocation (REGISTERS, as vLLM's own
+    MooncakeConnector declares). ipc: P maps D's memory, through exported file descriptors (EXPORTS_FD, the
+    extensible KV cache kept) or legacy CUDA IPC handles (LEGACY_IPC, the extensible cache off). Anything else
+    (cma: host memory) touches the KV only inside its own process: none (IN_PROCESS).
+    """
+    if config.transport in ("tcp", "rdma"):
+        return ("REGISTERS",)
+    if config.transport == "ipc":
+        return ("LEGACY_IPC",) if config.ipc_handles == "legacy" else ("EXPORTS_FD",)
+    return ()
 
 
 def bootstrap_bind(config: ConnectorConfig) -> tuple[str, int]:

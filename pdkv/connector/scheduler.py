@@ -106,6 +106,13 @@ class ConnectorScheduler:
 
     # --- both -------------------------------------------------------------
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether `get_num_new_matched_tokens` may answer this request asynchronously: a remote prefill on a D.
+        Cheap (vLLM asks whenever the request enters a waiting queue); never true on P, where vLLM's default
+        (the params' do_remote_prefill alone) would hold other async loads back for nothing."""
+        params = request.kv_transfer_params
+        return self.is_consumer and bool(params and params.get("do_remote_prefill"))
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):

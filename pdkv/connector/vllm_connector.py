@@ -1,6 +1,6 @@
 """`PdkvConnector`: the KVConnectorBase_V1 shell vLLM loads; the logic lives in scheduler.py and worker.py.
 
-This module is the connector's one seam with vLLM, and it serves vLLM 0.26 to 0.33:
+This module is the connector's one seam with vLLM, and it serves vLLM 0.26 to 0.34:
 - transfer results: 0.32+ ask `get_transfer_results` (receive failures beside the completions); 0.26 asks
   `get_finished`, and a failed pull reaches it as load-error blocks alone. Both go through `_collect`.
 - KV layout: LBHNC (per layer, per block: heads x tokens x content) where the running vLLM names it;
@@ -8,6 +8,10 @@ This module is the connector's one seam with vLLM, and it serves vLLM 0.26 to 0.
 - `CacheHitSource` (0.32+) labels the tokens D loads as peer-to-peer; 0.26 has no such metric.
 0.33's base class only adds `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, all with
 defaults this connector keeps.
+- 0.34: `kv_cache_access` declares how the workers reach the KV memory (config.kv_cache_access: REGISTERS for
+  Mooncake, EXPORTS_FD for ipc, which keeps the extensible KV cache); `may_load_async` is true only for a D's
+  remote prefill (what `get_num_new_matched_tokens` answers asynchronously); lookahead block hashes are not
+  used (docs/connector.md says why).
 """
 
 from __future__ import annotations
@@ -27,8 +31,12 @@ try:  # vLLM 0.32+
 except ImportError:  # vLLM 0.26
     KVConnectorTransferResults = None
     CacheHitSource = None
+try:  # vLLM 0.34+
+    from vllm.config.kv_transfer import KVCacheAccess
+except ImportError:  # vLLM 0.26-0.33: every KV cache is one cudaMalloc'd allocation per tensor
+    KVCacheAccess = None
 
-from pdkv.connector.config import load_config
+from pdkv.connector.config import kv_cache_access, load_config
 from pdkv.connector.layout import kv_layout_for, refusal
 from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
 from pdkv.connector.worker import ConnectorWorker, EngineIdentity
@@ -142,6 +150,22 @@ class PdkvConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
         return kv_layout_for(_running_vllm_layouts())
+
+    if KVCacheAccess is not None:
+
+        @classmethod
+        def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+            flags = KVCacheAccess.IN_PROCESS
+            for name in kv_cache_access(load_config(kv_transfer_config.kv_connector_extra_config)):
+                flags |= KVCacheAccess[name]
+            return flags
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: Any) -> bool:
+        return False  # the connector never reads block hashes: D names blocks by id, P answers by transfer_id
+
+    def may_load_async(self, request: Any) -> bool:
+        return self._scheduler is not None and self._scheduler.may_load_async(request)
 
     # --- scheduler side ----------------------------------------------------
 

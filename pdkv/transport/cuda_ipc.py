@@ -1,7 +1,9 @@
 """Intra-node GPU transport: D's KV memory opened in P through CUDA IPC, written by one copy kernel.
 
 D exports a CUDA IPC handle for each allocation that holds a registered KV
-region (once per layout); P opens each handle once and writes a request's
+region (once per layout), or, for CUDA VMM allocations (vLLM 0.34's extensible
+KV cache), a file descriptor that P fetches from D over a Unix socket
+(fd_share) and maps; P opens each handle once and writes a request's
 blocks with a single kernel launch that streams every descriptor over
 NVLink/P2P, so 2,268 per-block descriptors cost about what 36 coalesced ones
 do. Every descriptor is checked against the registered local regions and the
@@ -24,10 +26,11 @@ import msgspec
 
 from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
-from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.base import Descriptor, Region, Written
-from pdkv.transport.host import WatchedPeers, host_id, ipc_session, process_start_time
+from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
+from pdkv.transport.host import WatchedPeers, host_id, ipc_session
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
+from pdkv.transport.ipc_share import KvExporter, OpenedPeer, close_opened, open_export
 from pdkv.transport.planner import check_ranges, plan_descriptors
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
@@ -60,7 +63,7 @@ class _RegionLayout(msgspec.Struct, frozen=True):
 
 class _Peer(msgspec.Struct):
     spans: SpanMap
-    opened: list[int]
+    opened: OpenedPeer
     device: int  # the peer memory's GPU, as numbered in this process
     layouts: dict = msgspec.field(default_factory=dict)
     last: tuple | None = None  # (local list, remote list, layout) of the previous write
@@ -99,6 +102,8 @@ class CudaIpcTransport:
         self._staging: dict[int, tuple[Any, Any]] = {}  # device -> (pinned host, device) int64 tables
         self._graphs: dict[tuple[int, int, int, int], _BlockGraph] = {}
         self._lock = threading.RLock()  # one write at a time: graphs and staging buffers are shared
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+        self._exporter = KvExporter(self.driver, device, uuid)  # D: one export per registered set (guarded by _lock)
         self.profile = False
         self.last_kernel_ms: float | None = None
 
@@ -113,33 +118,29 @@ class CudaIpcTransport:
             return list(self._peers)
 
     def register(self, regions: list[tuple[int, int]]) -> None:
-        self._local.extend(regions)
-        self._local_map = SpanMap([(a, a + n, a) for a, n in self._local])
+        with self._lock:
+            self._local.extend(regions)
+            self._local_map = SpanMap([(a, a + n, a) for a, n in self._local])
+            self._exporter.drop()
 
     def unregister(self, regions: list[tuple[int, int]]) -> None:
         gone = set(regions)
-        self._local = [r for r in self._local if r not in gone]
-        self._local_map = SpanMap([(a, a + n, a) for a, n in self._local])
+        with self._lock:
+            self._local = [r for r in self._local if r not in gone]
+            self._local_map = SpanMap([(a, a + n, a) for a, n in self._local])
+            self._exporter.drop()
 
     def _bind_thread(self) -> None:
         """Make this process's GPU current on the calling thread: driver calls need a context, and callers use thread pools."""
         self.torch.cuda.set_device(self.device)
 
     def export(self) -> IpcExport:
-        """Handles for the allocations behind every registered region (only those regions are writable by P)."""
-        self._bind_thread()
-        allocations: list[IpcAllocation] = []
-        index: dict[int, int] = {}
-        regions: list[IpcRegion] = []
-        for addr, length in self._local:
-            base, size = self.driver.address_range(addr)
-            if base not in index:
-                index[base] = len(allocations)
-                allocations.append(IpcAllocation(self.driver.ipc_handle(base), base, size))
-            regions.append(IpcRegion(index[base], addr, length))
-        props = self.torch.cuda.get_device_properties(self.device)
-        return IpcExport(host_id(), os.getpid(), self.device, str(getattr(props, "uuid", "")), allocations, regions,
-                         process_start_time(os.getpid()))
+        """Handles for the allocations behind every registered region (only those regions are writable by P):
+        a CUDA IPC handle for memory from cudaMalloc (torch's allocator), a file descriptor served to P
+        (fd_share) for a CUDA VMM allocation. Made once per registered set: the descriptors stay open with it."""
+        with self._lock:
+            self._bind_thread()
+            return self._exporter.make(self._local)
 
     @property
     def settings(self) -> dict[str, str]:
@@ -169,22 +170,20 @@ class CudaIpcTransport:
             raise TransferError("CUDA IPC cannot open handles exported by the same process")
         self._disconnect(peer)
         self._watched.watch(peer, export.pid, export.start_time)
-        opened: list[int] = []
+        opened = OpenedPeer([], {})
         try:
-            for alloc in export.allocations:
-                opened.append(self.driver.ipc_open(alloc.handle))
+            opened = open_export(self.driver, export, self.device)
             spans = []
             for region in export.regions:
                 alloc = export.allocations[region.alloc]
                 if region.base < alloc.base or region.base + region.length > alloc.base + alloc.size:
                     raise TransferError(f"peer {peer} exported a region outside its allocation")
-                spans.append((region.base, region.base + region.length, opened[region.alloc] + region.base - alloc.base))
-            peer_device = self.driver.device_of(opened[0]) if opened else self.device
+                spans.append((region.base, region.base + region.length, opened.pointers[region.alloc] + region.base - alloc.base))
+            peer_device = self.driver.device_of(opened.pointers[0]) if opened.pointers else self.device
             if self.pull and peer_device != self.device:
                 self.driver.enable_peer_access(peer_device, self.device)
         except TransferError:
-            for ptr in opened:
-                self.driver.ipc_close(ptr)
+            close_opened(self.driver, opened)
             self._watched.forget(peer)
             raise
         self._peers[peer] = _Peer(SpanMap(spans), opened, peer_device)
@@ -384,14 +383,14 @@ class CudaIpcTransport:
         if entry is not None:
             for stream in self._streams.values():
                 stream.synchronize()
-            for ptr in entry.opened:
-                self.driver.ipc_close(ptr)
+            close_opened(self.driver, entry.opened)
 
     def close(self) -> None:
         with self._lock:
             for peer in list(self._peers):
                 self._disconnect(peer)
             self._graphs.clear()
+            self._exporter.drop()
 
     def __enter__(self) -> CudaIpcTransport:
         return self

@@ -11,6 +11,7 @@ import ctypes
 from typing import Any
 
 from pdkv.errors import StartError, TransferError
+from pdkv.transport.cuda_vmm import VmmDriver
 
 IPC_HANDLE_BYTES = 64
 
@@ -58,6 +59,10 @@ class CudaDriver:
 
     def ipc_close(self, ptr: int) -> None:
         self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+
+    def vmm(self) -> VmmDriver:
+        """The virtual-memory calls (CUDA VMM allocations shared as file descriptors) over this driver."""
+        return VmmDriver(self.lib, self._check)
 
     def device_of(self, ptr: int) -> int:
         ordinal = ctypes.c_int()

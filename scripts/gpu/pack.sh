@@ -7,13 +7,22 @@
 #
 # Usage: bash scripts/gpu/pack.sh [OUT]      (default OUT=.gpu; run as root on a Debian host with PyPI access)
 # Writes OUT/bundle.tgz.aa, .ab, ... (PIECE_MB each, default 50: a piece and the checkout fit one 64 MiB device call) and OUT/bundle.sha256.
-# Copy OUT/ and this checkout to the GPU host, then: bash scripts/gpu/run.sh OUT
+# With VLLM=0.34 it also writes OUT/vllm-0.34/bundle.tgz.* and its bundle.sha256: vLLM 0.34.0 with torch 2.14 and
+# what else scripts/gpu/wheels-0.34.txt names, an overlay run.sh puts before the 0.26 site (about 800 MB).
+# Copy OUT/ and this checkout to the GPU host, then: bash scripts/gpu/run.sh OUT   (VLLM=0.34 for 0.34)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 OUT="$(realpath -m "${1:-.gpu}")"
 PIECE_MB="${PIECE_MB:-50}"
 CACHE="${PDKV_GPU_WHEELS:-$HOME/.cache/pdkv/gpu-wheels}"
+VLLM="${VLLM:-0.26}"
+case "$VLLM" in 0.26|0.34) ;; *) echo "VLLM must be 0.26 or 0.34, got $VLLM" >&2; exit 2 ;; esac
+# The model folder is written by pdkv itself: its own dependencies must be here first.
+if ! python3 -c "import typer, rich, msgspec, tokenizers" 2>/dev/null; then
+    echo "pack.sh needs pdkv's own dependencies (and tokenizers) here: run bash scripts/setup.sh first" >&2
+    exit 3
+fi
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$OUT" "$CACHE" "$STAGE/site" "$STAGE/deb" "$STAGE/debs/rdma" "$STAGE/debs/curl"
@@ -55,9 +64,30 @@ rm -rf "$STAGE/debs"
 echo "== model folder (no weights)"
 PYTHONPATH="$ROOT" python3 -m pdkv model random "$STAGE/model" --config tests/fixtures/configs/qwen3-8b/config.json --no-weights --json >/dev/null
 
+pieces() {  # pieces DIR NAMES...: tar the named folders of $STAGE into DIR/bundle.tgz.* and their checksums
+    local dir="$1"; shift
+    mkdir -p "$dir"
+    rm -f "$dir"/bundle.tgz.* "$dir"/bundle.sha256
+    tar -C "$STAGE" -czf - "$@" | split -b "${PIECE_MB}M" - "$dir/bundle.tgz."
+    (cd "$dir" && sha256sum bundle.tgz.* > bundle.sha256)
+    du -ch "$dir"/bundle.tgz.* | tail -n 1
+}
 echo "== pieces"
-rm -f "$OUT"/bundle.tgz.* "$OUT"/bundle.sha256
-tar -C "$STAGE" -czf - site deb model | split -b "${PIECE_MB}M" - "$OUT/bundle.tgz."
-(cd "$OUT" && sha256sum bundle.tgz.* > bundle.sha256)
-du -ch "$OUT"/bundle.tgz.* | tail -n 1
+pieces "$OUT" site deb model
+
+if [ "$VLLM" = "0.34" ]; then
+    echo "== vLLM 0.34 overlay"
+    mapfile -t OVERLAY < <(grep -v '^\s*#' scripts/gpu/wheels-0.34.txt | sed '/^\s*$/d')
+    python3 -m pip download -q --disable-pip-version-check --no-deps "${TARGET[@]}" -d "$CACHE" "${OVERLAY[@]}"
+    python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile "${TARGET[@]}" --no-index --find-links "$CACHE" \
+        --target "$STAGE/site-0.34" "${OVERLAY[@]}"
+    # As for 0.26, plus Triton's Blackwell tools and static libraries, NCCL's headers and static library.
+    rm -rf "$STAGE/site-0.34/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so" "$STAGE/site-0.34/vllm/_moe_C_stable_libtorch.abi3.so" \
+           "$STAGE/site-0.34/vllm/third_party/deep_gemm" "$STAGE/site-0.34/vllm/third_party/fmha_sm100" "$STAGE/site-0.34/vllm_rs"* \
+           "$STAGE/site-0.34/bin" "$STAGE/site-0.34/nvidia/nccl/include" "$STAGE/site-0.34"/nvidia/nccl/lib/*.a \
+           "$STAGE/site-0.34/triton/backends/nvidia/bin/ptxas-blackwell" "$STAGE/site-0.34/triton/backends/nvidia/lib/cupti"
+    find "$STAGE/site-0.34" \( -name __pycache__ -prune -o -name '*.a' \) -exec rm -rf {} +
+    du -sh "$STAGE/site-0.34"
+    pieces "$OUT/vllm-0.34" site-0.34
+fi
 ls -l "$OUT"

@@ -19,6 +19,9 @@
 #           profile and check need pdkv-ipc alone, bench and the tests all three.
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
+#   VLLM    0.26 (the default) or 0.34: which vLLM runs (0.34: BUNDLE_DIR/vllm-0.34 from `VLLM=0.34 pack.sh`,
+#           unpacked before the 0.26 site; each engine's extensible KV cache sized from its share of the GPU,
+#           PDKV_GPU_KV=extensible in tests/gpu/deployments.py).
 #
 # Steps: unpack; write Qwen3-8B-sized seeded random weights (`pdkv model random`, on the GPU); start the three
 # deployments of tests/gpu/deployments.py at once with `pdkv up -f` (P and D of each on GPU 0); run the GPU
@@ -40,14 +43,29 @@ say() { printf '%s\n' "$*" | tee -a "$SUMMARY"; }
 elapsed() { echo "$(( $(date +%s) - T0 )) s"; }
 T0=$(date +%s)
 
-if [ ! -f "$WORK/site/.unpacked" ]; then
-    (cd "$BUNDLE" && sha256sum -c --quiet bundle.sha256) || { say "bundle: checksum mismatch in $BUNDLE"; exit 3; }
-    cat "$BUNDLE"/bundle.tgz.* | tar -xzf - -C "$WORK" || { say "bundle: unpack failed"; exit 3; }
-    touch "$WORK/site/.unpacked"
-fi
-say "bundle unpacked ($(elapsed))"
+VLLM="${VLLM:-0.26}"
+unpack() {  # unpack BUNDLE_DIR FOLDER: the pieces in BUNDLE_DIR hold WORK/FOLDER
+    if [ ! -f "$WORK/$2/.unpacked" ]; then
+        (cd "$1" && sha256sum -c --quiet bundle.sha256) || { say "bundle: checksum mismatch in $1"; exit 3; }
+        cat "$1"/bundle.tgz.* | tar -xzf - -C "$WORK" || { say "bundle: unpack of $1 failed"; exit 3; }
+        touch "$WORK/$2/.unpacked"
+    fi
+}
+unpack "$BUNDLE" site
+SITE="$WORK/site"
+case "$VLLM" in
+    0.26) ;;
+    0.34)
+        unpack "$BUNDLE/vllm-0.34" site-0.34
+        # vLLM 0.34's kernel warm-up imports MiniMax-M3's CuTe DSL kernels on every CUDA host, a package this bundle
+        # leaves out (no model here uses it): scripts/gpu/vllm034 stands a no-op in for that one warm-up.
+        SITE="$ROOT/scripts/gpu/vllm034:$WORK/site-0.34:$SITE"
+        export PDKV_GPU_KV="${PDKV_GPU_KV:-extensible}" ;;
+    *) say "VLLM must be 0.26 or 0.34, got $VLLM"; exit 2 ;;
+esac
+say "bundle unpacked, vLLM $VLLM ($(elapsed))"
 
-export PYTHONPATH="$WORK/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 LIBS="$WORK/deb/rdma/usr/lib/x86_64-linux-gnu:$WORK/deb/rdma/lib/x86_64-linux-gnu"
 # Debian's libcurl (and what it links) only where the host has none: it must not shadow the host's own TLS.
 if ! ldconfig -p | grep -q 'libcurl.so.4 '; then LIBS="$LIBS:$WORK/deb/curl/usr/lib/x86_64-linux-gnu"; fi
@@ -121,6 +139,11 @@ say "deployments ready: $ready of $N ($(elapsed))"
 gpu_memory() { say "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) ($1)"; }
 gpu_memory "all engines up"
 grep -h '"event": "ready"' "$AUX"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
+# Each engine's KV capacity as its log states it (same settings for every deployment: pdkv's against vLLM's connector).
+for f in "$AUX"/logs-*/*.log; do
+    grep -h -E "GPU KV cache size|Extended KV cache to|Available KV cache memory|KV cache layout|extensible" "$f" 2>/dev/null \
+        | sed "s#^#$(basename "$(dirname "$f")")/$(basename "$f"): #" | cut -c1-260 | tail -n 4 >> "$SUMMARY"
+done
 if [ "$ready" != "$N" ]; then
     for f in "$AUX"/up-*.stderr; do echo "--- $f" >> "$SUMMARY"; tail -n 15 "$f" >> "$SUMMARY"; done
     exit 1

@@ -42,6 +42,11 @@ GRAPHS = os.environ.get("PDKV_GPU_GRAPHS", "full-decode")
 # scheduler one step late) or "sync" (`--no-async-scheduling` on D: a concluded pull is scheduled one idle
 # step sooner, a decode step does not overlap the next one's scheduling). P's stays vLLM's default.
 DECODE_SCHEDULING = os.environ.get("PDKV_GPU_DECODE_SCHEDULING", "async")
+# How each engine's KV cache is sized: "fixed" (the default: --kv-cache-memory-bytes KV_CACHE_BYTES) or, for vLLM
+# 0.34's extensible KV cache (which a fixed size turns off), "extensible": a share of the GPU each
+# (--gpu-memory-utilization KV_SHARE), the cache committed after warm-up from what that share leaves.
+KV_SIZING = os.environ.get("PDKV_GPU_KV", "fixed")
+KV_SHARE = 0.15  # six engines of 15.3 GiB weights and about 4 GiB of KV each on one 141 GiB H200
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
@@ -67,12 +72,15 @@ PORTS = {
 def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     if DECODE_SCHEDULING not in ("async", "sync"):
         raise ValueError(f"PDKV_GPU_DECODE_SCHEDULING must be async or sync, got {DECODE_SCHEDULING!r}")
+    if KV_SIZING not in ("fixed", "extensible"):
+        raise ValueError(f"PDKV_GPU_KV must be fixed or extensible, got {KV_SIZING!r}")
+    sizing = (["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)] if KV_SIZING == "fixed"
+              else ["--gpu-memory-utilization", str(KV_SHARE)])
     connector, protocol = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
     args = [
-        *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", "--gpu-memory-utilization", "0.12",
-        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "32",
+        *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", *sizing, "--max-num-seqs", "32",
         # Each prompt in one forward whatever the load: P's KV of a prompt cut into chunks differs in the last
         # bits from P alone's, and under 16 requests in flight a greedy tie then fell the other way.
         "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(MAX_BATCH_TOKENS),
@@ -82,7 +90,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
-    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (a fixed KV cache each), KV over {protocol}, {graphs},
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (KV cache {KV_SIZING}), KV over {protocol}, {graphs},
 # D's scheduling {DECODE_SCHEDULING}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"

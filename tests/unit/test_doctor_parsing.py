@@ -70,8 +70,11 @@ def test_version_tuple_and_vllm_range():
     assert vllm_verdict("vllm", "0.33.2", True).status is Status.PASS
     gpu_host = vllm_verdict("vllm", "0.26.0", True)
     assert gpu_host.status is Status.PASS and "HND" in gpu_host.detail and "get_finished" in gpu_host.detail
-    too_new = vllm_verdict("vllm", "0.34.0", True)
-    assert too_new.status is Status.FAIL and ">=0.26,<0.34" in too_new.detail and "pip install" in too_new.hint
+    latest = vllm_verdict("vllm", "0.34.0", True)
+    assert latest.status is Status.PASS and "EXPORTS_FD for ipc" in latest.detail and "REGISTERS for tcp/rdma" in latest.detail
+    assert "extensible" not in vllm_verdict("vllm", "0.33.2", True).detail
+    too_new = vllm_verdict("vllm", "0.35.0", True)
+    assert too_new.status is Status.FAIL and ">=0.26,<0.35" in too_new.detail and "pip install" in too_new.hint
     assert vllm_verdict("vllm", "0.25.1", True).status is Status.FAIL
     assert vllm_verdict(None, None, False).status is Status.FAIL
     assert vllm_verdict("vllm", "0.33.0", False).status is Status.FAIL

@@ -204,6 +204,11 @@ IPC = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"\x01" * 64, 0x1000
         (dict(allocations=[[b"\x01" * 64, TOP - 16, 1 << 20]]), "ends past 2**64"),
         (dict(allocations=[[b"\x01" * 64, 0x1000, 0]]), "$.ipc.allocations[0][2]"),
         (dict(start_time=-1), "$.ipc.start_time"),
+        # an allocation shared by file descriptor needs where to fetch it and a whole token
+        (dict(allocations=[[b"", 0x1000, 1 << 20, True]]), "need fd_server"),
+        (dict(allocations=[[b"", 0x1000, 1 << 20, True]], fd_server="pdkv-fds-1-x", fd_token=b"\x01" * 8), "32-byte fd_token"),
+        (dict(fd_token=b"\x01" * 33), "$.ipc.fd_token"),
+        (dict(fd_server="x" * 101), "$.ipc.fd_server"),
     ],
 )
 def test_ipc_exports_out_of_range_fail_decoding(changes, needle):
@@ -216,6 +221,18 @@ def test_ipc_exports_out_of_range_fail_decoding(changes, needle):
 
 def test_ipc_export_round_trips():
     assert decode_request(msgspec.msgpack.encode({**raw(ANNOUNCE), "ipc": raw(IPC)})).ipc == IPC
+    shared = IpcExport("host/boot", 42, 1, "GPU-x", [IpcAllocation(b"", 0x1000, 1 << 20, fd=True)], [IpcRegion(0, 0x2000, 4096)], 1234,
+                       fd_server="pdkv-fds-42-0123456789abcdef", fd_token=b"\x07" * 32)
+    assert decode_request(msgspec.msgpack.encode({**raw(ANNOUNCE), "ipc": raw(shared)})).ipc == shared
+
+
+def test_an_ipc_export_of_an_older_pdkv_decodes_as_cuda_ipc_handles():
+    """Exports without the descriptor fields (pdkv before vLLM 0.34 support) still decode: handles, no server."""
+    ipc = raw(IPC)
+    ipc["allocations"] = [a[:3] for a in ipc["allocations"]]
+    del ipc["fd_server"], ipc["fd_token"]
+    decoded = decode_request(msgspec.msgpack.encode({**raw(ANNOUNCE), "ipc": ipc})).ipc
+    assert decoded == IPC and not decoded.allocations[0].fd and decoded.fd_server == ""
 
 
 # --- bench control ------------------------------------------------------------
