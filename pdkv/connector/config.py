@@ -10,6 +10,7 @@ accepts `transport` as its own name for the same key.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -127,6 +128,16 @@ def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         return msgspec.convert(fields, ConnectorConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid kv_connector_extra_config: {exc}") from None
+
+
+# vLLM 0.34's engine arguments that keep its extensible KV cache off; ipc then shares D's KV by legacy CUDA IPC.
+NO_EXTENSIBLE_KV_CACHE = ("--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--no-enable-extensible-kv-cache")
+
+
+def ipc_handles_for(engine_args: Sequence[str]) -> Literal["fd", "legacy"]:
+    """How an ipc engine started with `engine_args` shares its KV (`ipc_handles`): by file descriptor, unless an
+    argument keeps vLLM's extensible KV cache off (vLLM 0.34 refuses EXPORTS_FD then). Pure."""
+    return "legacy" if any(a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE for a in engine_args) else "fd"
 
 
 def kv_cache_access(config: ConnectorConfig) -> tuple[str, ...]:

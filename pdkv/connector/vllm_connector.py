@@ -104,6 +104,9 @@ class PdkvConnector(KVConnectorBase_V1):
             raise UnsupportedModelError(f"pdkv's connector needs kv_role kv_producer or kv_consumer, got {kt.kv_role!r}")
         self.is_producer = kt.kv_role == "kv_producer"
         self.engine_id: str = kt.engine_id
+        if KVCacheAccess is not None and self.config.transport == "ipc" and role == KVConnectorRole.SCHEDULER:
+            log.info("pdkv: ipc shares D's KV memory by %s", "file descriptor (vLLM's extensible KV cache on)"
+                     if self.config.ipc_handles == "fd" else "legacy CUDA IPC handles (ipc_handles=legacy: vLLM's extensible KV cache off)")
         self._refuse_unsupported(vllm_config, kv_cache_config)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None

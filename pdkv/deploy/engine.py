@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV
+from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, ipc_handles_for
 from pdkv.errors import StartError, UsageError
 from pdkv.transport import TransportName
 
@@ -171,6 +171,8 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         extra["device_name"] = spec.device
     if spec.bootstrap_url and spec.role == "prefill":
         extra["bootstrap_server_address"] = bootstrap_address(spec.bootstrap_url)
+    if transport == "ipc":  # vLLM 0.34+: file descriptors where its extensible KV cache can be on, else legacy IPC
+        extra["ipc_handles"] = ipc_handles_for(spec.extra_args)
     extra.update(spec.connector_extra)
     config: dict[str, Any] = {**CONNECTOR_CONFIG[spec.connector], "kv_role": KV_ROLES[spec.role], "kv_connector_extra_config": extra}
     policy = spec.load_failure or ("recompute" if spec.connector == "pdkv" else None)

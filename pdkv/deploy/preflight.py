@@ -119,36 +119,16 @@ def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None)
     )]
 
 
-# vLLM 0.34's engine arguments that keep its extensible KV cache off, which ipc's file-descriptor sharing needs.
-NO_EXTENSIBLE_KV_CACHE = ("--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--no-enable-extensible-kv-cache")
-
-
 def check_vllm_release(parts: list[Part]) -> list[Problem]:
-    """The vLLM this host would start engines with, outside the range pdkv's connector supports: one problem.
-    On vLLM 0.34+, an ipc engine sharing KV by file descriptor whose arguments turn the extensible KV cache off
-    (vLLM would refuse it at start): one problem each."""
+    """The vLLM this host would start engines with, outside the range pdkv's connector supports: one problem."""
     from pdkv.doctor.model import Status
-    from pdkv.doctor.software import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, installed_vllm_verdict, version_tuple
+    from pdkv.doctor.software import installed_vllm_verdict
 
-    engines = [p for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
-    if not engines:
+    names = [p.plan.name for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
+    if not names:
         return []
     verdict = installed_vllm_verdict()
-    if verdict.status is Status.FAIL:
-        return [Problem(", ".join(p.plan.name for p in engines), verdict.detail, verdict.hint)]
-    _, version = installed_vllm()
-    if version is None or version_tuple(version)[:2] < VLLM_EXTENSIBLE_KV_CACHE:
-        return []
-    return [
-        Problem(
-            p.plan.name,
-            f"vLLM {version} shares ipc KV memory by file descriptor, which needs its extensible KV cache, and {clash[0]} turns it off",
-            f'drop {clash[0]}, or set ipc_handles = "legacy" in the engine\'s connector settings (legacy CUDA IPC, no extensible KV cache)',
-        )
-        for p in engines
-        if p.spec.transport == "ipc" and p.spec.connector_extra.get("ipc_handles", "fd") == "fd"
-        and (clash := [a for a in p.spec.extra_args if a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE])
-    ]
+    return [Problem(", ".join(names), verdict.detail, verdict.hint)] if verdict.status is Status.FAIL else []
 
 
 def _missing_cores(bind: str | None) -> list[int]:

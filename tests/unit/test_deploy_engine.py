@@ -205,3 +205,22 @@ def test_with_data_parallelism_every_rank_publishes_and_replays_on_ports_no_othe
     with pytest.raises(UsageError):
         kv_events_config(65531, dp_size=3)
     assert kv_events_config(65530, dp_size=3)["replay_endpoint"] == "tcp://*:65533"
+
+
+def test_ipc_engines_share_kv_by_descriptor_unless_their_arguments_turn_vllms_extensible_cache_off() -> None:
+    from pdkv.connector.config import kv_cache_access, load_config
+
+    def extra(*args: str) -> dict:
+        config = kv_transfer_config(EngineSpec(model="m", role="decode", transport="ipc", gpu="0", extra_args=args))
+        assert config is not None
+        return config["kv_connector_extra_config"]
+
+    assert extra("--max-num-seqs", "32")["ipc_handles"] == "fd"
+    assert kv_cache_access(load_config(extra())) == ("EXPORTS_FD",)
+    for off in (["--kv-cache-memory-bytes", "4294967296"], ["--num-gpu-blocks-override=900"], ["--no-enable-extensible-kv-cache"]):
+        assert extra(*off)["ipc_handles"] == "legacy", off
+        assert kv_cache_access(load_config(extra(*off))) == ("LEGACY_IPC",)
+    tcp = kv_transfer_config(EngineSpec(model="m", role="decode", transport="tcp", extra_args=("--kv-cache-memory-bytes", "1")))
+    assert tcp is not None and "ipc_handles" not in tcp["kv_connector_extra_config"]
+    assert kv_cache_access(load_config(tcp["kv_connector_extra_config"])) == ("REGISTERS",)
+    assert kv_cache_access(load_config({"transport": "cma"})) == ()
