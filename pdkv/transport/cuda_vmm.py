@@ -11,6 +11,7 @@ The driver calls go through ctypes, as cuda_kernels.CudaDriver's do; the structu
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 from pdkv.errors import TransferError
@@ -113,6 +114,25 @@ class VmmDriver:
             self.lib.cuMemRelease(handle)
             raise
         return ImportedAllocation(ptr.value, size, handle.value)
+
+    def allocate(self, size: int, device: int) -> ImportedAllocation:
+        """A new allocation of at least `size` bytes on `device`, exportable as a file descriptor and mapped here, as
+        vLLM 0.34 makes each KV segment under EXPORTS_FD (the GPU tests' D uses it); `unmap` frees it."""
+        prop = _AllocationProp(type=1, requestedHandleTypes=_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                               location=_Location(_LOCATION_TYPE_DEVICE, device))  # type 1: CU_MEM_ALLOCATION_TYPE_PINNED
+        granule = ctypes.c_size_t()
+        self._check(self.lib.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(prop), ctypes.c_int(0)),
+                    "cuMemGetAllocationGranularity")
+        size = -(-size // granule.value) * granule.value
+        handle = ctypes.c_ulonglong()
+        self._check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0)),
+                    "cuMemCreate")
+        fd = self.export_fd(handle.value)
+        try:
+            return self.import_fd(fd, size, [device])
+        finally:
+            os.close(fd)
+            self.release(handle.value)
 
     def unmap(self, imported: ImportedAllocation) -> None:
         ptr, size = ctypes.c_ulonglong(imported.ptr), ctypes.c_size_t(imported.size)

@@ -119,3 +119,71 @@ def test_a_captured_block_graph_keeps_the_table_it_reads_from() -> None:
         assert all(bool((b == -7).all()) for b in bystanders), "a replay wrote into memory allocated after capture"
         want = src.view(regions, blocks, block_len).flip(1)
         assert torch.equal(dst.view(regions, blocks, block_len), want)
+
+
+def _vmm_decode_side(conn, device: int) -> None:
+    """D whose KV is CUDA VMM memory exportable as file descriptors, as vLLM 0.34 allocates it under EXPORTS_FD."""
+    import ctypes
+
+    import numpy as np
+
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+
+    with CudaIpcTransport(device) as t:
+        vmm = t.driver.vmm()
+        kv = [vmm.allocate(BLOCKS * BLOCK_LEN, device) for _ in range(LAYERS)]
+        for seg in kv:
+            t.driver.lib.cuMemsetD8_v2(ctypes.c_uint64(seg.ptr), ctypes.c_ubyte(0), ctypes.c_size_t(seg.size))
+        t.register([(seg.ptr, BLOCKS * BLOCK_LEN) for seg in kv])
+        conn.send((t.export(), [seg.ptr for seg in kv]))
+        while (msg := conn.recv()) != "stop":
+            sums = []
+            for seg in kv:
+                host = np.zeros(BLOCKS * BLOCK_LEN, dtype=np.uint8)
+                t.driver.lib.cuMemcpyDtoH_v2(host.ctypes.data_as(ctypes.c_void_p), ctypes.c_uint64(seg.ptr), ctypes.c_size_t(host.nbytes))
+                sums.append(int(host.reshape(BLOCKS, BLOCK_LEN)[msg].astype(np.int64).sum()))
+            conn.send(sums)
+        for seg in kv:
+            vmm.unmap(seg)
+
+
+def test_ipc_writes_into_vmm_memory_shared_by_file_descriptor():
+    """vLLM 0.34's extensible KV cache: D's allocations go to P as descriptors (fd_share), P maps and writes them;
+    a forged token gets nothing."""
+    import msgspec
+    import torch
+
+    from pdkv.errors import TransferError
+    from pdkv.transport.base import Region
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+
+    p_dev, d_dev = _devices()
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_vmm_decode_side, args=(child, d_dev), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120), "decode side did not export in time"
+        export, remote_bases = parent.recv()
+        assert all(a.fd and a.handle == b"" for a in export.allocations) and export.fd_server and len(export.fd_token) == 32
+        with CudaIpcTransport(p_dev) as t:
+            forged = msgspec.structs.replace(export, fd_token=bytes(32))
+            with pytest.raises(TransferError, match="refused"):
+                t.connect("d", forged)
+            gen = torch.Generator(device=f"cuda:{p_dev}").manual_seed(1)
+            src = [torch.randint(0, 256, (BLOCKS * BLOCK_LEN,), dtype=torch.uint8, device=f"cuda:{p_dev}", generator=gen)
+                   for _ in range(LAYERS)]
+            t.register([(x.data_ptr(), x.numel()) for x in src])
+            t.connect("d", export)
+            local = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in src]
+            remote = [Region(b, BLOCK_LEN, BLOCKS) for b in remote_bases]
+            lblocks, rblocks = [5, 6, 40, 2], [60, 61, 8, 30]
+            assert t.write_blocks("d", lblocks, rblocks, local, remote).bytes == LAYERS * 4 * BLOCK_LEN
+            parent.send(rblocks)
+            assert parent.recv() == [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
+            with pytest.raises(TransferError):
+                t.write_blocks("d", [0], [BLOCKS], local, remote)  # past D's exported blocks
+            t.disconnect("d")  # unmaps the imported allocations
+    finally:
+        parent.send("stop")
+        proc.join(timeout=30)
