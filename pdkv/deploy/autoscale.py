@@ -210,11 +210,11 @@ class Autoscaler:
         desired = (self.desired or {}).get(slot.role, 0)
         engine = slot.engine.plan.name
         if was == "draining":
-            self._emit("stopped", slot.role, engine, f"stopped {engine} ({name} {how} while draining)", desired, log=lines)
+            self._emit("stopped", slot.role, engine, f"stopped {engine} ({name} {how} while draining)", desired, tail=lines)
             return
         delay = self.backoff[slot.role].failed(self.clock())
         self._emit("scale-failed", slot.role, engine, f"{name} {how}: adding {engine} failed; the engines serving keep serving, "
-                   f"and it is tried again in {delay:g} s while the planner asks for {desired} {slot.role} engine(s)", desired, log=lines)
+                   f"and it is tried again in {delay:g} s while the planner asks for {desired} {slot.role} engine(s)", desired, tail=lines)
 
     # --- scale down
     def _drain(self, slot: Slot, desired: int, now: float) -> None:
@@ -253,8 +253,8 @@ class Autoscaler:
 
     # --- the proxy
     def _emit(self, kind: ScaleKind, role: Role, name: str, message: str, desired: int, in_flight: int | None = None,
-              log: list[str] | None = None) -> None:
-        event = ScaleEvent(kind, role, name, message, desired, len(self.active(role)), in_flight, log or [])
+              tail: list[str] | None = None) -> None:
+        event = ScaleEvent(kind, role, name, message, desired, len(self.active(role)), in_flight, tail or [])
         log.info("autoscale: %s", message)
         try:
             self.on_event(event)
