@@ -52,10 +52,11 @@ def check_ports(parts: list[Part], reserved: Sequence[PortUse] = ()) -> list[Pro
     """Every port of `parts` and the `reserved` ones (the engines `[autoscale]` may add) distinct on each host and
     free now; each problem names the part, what binds the port and the setting it comes from."""
     uses = [u for p in parts for u in p.ports] + list(reserved)
+    twice = list(distinct_per_host(uses))
     problems = [Problem(u.part, f"port {u.port} ({u.what}, from {u.setting}) is also {first.part}'s {first.what} (from {first.setting})",
                         f"give each its own port: change {u.setting} or {first.setting}")
-                for u, first in distinct_per_host(uses)]
-    repeated = {id(u) for u, _ in distinct_per_host(uses)}
+                for u, first in twice]
+    repeated = {id(u) for u, _ in twice}
     for u in uses:
         if id(u) not in repeated and not port_free(u.bind, u.port):
             added = " (an engine [autoscale] may add)" if any(u is r for r in reserved) else ""

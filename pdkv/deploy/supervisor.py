@@ -279,7 +279,8 @@ class Supervisor:
             return "ready"
         if time.monotonic() >= deadline:
             proc.stop(self.grace)
-            return self._failed(proc, None, f"was not healthy within {self._start_timeout:g} s of its restart")
+            began = "start" if proc.name in self._added else "restart"
+            return self._failed(proc, None, f"was not healthy within {self._start_timeout:g} s of its {began}")
         return "starting"
 
     def _restart_dependent(self, name: str, *, because: str) -> None:
