@@ -135,7 +135,7 @@ def _bootstrap_host(dep: Deployment, slot: EngineSlot) -> str | None:
     return dep.bootstrap.host if dep.bootstrap.mode == "standalone" else slot.entry.host
 
 
-def runs_bootstrap(dep: Deployment, slot: EngineSlot) -> bool:
+def _runs_bootstrap(dep: Deployment, slot: EngineSlot) -> bool:
     """Whether the slot's prefill has a bootstrap server of its own (standalone, or in its first worker)."""
     return slot.role == "prefill" and dep.bootstrap.mode != "external" and not slot.entry.bootstrap_url
 
@@ -163,7 +163,7 @@ def allocate_ports(dep: Deployment) -> PortPlan:
             taken.take(s.entry.host, range(s.entry.kv_events_port, s.entry.kv_events_port + 2 * dp_size(dep, s.entry)))
     if dep.proxy is not None:
         taken.take(dep.proxy.host, range(dep.proxy.port, dep.proxy.port + 1))
-    prefills = [s for s in slots if runs_bootstrap(dep, s)]
+    prefills = [s for s in slots if _runs_bootstrap(dep, s)]
     if prefills:
         boot[prefills[0].name] = dep.bootstrap.port
         taken.take(_bootstrap_host(dep, prefills[0]), range(dep.bootstrap.port, dep.bootstrap.port + 1))
