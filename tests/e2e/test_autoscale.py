@@ -243,6 +243,8 @@ def test_a_load_step_adds_a_prefill_engine_that_serves_after_a_failed_start_and_
         assert failed["kind"] == "scale-failed" and failed["name"] == "prefill-1", failed
         assert any("Address already in use" in line for line in failed["log"]), failed["log"]
         assert up.proc.poll() is None and _planner(proxy)["current"]["prefill"] == 1  # serving on, on the one P
+        # The requests on one P, read now: the proxy keeps its last 4,096, and the whole step outnumbers them.
+        on_one_p = httpx.get(f"{proxy}/pdkv/requests?limit=4096", timeout=10).json()
         # The planner still asks for two: the step is tried again after its backoff, and now it serves.
         again = up.next(lambda e: e["event"] == "scale" and e["kind"] in ("scale-up", "scale-failed"), time.monotonic() + 60)
         assert again["kind"] == "scale-up" and again["name"] == "prefill-1", again
@@ -259,7 +261,7 @@ def test_a_load_step_adds_a_prefill_engine_that_serves_after_a_failed_start_and_
         loader.join(timeout=180)
     stopped_load = time.time()
     records = httpx.get(f"{proxy}/pdkv/requests?limit=4096", timeout=10).json()
-    one_p, n1 = _ttft_p90(records, step_at, scaled_at)
+    one_p, n1 = _ttft_p90(on_one_p, step_at, scaled_at)
     two_p, n2 = _ttft_p90(records, both_at + 2, stopped_load)
     print(f"\nstep of {STEP_CONCURRENCY} in flight: TTFT p90 one P {one_p:.0f} ms ({n1} requests), two P {two_p:.0f} ms ({n2} requests); "
           f"target {up.target_ms:.0f} ms; the planner when it asked: {json.dumps(before['observation'])}")
