@@ -48,6 +48,10 @@ class PortUse(msgspec.Struct, frozen=True):
     setting: str  # the deployment file's key it comes from, in the words of the file
     host: str | None = None  # its [[hosts]] name in a fleet
 
+    def __iter__(self) -> Iterator[str | int]:
+        """`bind, port = use`: where and which, for a caller that needs no more."""
+        return iter((self.bind, self.port))
+
 
 class SlotPorts(msgspec.Struct, frozen=True):
     """The ports of one engine slot (the engine named `prefill-k` or `decode-k`)."""

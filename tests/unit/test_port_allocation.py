@@ -185,6 +185,8 @@ def test_a_port_written_twice_is_left_as_written_and_named_with_both_settings():
                                 "prefill": [{"port": 8100}], "decode": [{"port": 8200, "kv_events_port": 5557}]})
     (again, first), = distinct_per_host([u for p in deployment_parts(dep) for u in p.ports])
     assert (again.part, again.setting, first.part, first.setting) == ("prefill-0", "[[prefill]] 1 port", "bootstrap-0", "[bootstrap] port")
+    bind, port = again
+    assert (bind, port) == ("0.0.0.0", 8100)
     # the decode's own events port is kept; prefill-0's derived ones step past it
     plan = allocate_ports(dep)
     assert [u.port for u in plan.of("decode-0") if u.what.startswith("KV")] == [5557, 5558]
