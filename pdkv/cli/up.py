@@ -151,10 +151,12 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
     def on_scale(event: ScaleEvent) -> None:
         if json_out:
             emit("scale", kind=event.kind, role=event.role, name=event.name, message=event.message, desired=event.desired,
-                 active=event.active, in_flight=event.in_flight)
+                 active=event.active, in_flight=event.in_flight, log=event.log)
         else:
             style = {"scale-up": "cyan", "stopped": "green", "scale-failed": "bold red"}.get(event.kind, "yellow")
             err_console.print(Text(f"pdkv up: autoscale: {event.message}", style=style), highlight=False, soft_wrap=True)
+            for line in event.log:
+                err_console.print(Text(f"  {event.name} | {line}", style="dim"), highlight=False, soft_wrap=True)
 
     run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if show_logs and not json_out else None,  # type: ignore[arg-type]
                    on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale)

@@ -61,7 +61,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     advertise_url: str | None = None
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
-    # P: the side channel's port: TP rank r binds side_channel_port + r (a pod declares them); 0: a free port.
+    # P: the side channel's port: TP rank r of DP rank d binds side_channel_port + d * tp_size + r (a pod declares them;
+    # `pdkv up` gives each prefill its own, pdkv.deploy.ports); 0: a free port.
     side_channel_port: int = 0
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None

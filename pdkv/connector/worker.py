@@ -123,7 +123,7 @@ class ConnectorWorker:
             self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
             engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,
             wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000, sealer=sealer_from_env(),
-            port=self.config.side_channel_port + self.tp_rank if self.config.side_channel_port else 0,
+            port=self.config.side_channel_port + self.dp_rank * self.tp_size + self.tp_rank if self.config.side_channel_port else 0,
         )
         self._register_with_bootstrap()
         self._join_members()

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from pdkv.deploy.engine import EngineSpec, data_parallel_size
-from pdkv.deploy.schema import AutoscaleEntry, Deployment, EngineEntry
+from pdkv.deploy.schema import AutoscaleEntry, Deployment
 from pdkv.errors import ConfigError
 
 
@@ -40,21 +39,3 @@ def check_one_instance_per_table(dep: Deployment) -> None:
                     f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
                     hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
                 )
-
-
-def kv_events_port_of(dep: Deployment, entry: EngineEntry, k: int) -> int | None:
-    """Engine k's KV events port (prefills first, then decodes), or None with events off: after the ports of the
-    engines before it, each taking two per DP rank (pdkv.deploy.engine.kv_events_config)."""
-    if not dep.kv_events:
-        return None
-    if entry.kv_events_port is not None:
-        return entry.kv_events_port
-    before = [*dep.prefill, *dep.decode][:k]
-    return dep.kv_events_port + sum(2 * data_parallel_size([*dep.extra_args, *e.extra_args]) for e in before)
-
-
-def events_ports(spec: EngineSpec) -> list[tuple[str, int]]:
-    """Every port an engine's KV events bind: a publisher and a replay socket per DP rank."""
-    if spec.kv_events_port is None:
-        return []
-    return [("0.0.0.0", spec.kv_events_port + i) for i in range(2 * spec.dp_size)]

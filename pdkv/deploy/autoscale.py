@@ -6,14 +6,23 @@ role, compares the desired count with the engines running or starting:
 
 - more wanted (within max): a draining engine is taken back first (POST
   /pdkv/drain draining=false), then the lowest free slot starts
-  (pdkv.deploy.scaling: the role's settings, its own ports and cores); it
-  joins the proxy through the members registry once healthy;
+  (pdkv.deploy.scaling: the role's settings, the ports pdkv.deploy.ports
+  reserved for the slot, its own cores); it joins the proxy through the
+  members registry once healthy;
+- an added engine that cannot start, is not healthy in time or dies is that
+  scale step failing, never the deployment's end: a "scale-failed" event with
+  its log's last lines, the slot's parts stopped (the proxy routes it
+  nothing new), the engines serving keep serving whatever the static parts'
+  `restart`, and while the planner still asks the step is tried again after a
+  backoff (pdkv.deploy.scaling.RetryBackoff: 10 s doubling to 300 s);
 - fewer wanted (down to min): the newest engines drain: the proxy routes
   them nothing new (POST /pdkv/drain), their requests in flight finish, then
   they are stopped once the engine itself runs nothing either (its own
-  /metrics); `drain_timeout_s` bounds the wait (what is still in
-  flight then is cut, and the event says how many). An engine still starting
-  has no request and stops at once.
+  /metrics); `drain_timeout_s` bounds the wait, also when the proxy or the
+  engine stops answering (what is still in flight then is cut, and the event
+  says how many); nothing but that engine is touched. An engine still
+  starting has no request and stops at once; one that dies while draining is
+  reported stopped, with its log's last lines.
 
 Every step is a `ScaleEvent` to `on_event`. A proxy that does not answer
 changes nothing (its engines keep serving); the next tick asks again.
@@ -30,21 +39,21 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.preflight import port_free
-from pdkv.deploy.restart import RestartPolicy
-from pdkv.deploy.scaling import Role, added_entry, free_port, ports_of, scale_steps, slot_parts
+from pdkv.deploy.ports import Role, allocate_ports
+from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.scaling import RetryBackoff, added_entry, added_slot_parts, scale_steps
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.supervisor import RUNNING, Supervisor
 from pdkv.deploy.topology import Part
 from pdkv.deploy.vllm_logging import with_vllm_logging
-from pdkv.errors import PdkvError
+from pdkv.errors import PdkvError, StartError
 
 log = logging.getLogger("pdkv.deploy")
 
 ScaleKind = Literal["scale-up", "draining", "undrained", "stopped", "scale-failed"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
-RETRY_AFTER_S = 30.0  # after a start that could not be set up (no free port, bad binding), before trying again
+LOG_LINES = 12  # of a failed engine's log, in its scale-failed event
 STAGE = {"bootstrap": 0, "prefill": 1, "decode": 1}
 
 
@@ -58,6 +67,7 @@ class ScaleEvent(msgspec.Struct, frozen=True):
     desired: int
     active: int  # engines of the role running or starting after this step
     in_flight: int | None = None  # requests on a drained engine when it was stopped (cut when the drain timed out)
+    log: list[str] = []  # the last lines of the log of the part that failed (scale-failed, or died while draining)
 
 
 class Slot:
@@ -83,15 +93,13 @@ class Autoscaler:
     """The scale loop over one supervisor; every method runs on the watch thread."""
 
     def __init__(self, dep: Deployment, supervisor: Supervisor, parts: list[Part], proxy_url: str, log_dir: str | Path, *,
-                 on_event: Callable[[ScaleEvent], None] | None = None, restart: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 on_event: Callable[[ScaleEvent], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         assert dep.autoscale is not None
         self.dep, self.auto, self.sup = dep, dep.autoscale, supervisor
         self.proxy_url, self.log_dir = proxy_url.rstrip("/"), log_dir
         self.on_event = on_event or (lambda _e: None)
-        self.restart = restart
         self.clock = clock
-        self.parts = list(parts)  # every part started so far, the added ones too (their ports are taken)
+        self.ports = allocate_ports(dep)  # the added slots' ports, reserved (and checked by pre-flight) before anything started
         self.slots: dict[Role, list[Slot]] = {}
         for role in ROLES:
             engines = [p for p in parts if p.kind == role]
@@ -101,7 +109,7 @@ class Autoscaler:
         self.desired: dict[str, int] | None = None
         self.view: dict[str, Any] | None = None
         self._next_poll = 0.0
-        self._retry_at: dict[Role, float] = dict.fromkeys(ROLES, 0.0)
+        self.backoff: dict[Role, RetryBackoff] = {role: RetryBackoff() for role in ROLES}
         self._client: Any = None
 
     # --- the loop
@@ -109,6 +117,10 @@ class Autoscaler:
         now = self.clock()
         for slot in [s for role in ROLES for s in self.slots[role] if s.state == "draining"]:
             self._drain_step(slot, now)
+        for role in ROLES:
+            if any(s.state == "active" and s.index >= self._listed(role) and self.sup.states.get(s.engine.plan.name) == "ready"
+                   for s in self.slots[role]):
+                self.backoff[role].served()
         if now < self._next_poll:
             return
         self._next_poll = now + self.auto.interval_s
@@ -130,7 +142,7 @@ class Autoscaler:
             draining = [s for s in self.slots[role] if s.state == "draining"]
             if draining:
                 self._undrain(max(draining, key=lambda s: s.index), desired)
-            elif now < self._retry_at[role] or not self._start(role, desired):
+            elif not self.backoff[role].due(now) or not self._start(role, desired, now):
                 return
             step -= 1
         # The newest first; slot 0 never (a prefill's slot 0 holds the members registry the others join).
@@ -139,19 +151,26 @@ class Autoscaler:
                 self._drain(slot, desired, now)
 
     # --- scale up
-    def _start(self, role: Role, desired: int) -> bool:
+    def _listed(self, role: Role) -> int:
+        return len(self.dep.prefill if role == "prefill" else self.dep.decode)
+
+    def _start(self, role: Role, desired: int, now: float) -> bool:
         stopped = [s for s in self.slots[role] if s.state == "stopped"]
         try:
             slot = min(stopped, key=lambda s: s.index) if stopped else self._new_slot(role)
         except PdkvError as exc:
-            self._retry_at[role] = self.clock() + RETRY_AFTER_S
-            self._emit("scale-failed", role, f"{role}-{len(self.slots[role])}", f"cannot add a {role} engine: {exc.message}", desired)
+            delay = self.backoff[role].failed(now)
+            self._emit("scale-failed", role, f"{role}-{len(self.slots[role])}",
+                       f"cannot add a {role} engine: {exc.message}; trying again in {delay:g} s", desired)
             return False
-        policy = RestartPolicy(self.restart or slot.engine.restart)  # type: ignore[arg-type]
+        slot.state = "active"
         for part in slot.parts:
             if self.sup.states.get(part.plan.name) not in RUNNING:
-                self.sup.launch(part.plan, stage=STAGE[part.kind], policy=policy)
-        slot.state = "active"
+                try:
+                    self.sup.launch(part.plan, stage=STAGE[part.kind], on_failure=self._part_failed)
+                except StartError as exc:
+                    self._step_failed(slot, part.plan.name, exc.message, [])
+                    return False
         self._post_drain(slot.url, False)  # a slot started again: the proxy may still hold it as draining
         cores = f" on cores {slot.engine.spec.omp_bind}" if slot.engine.spec and slot.engine.spec.omp_bind else ""
         self._emit("scale-up", role, slot.engine.plan.name, f"starting {slot.engine.plan.name} at {slot.url}{cores}: the planner "
@@ -160,25 +179,42 @@ class Autoscaler:
 
     def _new_slot(self, role: Role) -> Slot:
         slots = self.slots[role]
-        index, added = len(slots), len(slots) - len(self.dep.prefill if role == "prefill" else self.dep.decode)
-        taken = ports_of(self.parts)
-        is_free = lambda port: port_free(self.dep.host, port)  # noqa: E731
-        port = free_port(max(s.engine.spec.port for s in slots if s.engine.spec) + 1, taken, is_free)
-        taken.add(port)
-        events = free_port(max(taken) + 1, taken, is_free, step=2) if self.dep.kv_events else None
+        index = len(slots)
         busy: dict[int, int] = {}
         for s in (s for r in ROLES for s in self.slots[r] if s.state != "stopped"):
             for core in parse_cores(s.engine.spec.omp_bind if s.engine.spec else None) or ():
                 busy[core] = busy.get(core, 0) + 1
-        entry = added_entry(self.dep, role, added, port, events, busy)
-        parts = with_vllm_logging(slot_parts(self.dep, role, index, entry), self.log_dir)
-        held = [p for part in parts for h, p in part.ports if p in ports_of(self.parts) or not port_free(h, p)]
-        if held:
-            raise PdkvError(f"port(s) {', '.join(map(str, sorted(set(held))))} of {role}-{index} are taken on this host")
-        slot = Slot(role, index, parts)
+        entry = added_entry(self.dep, role, index - self._listed(role), busy)
+        slot = Slot(role, index, with_vllm_logging(added_slot_parts(self.dep, self.ports, role, index, entry), self.log_dir))
         slots.append(slot)
-        self.parts += parts
         return slot
+
+    # --- an added engine that fails
+    def _part_failed(self, proc: ManagedProcess, how: str) -> None:
+        """The supervisor's word that a launched part of a slot failed to start or died (on the watch thread)."""
+        slot = next((s for r in ROLES for s in self.slots[r] if any(p.plan.name == proc.name for p in s.parts)), None)
+        if slot is None or slot.state == "stopped":
+            return
+        lines = [line for line in proc.log_tail(LOG_LINES).splitlines() if line.strip()]
+        self._step_failed(slot, proc.name, how, lines)
+
+    def _step_failed(self, slot: Slot, name: str, how: str, lines: list[str]) -> None:
+        """Stop what is left of `slot` and report it: a drain ended by the engine's death, or a failed scale step
+        tried again after the role's backoff."""
+        was = slot.state
+        for part in slot.parts:
+            if part.plan.name != name and self.sup.states.get(part.plan.name) in RUNNING:
+                self.sup.retire(part.plan.name)
+        slot.state = "stopped"
+        self._post_drain(slot.url, True)  # the proxy routes it nothing new (404 when it never joined)
+        desired = (self.desired or {}).get(slot.role, 0)
+        engine = slot.engine.plan.name
+        if was == "draining":
+            self._emit("stopped", slot.role, engine, f"stopped {engine} ({name} {how} while draining)", desired, tail=lines)
+            return
+        delay = self.backoff[slot.role].failed(self.clock())
+        self._emit("scale-failed", slot.role, engine, f"{name} {how}: adding {engine} failed; the engines serving keep serving, "
+                   f"and it is tried again in {delay:g} s while the planner asks for {desired} {slot.role} engine(s)", desired, tail=lines)
 
     # --- scale down
     def _drain(self, slot: Slot, desired: int, now: float) -> None:
@@ -211,13 +247,14 @@ class Autoscaler:
 
     def _stop(self, slot: Slot, desired: int, in_flight: int | None, why: str) -> None:
         name = slot.engine.plan.name
+        slot.state = "stopped"  # first: a stop that raises must not leave the slot draining, tried every round
         code = self.sup.retire(name)
-        slot.state = "stopped"
         self._emit("stopped", slot.role, name, f"stopped {name} ({why}; exit code {code})", desired, in_flight)
 
     # --- the proxy
-    def _emit(self, kind: ScaleKind, role: Role, name: str, message: str, desired: int, in_flight: int | None = None) -> None:
-        event = ScaleEvent(kind, role, name, message, desired, len(self.active(role)), in_flight)
+    def _emit(self, kind: ScaleKind, role: Role, name: str, message: str, desired: int, in_flight: int | None = None,
+              tail: list[str] | None = None) -> None:
+        event = ScaleEvent(kind, role, name, message, desired, len(self.active(role)), in_flight, tail or [])
         log.info("autoscale: %s", message)
         try:
             self.on_event(event)

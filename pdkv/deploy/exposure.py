@@ -37,7 +37,7 @@ def exposure_warnings(parts: Iterable[Any], keyed: bool) -> list[str]:
         if p.kind == "bootstrap" and not is_loopback(_argv_host(p.plan.argv)):
             out.append(f"{name} listens on {_argv_host(p.plan.argv)} with no deployment key: anyone who reaches it may register")
         if p.kind == "prefill":
-            if any(not is_loopback(h) for h, port in p.ports[1:]):
+            if any(u.what == "bootstrap" and not is_loopback(u.bind) for u in p.ports):
                 out.append(f"{name}'s bootstrap listens on all addresses with no deployment key: anyone who reaches it may register")
             side = getattr(p.spec, "host_ip", None)
             if not is_loopback(side):

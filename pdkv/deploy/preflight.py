@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pdkv.deploy.engine import parse_cores
+from pdkv.deploy.ports import PortUse, distinct_per_host
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
 from pdkv.errors import ConfigError, TransferError
 from pdkv.tp_heads import rank_heads
@@ -47,21 +48,23 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def check_ports(parts: list[Part]) -> list[Problem]:
-    problems: list[Problem] = []
-    seen: dict[int, str] = {}
-    for part in parts:
-        for host, port in part.ports:
-            if port in seen:
-                problems.append(Problem(part.plan.name, f"port {port} is also given to {seen[port]}", "give each part its own port"))
-                continue
-            seen[port] = part.plan.name
-            if not port_free(host, port):
-                problems.append(Problem(
-                    part.plan.name,
-                    f"port {port} on {host} is in use",
-                    f"stop what holds it (ss -ltnp 'sport = :{port}') or choose another port",
-                ))
+def check_ports(parts: list[Part], reserved: Sequence[PortUse] = ()) -> list[Problem]:
+    """Every port of `parts` and the `reserved` ones (the engines `[autoscale]` may add) distinct on each host and
+    free now; each problem names the part, what binds the port and the setting it comes from."""
+    uses = [u for p in parts for u in p.ports] + list(reserved)
+    twice = list(distinct_per_host(uses))
+    problems = [Problem(u.part, f"port {u.port} ({u.what}, from {u.setting}) is also {first.part}'s {first.what} (from {first.setting})",
+                        f"give each its own port: change {u.setting} or {first.setting}")
+                for u, first in twice]
+    repeated = {id(u) for u, _ in twice}
+    for u in uses:
+        if id(u) not in repeated and not port_free(u.bind, u.port):
+            added = " (an engine [autoscale] may add)" if any(u is r for r in reserved) else ""
+            problems.append(Problem(
+                f"{u.part}{added}",
+                f"port {u.port} on {u.bind} ({u.what}, from {u.setting}) is held by another process",
+                f"stop what holds it (ss -ltnp 'sport = :{u.port}') or change {u.setting}",
+            ))
     return problems
 
 
@@ -267,9 +270,10 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
     return [] if ok else [Problem("cma", detail, fix)]
 
 
-def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = ()) -> list[Problem]:
-    """Every pre-flight problem of `parts`, in start order; empty when all is well."""
-    return (check_ports(parts) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts) + check_cma(parts)
+def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = (), *, reserved: Sequence[PortUse] = ()) -> list[Problem]:
+    """Every pre-flight problem of `parts` (and of the `reserved` ports of engines `[autoscale]` may add), in start
+    order; empty when all is well."""
+    return (check_ports(parts, reserved) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts) + check_cma(parts)
             + check_bootstraps(list(bootstrap_urls)))
 
 

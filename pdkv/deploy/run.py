@@ -28,6 +28,7 @@ from pdkv.deploy.fleet import chosen_hosts
 from pdkv.deploy.loader import load_deployment
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.machine import gpu_count, local_addresses
+from pdkv.deploy.ports import allocate_ports
 from pdkv.deploy.preflight import preflight, raise_problems
 from pdkv.deploy.scaling import autoscaled
 from pdkv.deploy.restart import RestartPolicy
@@ -187,9 +188,11 @@ def hand_out_key(token: str | None, parts: Sequence[Part]) -> list[str]:
 
 
 def prepare(plan: UpPlan, log_dir: str | Path) -> None:
-    """The pre-flight checks (PreflightError listing every problem), then vLLM's logging configuration written
-    into `log_dir`. The tiny model, if used, must be in its cache already (pdkv.tinymodel.ensure_tiny_model)."""
-    raise_problems(preflight(plan.parts, plan.bootstraps))
+    """The pre-flight checks (PreflightError listing every problem; the ports of the engines `[autoscale]` may add
+    among them), then vLLM's logging configuration written into `log_dir`. The tiny model, if used, must be in its
+    cache already (pdkv.tinymodel.ensure_tiny_model)."""
+    reserved = allocate_ports(plan.autoscale).reserved() if plan.autoscale is not None else []
+    raise_problems(preflight(plan.parts, plan.bootstraps, reserved=reserved))
     write_logging_config(plan.parts, log_dir)
 
 
@@ -227,7 +230,7 @@ class PartsRun:
         self._previous: Any = None
         proxy = next((p for p in self.parts if p.kind == "proxy"), None)
         self.autoscaler = None if autoscale is None or proxy is None else Autoscaler(
-            autoscale, self.supervisor, self.parts, proxy.plan.url, log_dir, on_event=on_scale, restart=restart)
+            autoscale, self.supervisor, self.parts, proxy.plan.url, log_dir, on_event=on_scale)
 
     def __enter__(self) -> PartsRun:
         self._previous = signal.signal(signal.SIGTERM, signal.default_int_handler)

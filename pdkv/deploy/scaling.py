@@ -1,32 +1,29 @@
-"""What an autoscaled deployment runs beyond its file (pure, but for asking which ports are free): each role's
-engine slots, the parts of an engine added to a role, and how many to start or drain for a desired count.
+"""What an autoscaled deployment runs beyond its file (pure): the parts of an engine added to a role, how many to
+start or drain for a desired count, and how long a scale step that failed waits before it is tried again.
 
 Slot k of a role is the engine named `prefill-k` / `decode-k`: the tables the
 file lists are slots 0..n-1; an added engine takes the next slot, with the
-role's first table's settings, a port of its own, its KV events ports, its
-cores or GPUs from `[autoscale.ROLE]` (pdkv.deploy.schema.RoleBounds) and,
-for a prefill with a standalone bootstrap, a bootstrap server of its own on
-the port `pdkv up` would give that slot. Every engine joins the first
-prefill's members registry, as the listed ones do, so the proxy routes to it
-without a restart.
+role's first table's settings, the ports pdkv.deploy.ports reserved for that
+slot (its HTTP port, KV events, side channel and, for a prefill with a
+standalone bootstrap, a bootstrap server of its own), and its cores or GPUs
+from `[autoscale.ROLE]` (pdkv.deploy.schema.RoleBounds). Every engine joins
+the first prefill's members registry, as the listed ones do, so the proxy
+routes to it without a restart.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
 from pdkv.deploy.engine import parse_cores
+from pdkv.deploy.ports import EngineSlot, PortPlan, Role
 from pdkv.deploy.schema import Deployment, EngineEntry
-from pdkv.deploy.topology import Part, deployment_parts
+from pdkv.deploy.topology import Part, slot_parts
 from pdkv.errors import ConfigError
 from pdkv.planner import load_profile
-
-Role = Literal["prefill", "decode"]
 
 
 def autoscaled(dep: Deployment, file: str | Path) -> tuple[Deployment, list[str]]:
@@ -56,17 +53,18 @@ def autoscaled(dep: Deployment, file: str | Path) -> tuple[Deployment, list[str]
     return msgspec.structs.replace(dep, autoscale=msgspec.structs.replace(a, profile=str(path))), []
 
 
-def added_entry(dep: Deployment, role: Role, added: int, port: int, events_port: int | None, busy_cores: dict[int, int]) -> EngineEntry:
+def added_entry(dep: Deployment, role: Role, added: int, busy_cores: dict[int, int]) -> EngineEntry:
     """The table of the role's `added`-th added engine (0: the first beyond the file's): the role's first table
-    with `port`, `events_port` and its own cores (CPU) or GPUs. `busy_cores`: engines bound to each core now."""
+    with its own cores (CPU) or GPUs; its ports are its slot's (pdkv.deploy.ports). `busy_cores`: engines bound
+    to each core now."""
     assert dep.autoscale is not None
     template = (dep.prefill if role == "prefill" else dep.decode)[0]
     bounds = dep.autoscale.prefill if role == "prefill" else dep.autoscale.decode
-    entry = msgspec.structs.replace(template, port=port, kv_events_port=events_port, replicas=1, host=None)
+    entry = msgspec.structs.replace(template, kv_events_port=None, replicas=1, host=None)
     if dep.platform == "cpu":
         if bounds.omp_bind:
             return msgspec.structs.replace(entry, omp_bind=bounds.omp_bind[added % len(bounds.omp_bind)])
-        want = len(parse_cores(template.omp_bind) or [0])
+        want = max(len(parse_cores(template.omp_bind) or []), template.tp)  # a core of its own for each TP rank
         return msgspec.structs.replace(entry, omp_bind=least_bound_cores(busy_cores, want))
     if not bounds.gpu:
         raise ConfigError(f"[autoscale.{role}] needs gpu = [...] naming each added engine's GPUs",
@@ -82,29 +80,13 @@ def least_bound_cores(busy: dict[int, int], want: int) -> str:
     return ",".join(map(str, chosen))
 
 
-def slot_parts(dep: Deployment, role: Role, slot: int, entry: EngineEntry) -> list[Part]:
-    """The parts of `role`'s slot `slot` running `entry`: [bootstrap, prefill] (standalone bootstrap) or [engine]."""
-    listed = dep.prefill if role == "prefill" else dep.decode
-    filler = [*listed, *[entry] * (slot - len(listed)), entry]
-    trial = msgspec.structs.replace(dep, proxy=None, prefill=filler if role == "prefill" else dep.prefill,
-                                    decode=filler if role == "decode" else dep.decode)
-    names = {f"{role}-{slot}", f"bootstrap-{slot}" if role == "prefill" else ""}
-    return [p for p in deployment_parts(trial) if p.plan.name in names]
-
-
-def free_port(start: int, taken: set[int], is_free: Callable[[int], bool], *, step: int = 1) -> int:
-    """The first port from `start` (by `step`) not in `taken` that `is_free` says nobody holds; ConfigError past 65535."""
-    port = start
-    while port < 65536:
-        span = range(port, port + step)
-        if all(p not in taken for p in span) and all(is_free(p) for p in span):
-            return port
-        port += step
-    raise ConfigError(f"no free port from {start} up for an added engine", hint="free some ports, or lower the autoscale max")
-
-
-def ports_of(parts: Iterable[Part]) -> set[int]:
-    return {port for p in parts for _, port in p.ports}
+def added_slot_parts(dep: Deployment, ports: PortPlan, role: Role, index: int, entry: EngineEntry) -> list[Part]:
+    """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.ports):
+    [bootstrap, prefill] (standalone bootstrap) or [engine]. ConfigError for a slot past the role's max."""
+    name = f"{role}-{index}"
+    if name not in ports.slots:
+        raise ConfigError(f"{name} is past [autoscale.{role}] max: no ports are reserved for it")
+    return slot_parts(dep, EngineSlot(role, index, entry, added=True), ports)
 
 
 def scale_steps(desired: int, active: int, bounds: tuple[int, int]) -> int:
@@ -112,3 +94,30 @@ def scale_steps(desired: int, active: int, bounds: tuple[int, int]) -> int:
     lo, hi = bounds
     target = min(hi, max(lo, desired))
     return target - active
+
+
+class RetryBackoff:
+    """When a role's scale step that failed (an added engine that could not start, or died) is tried again: after
+    `initial_s`, doubling with each failure in a row up to `max_s`; a step that serves resets it. Pure: the caller
+    owns the clock. Not thread-safe: the autoscaler's watch thread owns it."""
+
+    def __init__(self, initial_s: float = 10.0, max_s: float = 300.0) -> None:
+        if not 0 < initial_s <= max_s:
+            raise ValueError("retry backoff needs 0 < initial_s <= max_s")
+        self.initial_s, self.max_s = initial_s, max_s
+        self.failures = 0  # failed steps in a row
+        self.not_before = 0.0
+
+    def failed(self, now: float) -> float:
+        """Record a failed step at `now`; the seconds until the next may start."""
+        delay = min(self.max_s, self.initial_s * 2**self.failures)
+        self.failures += 1
+        self.not_before = now + delay
+        return delay
+
+    def served(self) -> None:
+        """The step's engine is serving: the next failure waits `initial_s` again."""
+        self.failures = 0
+
+    def due(self, now: float) -> bool:
+        return now >= self.not_before

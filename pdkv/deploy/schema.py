@@ -188,7 +188,8 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
     token: str | None = None
     # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
-    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise.
+    # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise or
+    # another part has that port; pdkv's side channels take the ports after them (pdkv.deploy.ports).
     kv_events: bool = True
     kv_events_port: int = 5557
     autoscale: AutoscaleEntry | None = None  # the planner starts and stops engines within bounds (pdkv.planner)

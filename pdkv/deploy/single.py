@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from pdkv.deploy.engine import EngineSpec, engine_plan, http_url, joining
+from pdkv.deploy.ports import ANY_ADDRESS, PortUse
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.topology import Part
 from pdkv.errors import UsageError
@@ -39,9 +40,9 @@ def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[P
 
         reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
         plan = joining(plan, parse_decode(members), reached)
-    ports = [(spec.host, spec.port)]
+    ports = [PortUse(role, "HTTP", spec.host, spec.port, "--port")]
     if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
-        ports.append(("0.0.0.0", spec.bootstrap_port))
+        ports.append(PortUse(role, "bootstrap", ANY_ADDRESS, spec.bootstrap_port, "--bootstrap-port"))
     return [Part(kind=role, plan=plan, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
 
 

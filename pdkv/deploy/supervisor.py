@@ -86,6 +86,7 @@ class Supervisor:
         self._deadline: dict[str, float] = {}  # restarted part, not healthy yet -> when it has failed
         self._start_timeout = 900.0
         self._added: set[str] = set()  # started by `launch` and not healthy yet: reported "started", not "restarted"
+        self._launched: dict[str, Callable[[ManagedProcess, str], None]] = {}  # started by `launch` -> who hears of its failure
         self.grace = 10.0  # seconds a part has to stop on SIGTERM before SIGKILL
 
     def _set(self, name: str, state: str) -> None:
@@ -133,25 +134,30 @@ class Supervisor:
                     time.sleep(interval)
         return time.monotonic() - t0
 
-    def launch(self, plan: LaunchPlan, *, stage: int, policy: RestartPolicy) -> None:
+    def launch(self, plan: LaunchPlan, *, stage: int, on_failure: Callable[[ManagedProcess, str], None]) -> None:
         """Start a part while the watch runs (an engine an autoscaler adds), or start a `retire`d one again with its
-        plan; the watch reports it "started" once healthy, or fails it after the start timeout. From the watching thread."""
+        plan. The part is its launcher's: the watch reports it "started" once healthy; when it is not healthy within
+        the start timeout or exits, the watch reports it "exited", stops what is left of its process group, sets it
+        "failed" and calls `on_failure(process, how)`. It is never restarted here and never ends the watch, whatever
+        the restart policies of the parts `start_all` started. StartError (the part "failed") when its process
+        cannot be started at all. From the watching thread."""
         proc = next((p for p in self.procs if p.name == plan.name), None)
         if proc is None:
             log_path = self.log_dir / f"{plan.name}.log"
             proc = ManagedProcess(plan, log_path, on_line=(lambda line, n=plan.name: self._on_line(n, line)) if self._on_line else None)
             self.procs.append(proc)
             self.stages.append(stage)
-            self.policies.append(policy)
+            self.policies.append(RestartPolicy("no"))  # never asked: a launched part's failure goes to on_failure
         elif self.states[plan.name] in RUNNING:
             raise ValueError(f"{plan.name} is running already")
+        self._launched[plan.name] = on_failure
         self._set(plan.name, "starting")
         self._added.add(plan.name)
         try:
             proc.start()
-        except StartError as exc:
-            self._failed(proc, None, exc.message.removeprefix(f"{proc.name}: "))
-            return
+        except StartError:
+            self._set(plan.name, "failed")
+            raise
         self._deadline[plan.name] = time.monotonic() + self._start_timeout
 
     def retire(self, name: str, grace: float | None = None) -> int | None:
@@ -204,7 +210,10 @@ class Supervisor:
         return None
 
     def _failed(self, proc: ManagedProcess, code: int | None, how: str) -> str:
-        """Report one failure of `proc`, ask its policy, and set its state; 'stop', 'failed' or 'restarting'."""
+        """Report one failure of `proc`, ask its policy (or hand it to its launcher), and set its state; 'stop',
+        'failed', 'restarting' or 'handed-over'."""
+        if proc.name in self._launched:
+            return self._hand_over(proc, code, how)
         policy = self.policies[self.procs.index(proc)]
         decision = policy.exited(time.monotonic(), code) if code is not None else policy.failed(time.monotonic(), how)
         last = _last_line(proc)
@@ -222,6 +231,22 @@ class Supervisor:
             return "failed"
         self._set(proc.name, "exited")
         return "stop"
+
+    def _hand_over(self, proc: ManagedProcess, code: int | None, how: str) -> str:
+        last = _last_line(proc)
+        self._emit(PartEvent(proc.name, "exited", f"{proc.name} {how}" + (f"; its log's last line: {last}" if last else ""),
+                             code=code, pid=proc.pid))
+        self._deadline.pop(proc.name, None)
+        self._added.discard(proc.name)
+        try:
+            proc.stop(self.grace)  # what is left of its group (an engine core) would hold its cores and ports
+        finally:
+            self._set(proc.name, "failed")
+        try:
+            self._launched[proc.name](proc, how)
+        except Exception:  # the launcher's error must not stop supervision
+            log.exception("failure report of %s failed", proc.name)
+        return "handed-over"
 
     def _restart(self, proc: ManagedProcess) -> str:
         proc.stop(self.grace)  # what is left of its group (an orphaned engine core) would hold its cores and ports
@@ -254,7 +279,8 @@ class Supervisor:
             return "ready"
         if time.monotonic() >= deadline:
             proc.stop(self.grace)
-            return self._failed(proc, None, f"was not healthy within {self._start_timeout:g} s of its restart")
+            began = "start" if proc.name in self._added else "restart"
+            return self._failed(proc, None, f"was not healthy within {self._start_timeout:g} s of its {began}")
         return "starting"
 
     def _restart_dependent(self, name: str, *, because: str) -> None:

@@ -2,7 +2,8 @@
 planner from a `Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
-Each prefill gets its own bootstrap: vLLM's registry holds one engine per
+Every port comes from pdkv.deploy.ports, the one allocator (the engines
+`[autoscale]` may add have theirs there too). Each prefill gets its own bootstrap: vLLM's registry holds one engine per
 DP rank, so two prefills sharing one would refuse each other.
 """
 
@@ -14,7 +15,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, events_ports, kv_events_port_of, planner_args, proxy_args
+from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
 from pdkv.deploy.engine import (
     Connector,
     EngineSpec,
@@ -29,6 +30,7 @@ from pdkv.deploy.engine import (
 )
 from pdkv.deploy.fleet import host_address
 from pdkv.deploy.machine import rdma_devices
+from pdkv.deploy.ports import EngineSlot, PortPlan, PortUse, allocate_ports, engine_slots
 from pdkv.deploy.restart import RestartMode
 from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
 from pdkv.tinymodel import tiny_model_path
@@ -48,7 +50,7 @@ class Part(msgspec.Struct, frozen=True):
 
     kind: PartKind
     plan: LaunchPlan
-    ports: list[tuple[str, int]]
+    ports: list[PortUse]  # its HTTP port first (pdkv.deploy.ports)
     bootstrap_url: str | None = None
     spec: EngineSpec | None = None
     restart: RestartMode = "on-failure"
@@ -113,7 +115,7 @@ def _pdkv_argv(*args: str) -> list[str]:
 
 def engine_spec(
     dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
-    host_ip: str | None = None, kv_events_port: int | None = None,
+    host_ip: str | None = None, kv_events_port: int | None = None, side_channel_port: int | None = None,
 ) -> EngineSpec:
     return EngineSpec(
         model=entry.model or dep.model,
@@ -137,6 +139,7 @@ def engine_spec(
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
         kv_events_port=kv_events_port,
+        connector_extra={"side_channel_port": side_channel_port} if side_channel_port is not None else {},
     )
 
 
@@ -145,60 +148,75 @@ def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
     return plan if address is None else msgspec.structs.replace(plan, url=http_url(address, port))
 
 
-def deployment_parts(dep: Deployment) -> list[Part]:
-    """Every process of `dep`, in start order, with its exact command and environment.
+def _advertised(dep: Deployment) -> str:
+    """The address bootstrap URLs carry on one host: they travel to D (through the proxy), so one D can reach."""
+    return dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
+
+
+def bootstrap_url_of(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> str | None:
+    """The bootstrap URL the prefill of `slot` registers with (and D is told), None for a decode."""
+    if slot.role != "prefill":
+        return None
+    if slot.entry.bootstrap_url or dep.bootstrap.mode == "external":
+        return slot.entry.bootstrap_url or dep.bootstrap.url
+    port = ports.slots[slot.name].bootstrap
+    assert port is not None
+    if dep.bootstrap.mode == "standalone":
+        return http_url(host_address(dep, dep.bootstrap.host) or _advertised(dep), port)
+    return http_url(host_address(dep, slot.entry.host) or _advertised(dep), port)
+
+
+def members_url(dep: Deployment, ports: PortPlan) -> str | None:
+    """pdkv's connector: the members registry every engine joins and the proxy follows (the first prefill's bootstrap)."""
+    first = next((s for s in engine_slots(dep) if s.role == "prefill"), None)
+    return bootstrap_url_of(dep, first, ports) if first is not None and dep.connector == "pdkv" else None
+
+
+def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> list[Part]:
+    """The parts of one engine slot on the ports `ports` gives it: [bootstrap, prefill] (a standalone bootstrap) or
+    [engine], joining the members registry with pdkv's connector.
 
     In a fleet each part listens on `dep.host` and is reached at, and advertises (VLLM_HOST_IP, bootstrap
     URLs), its host's address; `Part.host` names the host.
     """
-    check_one_instance_per_table(dep)
+    given = ports.slots[slot.name]
+    entry = msgspec.structs.replace(slot.entry, port=given.http)  # an added engine runs its role's first table on its own port
+    at = host_address(dep, entry.host)
+    url = bootstrap_url_of(dep, slot, ports)
     parts: list[Part] = []
-    prefills: list[Part] = []
-    boot = dep.bootstrap
-    connect = connect_host(dep.host)
-    # Bootstrap URLs travel to D (through the proxy), so they carry an address D can reach.
-    advertised = dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
-    boot_at = host_address(dep, boot.host) if boot.mode == "standalone" else None
-    for i, entry in enumerate(dep.prefill):
-        port = boot.port + i
-        bootstrap_port: int | None = None
-        registers_with: str | None = None
-        p_at = host_address(dep, entry.host)
-        if entry.bootstrap_url or boot.mode == "external":
-            url = entry.bootstrap_url or boot.url
-        elif boot.mode == "standalone":
-            url = http_url(boot_at or advertised, port)
-            plan = LaunchPlan(
-                name=f"bootstrap-{i}",
-                argv=_pdkv_argv(*bootstrap_args(dep.host, port)),
-                env={},
-                url=http_url(boot_at or connect, port),
-            )
-            parts.append(Part(kind="bootstrap", plan=plan, ports=[(dep.host, port)], restart=boot.restart or dep.restart, host=boot.host))
-            # vLLM's connector registers once, so its prefill starts again with a restarted (empty) bootstrap;
-            # pdkv's renews its registration every few seconds (register_interval_s) and keeps serving.
-            registers_with = plan.name if dep.connector == "mooncake" else None
-        else:  # in-worker: P's first worker serves it on VLLM_MOONCAKE_BOOTSTRAP_PORT
-            url, bootstrap_port = http_url(p_at or advertised, port), port
-        # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
-        spec = engine_spec(dep, entry, "prefill", None if bootstrap_port else url, bootstrap_port, host_ip=p_at,
-                           kv_events_port=kv_events_port_of(dep, entry, i))
-        ports = [(dep.host, entry.port)] + ([("0.0.0.0", port)] if bootstrap_port else []) + events_ports(spec)
-        plan = _reached_at(engine_plan(spec, name=f"prefill-{i}"), p_at, entry.port)
-        prefills.append(Part(kind="prefill", plan=plan, ports=ports, bootstrap_url=url, spec=spec,
-                             restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
-    decodes = []
-    for i, entry in enumerate(dep.decode):
-        d_at = host_address(dep, entry.host)
-        events_port = kv_events_port_of(dep, entry, len(dep.prefill) + i)
-        spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=events_port)
-        plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
-        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *events_ports(spec)], spec=spec,
-                            restart=entry.restart or dep.restart, host=entry.host))
-    # pdkv's connector: every engine joins the first prefill's bootstrap's members registry, which the proxy follows.
-    members = prefills[0].bootstrap_url if prefills and dep.connector == "pdkv" else None
+    registers_with: str | None = None
+    in_worker = slot.role == "prefill" and dep.bootstrap.mode == "in-worker" and given.bootstrap is not None
+    if slot.role == "prefill" and dep.bootstrap.mode == "standalone" and given.bootstrap is not None:
+        boot = dep.bootstrap
+        plan = LaunchPlan(name=f"bootstrap-{slot.index}", argv=_pdkv_argv(*bootstrap_args(dep.host, given.bootstrap)), env={},
+                          url=http_url(host_address(dep, boot.host) or connect_host(dep.host), given.bootstrap))
+        parts.append(Part(kind="bootstrap", plan=plan, ports=ports.of(plan.name), restart=boot.restart or dep.restart, host=boot.host))
+        # vLLM's connector registers once, so its prefill starts again with a restarted (empty) bootstrap;
+        # pdkv's renews its registration every few seconds (register_interval_s) and keeps serving.
+        registers_with = plan.name if dep.connector == "mooncake" else None
+    # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
+    spec = engine_spec(dep, entry, slot.role, None if in_worker else url, given.bootstrap if in_worker else None, host_ip=at,
+                       kv_events_port=given.kv_events, side_channel_port=given.side_channel)
+    plan = _reached_at(engine_plan(spec, name=slot.name), at, given.http)
+    members = members_url(dep, ports)
     if members:
-        prefills, decodes = ([msgspec.structs.replace(p, plan=joining(p.plan, members)) for p in ps] for ps in (prefills, decodes))
+        plan = joining(plan, members)
+    parts.append(Part(kind=slot.role, plan=plan, ports=ports.of(slot.name), bootstrap_url=url, spec=spec,
+                      restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
+    return parts
+
+
+def deployment_parts(dep: Deployment) -> list[Part]:
+    """Every process of `dep` (bootstraps, prefills, decodes, proxy: the order they start in), with its exact
+    command and environment, on the ports pdkv.deploy.ports gives it. The engines `[autoscale]` may add are not
+    among them (pdkv.deploy.scaling starts them)."""
+    check_one_instance_per_table(dep)
+    ports = allocate_ports(dep)
+    listed = [slot_parts(dep, s, ports) for s in engine_slots(dep) if not s.added]
+    parts = [p for group in listed for p in group if p.kind == "bootstrap"]
+    prefills = [p for group in listed for p in group if p.kind == "prefill"]
+    decodes = [p for group in listed for p in group if p.kind == "decode"]
+    members = members_url(dep, ports)
     parts += prefills + decodes
     if dep.proxy is not None:
         argv = proxy_args(dep, dep.host)
@@ -217,9 +235,9 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]
         if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.autoscale)
             argv += planner_args(dep.autoscale)
-        proxy_at = host_address(dep, dep.proxy.host) or connect
+        proxy_at = host_address(dep, dep.proxy.host) or connect_host(dep.host)
         plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
-        parts.append(Part(kind="proxy", plan=plan, ports=[(dep.host, dep.proxy.port)], restart=dep.proxy.restart or dep.restart,
+        parts.append(Part(kind="proxy", plan=plan, ports=ports.of("proxy"), restart=dep.proxy.restart or dep.restart,
                           host=dep.proxy.host))
     return parts
 

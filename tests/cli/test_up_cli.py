@@ -115,9 +115,31 @@ def test_preflight_port_taken(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
         port = held.getsockname()[1]
         err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
                               "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
-    assert f"port {port} on 127.0.0.1 is in use" in err
-    assert "hint: stop what holds it" in err
+    assert f"decode: port {port} on 127.0.0.1 (HTTP, from --port) is held by another process" in err
+    assert "hint: stop what holds it" in err and "or change --port" in err
     assert not list(tmp_path.iterdir())  # no part was started, so no log was opened
+
+
+def test_preflight_checks_the_ports_of_the_engines_autoscale_may_add_naming_the_part_and_the_setting(
+        capsys, qwen3_8b: Path, tmp_path: Path) -> None:
+    from support.planner_profiles import write_profile
+
+    write_profile(tmp_path / "tiny.profile.json")
+    boot, prefill = free_port(pair=True), free_port(pair=True)
+    deploy = tmp_path / "deploy.toml"
+    deploy.write_text(
+        f'model = "{qwen3_8b}"\nplatform = "cpu"\nprotocol = "cma"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
+        f"kv_events = false\n[bootstrap]\nport = {boot}\n[[prefill]]\nport = {prefill}\nomp_bind = \"0\"\n"
+        f"[[decode]]\nport = {free_port()}\nomp_bind = \"1\"\n[proxy]\nport = {free_port()}\n"
+        '[autoscale]\nprofile = "tiny.profile.json"\nttft_ms = 300\nitl_ms = 40\n[autoscale.prefill]\nmin = 1\nmax = 2\n'
+    )
+    with socket.socket() as held:  # the added prefill's bootstrap: the next free port after the first's
+        held.bind(("127.0.0.1", boot + 1))
+        held.listen()
+        err = preflight_fails(capsys, "-f", str(deploy), "--log-dir", str(tmp_path / "logs"))
+    assert (f"bootstrap-1 (an engine [autoscale] may add): port {boot + 1} on 127.0.0.1 (bootstrap, from [bootstrap] port "
+            "(the next free port after the bootstrap before)) is held by another process") in err
+    assert not (tmp_path / "logs").exists()
 
 
 def test_preflight_mismatched_block_size(capsys, qwen3_8b: Path, tmp_path: Path) -> None:

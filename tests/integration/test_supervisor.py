@@ -72,6 +72,17 @@ class Recorder:
         return done
 
 
+def within(done, timeout: float = 30.0):
+    """`done` as a watch's `until`, failing the test once `timeout` s pass without it."""
+    deadline = time.monotonic() + timeout
+
+    def check() -> bool:
+        assert time.monotonic() < deadline, "the awaited state never came"
+        return done()
+
+    return check
+
+
 def _alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -244,7 +255,8 @@ def test_a_part_launched_while_watching_is_reported_started_and_a_retired_one_st
     added = server_plan("added", tmp_path / "no-crash")
     with Supervisor([bootstrap_plan("a")], tmp_path, on_event=events, restart=[fast()]) as sup:
         sup.start_all(timeout=30)
-        steps = iter([lambda: sup.launch(added, stage=1, policy=fast())])
+        failures: list[str] = []
+        steps = iter([lambda: sup.launch(added, stage=1, on_failure=lambda proc, how: failures.append(how))])
 
         def every() -> None:  # the autoscaler's place: it runs on the watch thread
             step = next(steps, None)
@@ -257,7 +269,43 @@ def test_a_part_launched_while_watching_is_reported_started_and_a_retired_one_st
         assert sup.retire("added", grace=5) is not None and sup.states["added"] == "stopped" and not _alive(pid)
         assert sup.watch(interval=0.05, until=lambda: True) is None  # nothing restarts a retired part
         with pytest.raises(ValueError, match="running already"):
-            sup.launch(sup.procs[0].plan, stage=0, policy=fast())
-        sup.launch(added, stage=1, policy=fast())  # started again: the same plan, port and log
+            sup.launch(sup.procs[0].plan, stage=0, on_failure=lambda proc, how: failures.append(how))
+        sup.launch(added, stage=1, on_failure=lambda proc, how: failures.append(how))  # started again: the same plan, port and log
         assert sup.watch(interval=0.05, until=events.until("added", ["started", "started"])) is None
         assert sup.procs[1].pid != pid and len(sup.procs) == 2 and "restarted" not in events.kinds("added")
+        assert failures == []
+
+
+def test_a_launched_part_that_fails_goes_to_its_launcher_and_never_ends_the_watch_whatever_the_restart_policy(tmp_path: Path):
+    events = Recorder()
+    crash = tmp_path / "crash"
+    crash.touch()
+    static = server_plan("static", tmp_path / "no-crash")
+    added = server_plan("added", crash)
+    failed: list[tuple[str, int | None, str]] = []
+
+    def on_failure(proc, how: str) -> None:
+        failed.append((proc.name, proc.poll(), how))
+
+    # restart = "no" on the static part: a death of its own would end the watch (and the deployment)
+    with Supervisor([static], tmp_path, on_event=events, restart=[RestartPolicy("no")]) as sup:
+        sup.start_all(timeout=30)
+        sup.launch(added, stage=1, on_failure=on_failure)
+        assert sup.watch(interval=0.05, until=within(lambda: len(failed) == 1)) is None
+        assert failed == [("added", 3, "exited with code 3")], events.kinds("added")
+        assert sup.states == {"static": "ready", "added": "failed"} and events.kinds("added") == ["exited"]
+        assert "crashing on purpose" in next(e.message for _, e in events.events if e.name == "added")
+        # Started again once it can start: healthy, then killed while serving: handed over again, not restarted.
+        crash.unlink()
+        sup.launch(added, stage=1, on_failure=on_failure)
+        assert sup.watch(interval=0.05, until=events.until("added", ["exited", "started"])) is None
+        os.kill(sup.procs[1].pid, signal.SIGKILL)
+        assert sup.watch(interval=0.05, until=within(lambda: len(failed) == 2)) is None
+        assert failed[1] == ("added", -signal.SIGKILL, "killed by SIGKILL")
+        assert sup.states == {"static": "ready", "added": "failed"} and "restarting" not in events.kinds("added")
+        assert httpx.get(static.url + "/health", timeout=5).status_code == 200
+        # A part whose process cannot be started at all: StartError to the launcher, at once.
+        missing = LaunchPlan(name="missing", argv=[str(tmp_path / "no-such-program")], env={}, url="http://127.0.0.1:1")
+        with pytest.raises(StartError, match="cannot run"):
+            sup.launch(missing, stage=1, on_failure=on_failure)
+        assert sup.states["missing"] == "failed" and len(failed) == 2

@@ -172,3 +172,37 @@ class Deployment:
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=10.0, trust_env=False)
+
+
+class PlannerStub:
+    """A proxy's planner signal and drain (GET /pdkv/planner, POST /pdkv/drain) as `pdkv up`'s autoscaler reads
+    them, on a real aiohttp server: `desired` is what the test sets, every drain reports `in_flight` requests on
+    the engine. `drains` holds each POSTed (url, draining)."""
+
+    def __init__(self, prefill: int = 1, decode: int = 1) -> None:
+        self.desired = {"prefill": prefill, "decode": decode}
+        self.in_flight = 0
+        self.drains: list[tuple[str, bool]] = []
+        app = web.Application()
+        app.router.add_get("/pdkv/planner", self.planner)
+        app.router.add_post("/pdkv/drain", self.drain)
+        self.service = BackgroundService(app)
+
+    @property
+    def url(self) -> str:
+        return self.service.url
+
+    async def planner(self, request: web.Request) -> web.Response:
+        return web.json_response({"desired": dict(self.desired), "current": dict(self.desired)})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.drains.append((body["url"], body["draining"]))
+        return web.json_response({"url": body["url"], "draining": body["draining"], "in_flight": self.in_flight})
+
+    def __enter__(self) -> PlannerStub:
+        self.service.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.service.__exit__(*exc)

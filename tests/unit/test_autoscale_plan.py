@@ -10,7 +10,8 @@ import pytest
 
 from pdkv.deploy import deployment_parts
 from pdkv.deploy.loader import deployment_from_dict
-from pdkv.deploy.scaling import added_entry, autoscaled, free_port, least_bound_cores, scale_steps, slot_parts
+from pdkv.deploy.ports import allocate_ports
+from pdkv.deploy.scaling import RetryBackoff, added_entry, added_slot_parts, autoscaled, least_bound_cores, scale_steps
 from pdkv.errors import ConfigError
 from pdkv.proxy.config import PlannerConfig, build_config, planner_values
 from support.planner_profiles import write_profile
@@ -70,21 +71,31 @@ def test_the_proxy_refuses_a_planner_it_cannot_run(planner, match):
         build_config(["http://127.0.0.1:1"], ["http://127.0.0.1:2"], planner={"profile": "p", "ttft_ms": 300, "itl_ms": 40, **planner})
 
 
-def test_an_added_prefill_takes_the_roles_settings_its_own_port_cores_and_bootstrap(tmp_path: Path):
+def test_an_added_prefill_takes_the_roles_settings_its_reserved_ports_cores_and_bootstrap(tmp_path: Path):
     dep = deployment_from_dict(dep_dict())
-    entry = added_entry(dep, "prefill", 1, 8102, 5601, {0: 1, 1: 1})
-    assert (entry.port, entry.omp_bind, entry.kv_events_port, entry.extra_args) == (8102, "2-3", 5601, ["--enforce-eager"])
-    boot, engine = slot_parts(dep, "prefill", 2, entry)
+    ports = allocate_ports(dep)
+    entry = added_entry(dep, "prefill", 1, {0: 1, 1: 1})
+    assert (entry.omp_bind, entry.extra_args) == ("2-3", ["--enforce-eager"])
+    boot, engine = added_slot_parts(dep, ports, "prefill", 2, entry)
     assert (boot.plan.name, engine.plan.name) == ("bootstrap-2", "prefill-2")
-    assert boot.ports == [("127.0.0.1", 9002)] and engine.bootstrap_url == "http://127.0.0.1:9002"
+    assert [(u.port, u.what) for u in boot.ports] == [(9002, "bootstrap")] and engine.bootstrap_url == "http://127.0.0.1:9002"
     assert engine.plan.url == "http://127.0.0.1:8102" and engine.plan.cpus == [2, 3]
+    # KV events after the listed engines' (prefill-0 5557-8, decode-0 5559-60) and prefill-1's, then the side channels.
+    assert engine.spec.kv_events_port == 5563 and engine.spec.connector_extra == {"side_channel_port": 5567}
+    assert engine.ports == ports.of("prefill-2")
     listed = deployment_parts(dep)
     first = next(p for p in listed if p.plan.name == "prefill-0")
     # It joins the members registry the listed engines join, so the proxy routes to it without a restart.
     assert engine.plan.env["PDKV_MEMBERS_URL"] == first.plan.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
     assert engine.plan.env["PDKV_ADVERTISE_URL"] == engine.plan.url
-    (decode,) = slot_parts(dep, "decode", 1, added_entry(dep, "decode", 0, 8201, None, {}))
+    (decode,) = added_slot_parts(dep, ports, "decode", 1, added_entry(dep, "decode", 0, {})) if "decode-1" in ports.slots else (None,)
+    assert decode is None  # [autoscale.decode] max is 1: no decode is ever added, so none has ports
+    with pytest.raises(ConfigError, match="past"):
+        added_slot_parts(dep, ports, "decode", 1, added_entry(dep, "decode", 0, {}))
+    grown = deployment_from_dict(dep_dict(autoscale={**AUTO, "decode": {"min": 1, "max": 2}}))
+    (decode,) = added_slot_parts(grown, allocate_ports(grown), "decode", 1, added_entry(grown, "decode", 0, {}))
     assert decode.plan.name == "decode-1" and decode.plan.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
+    assert decode.plan.url == "http://127.0.0.1:8201"
 
 
 def test_without_a_core_list_an_added_engine_takes_the_least_bound_cores(monkeypatch):
@@ -92,7 +103,7 @@ def test_without_a_core_list_an_added_engine_takes_the_least_bound_cores(monkeyp
     assert least_bound_cores({0: 2, 1: 1, 2: 1, 3: 2}, 1) == "2"  # a tie goes to the higher core
     assert least_bound_cores({0: 1, 1: 1}, 2) == "2,3"
     dep = deployment_from_dict(dep_dict(autoscale={**AUTO, "prefill": {"min": 1, "max": 2}}))
-    assert added_entry(dep, "prefill", 0, 8101, None, {0: 1, 1: 1}).omp_bind == "3"
+    assert added_entry(dep, "prefill", 0, {0: 1, 1: 1}).omp_bind == "3"
 
 
 def test_on_a_gpu_host_each_added_engine_needs_its_gpus(tmp_path: Path):
@@ -103,7 +114,7 @@ def test_on_a_gpu_host_each_added_engine_needs_its_gpus(tmp_path: Path):
         autoscaled(deployment_from_dict(gpu), tmp_path / "deploy.toml")
     named = deployment_from_dict({**gpu, "autoscale": {**AUTO, "prefill": {"min": 1, "max": 3, "gpu": ["2", "3"]}}})
     dep, notes = autoscaled(named, tmp_path / "deploy.toml")
-    assert notes == [] and added_entry(dep, "prefill", 1, 8102, None, {}).gpu == "3"
+    assert notes == [] and added_entry(dep, "prefill", 1, {}).gpu == "3"
 
 
 def test_the_profile_is_found_beside_the_file_and_must_load(tmp_path: Path):
@@ -121,10 +132,17 @@ def test_the_profile_is_found_beside_the_file_and_must_load(tmp_path: Path):
     assert "pdkv k8s render" in notes[0] and "--planner-profile" not in deployment_parts(same)[-1].plan.argv
 
 
-def test_scale_steps_stay_within_the_bounds_and_ports_skip_what_is_taken():
+def test_scale_steps_stay_within_the_bounds():
     assert [scale_steps(d, 1, (1, 3)) for d in (0, 1, 2, 5)] == [0, 0, 1, 2]
     assert [scale_steps(d, 3, (1, 3)) for d in (1, 2, 3)] == [-2, -1, 0]
-    assert free_port(8100, {8100, 8101}, lambda p: p != 8102) == 8103
-    assert free_port(5557, {5558}, lambda p: True, step=2) == 5559
-    with pytest.raises(ConfigError, match="no free port"):
-        free_port(65534, set(), lambda p: False)
+
+
+def test_a_failed_scale_step_is_tried_again_after_a_bounded_backoff_reset_once_one_serves():
+    backoff = RetryBackoff(initial_s=10, max_s=60)
+    assert backoff.due(0.0)
+    assert [backoff.failed(t) for t in (0.0, 10.0, 30.0, 70.0, 130.0)] == [10, 20, 40, 60, 60]
+    assert not backoff.due(189.0) and backoff.due(190.0)
+    backoff.served()
+    assert backoff.failed(200.0) == 10 and backoff.due(210.0)
+    with pytest.raises(ValueError):
+        RetryBackoff(initial_s=0)

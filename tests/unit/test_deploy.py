@@ -31,7 +31,8 @@ def test_example_file_loads_and_plans_in_start_order() -> None:
     assert boot.plan.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
     assert prefill.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.plan.env["CUDA_VISIBLE_DEVICES"] == "2"
     assert kv_config(prefill)["kv_connector_extra_config"] == {
-        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"]
+        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"],
+        "side_channel_port": 5561,  # after the two engines' KV events (pdkv.deploy.ports)
     }
     assert kv_config(decode)["kv_role"] == "kv_consumer"
     i = proxy.plan.argv.index("--prefill")
@@ -66,7 +67,8 @@ def _dep(**overrides) -> dict:
 def test_each_prefill_gets_its_own_standalone_bootstrap() -> None:
     parts = deployment_parts(deployment_from_dict(_dep()))
     boots = [p for p in parts if p.kind == "bootstrap"]
-    assert [b.ports for b in boots] == [[("0.0.0.0", 8998)], [("0.0.0.0", 8999)]]
+    assert [[(u.bind, u.port, u.setting) for u in b.ports] for b in boots] == [
+        [("0.0.0.0", 8998, "[bootstrap] port")], [("0.0.0.0", 8999, "[bootstrap] port (the next free port after the bootstrap before)")]]
     prefills = [p for p in parts if p.kind == "prefill"]
     assert [p.bootstrap_url for p in prefills] == ["http://10.0.0.5:8998", "http://10.0.0.5:8999"]
 
@@ -77,7 +79,8 @@ def test_in_worker_bootstrap_sets_the_port_env_per_prefill() -> None:
     prefills = [p for p in parts if p.kind == "prefill"]
     assert [p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
     assert all("bootstrap_server_address" not in kv_config(p)["kv_connector_extra_config"] for p in prefills)
-    assert [("0.0.0.0", 9001), ("0.0.0.0", 5559), ("0.0.0.0", 5560)] == prefills[1].ports[1:]  # bootstrap, KV events, replay
+    assert [("0.0.0.0", 9001), ("0.0.0.0", 5559), ("0.0.0.0", 5560)] == [(u.bind, u.port) for u in prefills[1].ports[1:4]]
+    assert [u.what for u in prefills[1].ports] == ["HTTP", "bootstrap", "KV events publisher", "KV events replay", "side channel"]
 
 
 def test_external_bootstrap_is_passed_to_prefill() -> None:
@@ -358,7 +361,7 @@ def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_ro
     dep = _dep(prefill=[{"port": 8100, "extra_args": ["--data-parallel-size", "2"]}, {"port": 8101}])
     parts = deployment_parts(deployment_from_dict(dep))
     engines = [p for p in parts if p.kind in ("prefill", "decode")]
-    bound = [port for p in engines for _, port in p.ports if 5557 <= port < 5600]
+    bound = sorted(u.port for p in engines for u in p.ports if u.what.startswith("KV events"))
     assert bound == [5557, 5558, 5559, 5560, 5561, 5562, 5563, 5564]  # DP 2: four; the others: two each
     assert len(set(bound)) == len(bound)
     proxy = next(p for p in parts if p.kind == "proxy").plan.argv
