@@ -39,13 +39,15 @@ from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
 from pdkv.proxy.admin import AdminRoutes
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
-from pdkv.proxy.config import KvConnector, ProxyConfig
+from pdkv.proxy.config import KvConnector, Policy, ProxyConfig
 from pdkv.proxy.error_answers import error_body, is_error_event, message_of, no_answer_message, redact, redact_body, status_message
 from pdkv.proxy.exchanges import DecodeExchange, Flight, LocalPrefill, PrefillExchange
 from pdkv.proxy.guard import HttpGuard
 from pdkv.proxy.health import Health
 from pdkv.proxy.http import UpstreamError, fetch
+from pdkv.proxy.engine_loads import EngineLoads
 from pdkv.proxy.kv_router import KvRouter
+from pdkv.proxy.router import LoadRouter, Router
 from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.planner_loop import PlannerLoop
@@ -74,11 +76,12 @@ class ProxyApp:
         self.health = Health(self.backends)
         self.metrics = ProxyMetrics()
         self.timings = TimingLog(config.trace_capacity)
-        self.kv = KvRouter.for_config(config, self.metrics.registry)  # None unless the policy is kv-aware
-        if self.kv is not None:
-            self.health.on_events = self.kv.follow  # engines' KV events learnt from the members registry
+        self.loads = EngineLoads(self.backends)  # the engines' own /metrics, for the kv-aware policy and the planner
+        self.router: Router = (KvRouter(config.kv, self.metrics.registry, self.backends, self.loads)
+                               if config.policy is Policy.KV_AWARE else LoadRouter(self.backends))
+        self.health.on_events = self.router.follow  # engines' KV events learnt from the members registry
         # The desired-count signal (None when off); ConfigError here when its profile does not load.
-        self.planner = PlannerLoop(config.planner, self.backends, self.metrics.registry) if config.planner else None
+        self.planner = PlannerLoop(config.planner, self.backends, self.loads, self.metrics.registry) if config.planner else None
         self.admin = AdminRoutes(self.backends, self.timings, self.planner)
         self._health_task: asyncio.Task | None = None
         self._planner_task: asyncio.Task | None = None
@@ -87,8 +90,7 @@ class ProxyApp:
         """Start health checking (and the kv-aware policy's followers); return after the first health round, or
         once the health timeout is up, so that readiness is known."""
         self._health_task = asyncio.get_running_loop().create_task(self.health.run())
-        if self.kv is not None:
-            self.kv.start(self.backends)
+        self.router.start()
         deadline = asyncio.get_running_loop().time() + self.config.health_timeout + 1.0
         while self.health.rounds == 0 and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
@@ -115,8 +117,7 @@ class ProxyApp:
             ready, reason = self.backends.readiness()
             body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backends.report(),
                     "notes": self.backends.notes}
-            if self.kv is not None:  # engine -> ok | mismatch | no_events | failed: ... (absent until its check ends)
-                body["kv_self_checks"] = self.kv.self_checks
+            body.update(self.router.health())
             conn.respond(200 if ready else 503, _json_encode(body))
         elif path == "/metrics":
             conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)
@@ -169,12 +170,11 @@ class ProxyApp:
             t.stream = stream = bool(fields.stream)
             auth = req.headers.get("authorization")
             d_headers = [("X-Request-Id", request_id), ("Authorization", auth)] if auth else [("X-Request-Id", request_id)]
-            kv_choice = await self.kv.choose(body, endpoint, self.backends, t) if self.kv is not None else None
-            if kv_choice is not None and kv_choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
-                await self._local(conn, t, body, endpoint, kv_choice.decode, d_headers, stream, "kv_local")
+            route = await self.router.route(body, endpoint, t)
+            if route is not None and route.local is not None:  # the policy sends it to D alone
+                await self._local(conn, t, body, endpoint, route.decode, d_headers, stream, route.local)
                 return
-            chosen = self.backends.pair() if self.kv is None else self.kv.pairing(kv_choice, self.backends, t)
-            if chosen is None:
+            if route is None or route.pairing is None or route.prefill is None:
                 reason = self.backends.readiness()[1]
                 d_state = self.backends.live_decode() if self.config.local_fallback else None
                 if d_state is None:
@@ -182,7 +182,7 @@ class ProxyApp:
                 else:
                     await self._local(conn, t, body, endpoint, d_state, d_headers, stream, "no_prefill")
                 return
-            pairing, p_state, d_state = chosen
+            pairing, p_state, d_state = route.pairing, route.prefill, route.decode
             target = pairing.prefill
             t.prefill_url, t.prefill_dp_rank, t.decode_url = target.url, target.dp_rank, d_state.url
             headers = prefill_headers(request_id, target)
@@ -224,8 +224,7 @@ class ProxyApp:
                 self.backends.end(pairing, p_state, d_state)
                 if self.planner is not None:
                     self.planner.record(t, b"".join(p_ex.chunks), b"".join(d_ex.chunks) if not stream else b"", d_ex.events)
-                if self.kv is not None:
-                    self.kv.finished(t)
+                self.router.finished(t)
         finally:
             self.metrics.observe(t)
 
@@ -244,13 +243,13 @@ class ProxyApp:
             d_ex.abort()
 
         conn.on_disconnect = client_gone
-        d_state.outstanding += 1
+        self.backends.begin_local(d_state)
         try:
             t.decode_dispatched = time.time()
             d_state.pool.send(d_ex, d_state.pool.request_bytes("POST", endpoint, _json_encode(local_request(body)), d_headers))
             await self._drive(conn, t, flight, LocalPrefill(flight), d_ex, None, d_state, stream)
         finally:
-            d_state.outstanding -= 1
+            self.backends.end_local(d_state)
 
     async def _drive(
         self, conn: ServerConnection, t: ProxyTiming, flight: Flight, p_ex: PrefillExchange, d_ex: DecodeExchange,
@@ -383,7 +382,6 @@ class ProxyApp:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._health_task = self._planner_task = None
-        if self.kv is not None:
-            await self.kv.close()
+        await self.router.close()
         await self.health.close()
         await self.backends.close()

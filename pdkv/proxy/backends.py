@@ -163,6 +163,13 @@ class Backends:
         p_state.outstanding = sum(n for (u, _), n in self._target_load.items() if u == p_state.url)
         d_state.outstanding -= 1
 
+    def begin_local(self, d_state: BackendState) -> None:
+        """A request D computes alone starts (it counts toward D's outstanding, as a P/D one does)."""
+        d_state.outstanding += 1
+
+    def end_local(self, d_state: BackendState) -> None:
+        d_state.outstanding -= 1
+
     def connect_failed(self, state: BackendState, reason: str) -> None:
         """A request could not connect: take the backend out now and check it again soon."""
         self.mark(state, False, reason, immediate=True)

@@ -4,7 +4,8 @@ Each finished P/D request leaves a `RequestSample` (its prompt length from
 P's usage, its output length from D's usage or, streamed, D's events, its
 TTFT and ITL). Every `interval_s` the loop reads P's queue from each live
 prefill server's /metrics (vllm:num_requests_waiting, and running for the
-view), counts the engines serving now (a draining one no longer counts),
+view; pdkv.proxy.engine_loads, whose reading of the last second it takes when
+the kv-aware policy's loop made one), counts the engines serving now (a draining one no longer counts),
 builds an `Observation` over the last `window_s` (pdkv.planner.window), calls
 `DesiredCounts.update` and publishes `PlannerGauges` on the proxy's /metrics.
 `view()` is GET /pdkv/planner's JSON: what `pdkv up`'s autoscaler reads.
@@ -30,13 +31,13 @@ from pdkv.planner import DesiredCounts, PlannerGauges, RequestSample, ScalePolic
 from pdkv.protocol import ProxyTiming
 from pdkv.proxy.backends import Backends
 from pdkv.proxy.config import PlannerConfig
-from pdkv.proxy.http import UpstreamError, fetch
+from pdkv.proxy.engine_loads import EngineLoads
 
 log = logging.getLogger("pdkv.proxy")
 
 _decode = msgspec.json.Decoder().decode
 MAX_SAMPLES = 100_000  # a bound on memory at any rate; a window holds at most this many requests
-WAITING, RUNNING = "vllm:num_requests_waiting", "vllm:num_requests_running"
+FRESH_S = 1.0  # a prefill server's reading younger than this (or than the round's interval) is P's queue now
 
 
 def usage_tokens(body: bytes, field: str) -> int:
@@ -71,11 +72,12 @@ def request_sample(t: ProxyTiming, prefill_body: bytes, decode_body: bytes, even
 class PlannerLoop:
     """The signal's state and loop; `record` from the request path, `run()` until cancelled, `view()` for /pdkv/planner."""
 
-    def __init__(self, config: PlannerConfig, backends: Backends, registry: CollectorRegistry,
+    def __init__(self, config: PlannerConfig, backends: Backends, loads: EngineLoads, registry: CollectorRegistry,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """ConfigError when the profile does not load."""
         self.config = config
         self.backends = backends
+        self.loads = loads
         self.clock = clock
         self.profile = load_profile(config.profile)
         self.slo = Slo(config.ttft_ms, config.itl_ms, config.quantile)
@@ -103,27 +105,8 @@ class PlannerLoop:
         """(waiting, running) summed over the live prefill servers' /metrics; one that does not answer adds nothing."""
         _, owners, _ = self.backends.routable()
         servers = list({id(p): p for p in owners}.values())
-        answers = await asyncio.gather(*(self._scrape(p.pool) for p in servers))
-        return sum(w for w, _ in answers), sum(r for _, r in answers)
-
-    async def _scrape(self, pool: Any) -> tuple[float, float]:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        try:
-            ex = await fetch(pool, "GET", "/metrics", timeout=self.backends.config.health_timeout)
-        except UpstreamError:
-            return 0.0, 0.0
-        waiting = running = 0.0
-        try:
-            for family in text_string_to_metric_families(ex.body.decode(errors="replace")):
-                for s in family.samples:
-                    if s.name == WAITING:
-                        waiting += s.value
-                    elif s.name == RUNNING:
-                        running += s.value
-        except ValueError:  # what was read before the unreadable line counts
-            pass
-        return waiting, running
+        readings = await self.loads.fresh(servers, min(FRESH_S, self.config.interval_s))
+        return float(sum(r.waiting for r in readings if r)), float(sum(r.running for r in readings if r))
 
     def step(self, waiting: float, running: float = 0.0) -> dict[str, Any]:
         """One round: observe, update the desired counts, publish the gauges; returns (and keeps) the view."""

@@ -59,8 +59,7 @@ def test_kv_aware_answers_equal_p_alone_on_pd_and_on_d_alone(start_vllm, tiny_mo
     cfg = build_config([f"{prefill.url},{bport}"], [decode.url], port=0, policy="kv-aware", health_interval=0.5,
                        kv={"events": events, "local_prefill_tokens": 128})
     with BackgroundProxy(cfg) as proxy:
-        kv = proxy.app.kv
-        assert kv is not None
+        kv = proxy.app.router
         wait_for(lambda: len(kv.self_checks) == 2, timeout=60, what="both self-checks")
         assert set(kv.self_checks.values()) == {"ok"}, kv.self_checks
 

@@ -63,9 +63,13 @@ def test_a_counter_that_went_down_was_reset_and_counts_from_zero():
 
 
 def _router():
+    from pdkv.proxy.backends import Backends
+    from pdkv.proxy.config import build_config
+    from pdkv.proxy.engine_loads import EngineLoads
     from pdkv.proxy.kv_router import KvRouter
 
-    return KvRouter(KvConfig(), CollectorRegistry())
+    backends = Backends(build_config(["http://127.0.0.1:9,8998"], ["http://127.0.0.1:10"], port=0))
+    return KvRouter(KvConfig(), CollectorRegistry(), backends, EngineLoads(backends))
 
 
 class _D:
@@ -75,8 +79,8 @@ class _D:
 
 def test_d_counts_the_engines_own_requests_when_they_are_more_than_this_proxys_and_its_kv_usage():
     router, now = _router(), time.monotonic()
-    router.loads["http://d0"] = (EngineLoad(running=3, waiting=2, kv_usage=0.75), now)
-    router.loads["http://d1"] = (EngineLoad(running=0, kv_usage=0.1), now)
+    router.loads.readings["http://d0"] = (EngineLoad(running=3, waiting=2, kv_usage=0.75), now)
+    router.loads.readings["http://d1"] = (EngineLoad(running=0, kv_usage=0.1), now)
     assert router._decode_candidate(_D("http://d0", 1), [], now) == DecodeCandidate(0, 5, 0.75)  # others' requests count
     assert router._decode_candidate(_D("http://d1", 2), [], now) == DecodeCandidate(0, 2, 0.1)  # this proxy's, not yet there
     assert router._decode_candidate(_D("http://d2", 1), [], now) == DecodeCandidate(0, 1, 0.0)  # never read
@@ -86,8 +90,8 @@ def test_d_counts_the_engines_own_requests_when_they_are_more_than_this_proxys_a
 
 def test_a_d_busy_with_other_clients_work_is_not_chosen_over_an_idle_one():
     router, now = _router(), time.monotonic()
-    router.loads["http://d0"] = (EngineLoad(running=6, kv_usage=0.6), now)
-    router.loads["http://d1"] = (EngineLoad(), now)
+    router.loads.readings["http://d0"] = (EngineLoad(running=6, kv_usage=0.6), now)
+    router.loads.readings["http://d1"] = (EngineLoad(), now)
     decodes = [router._decode_candidate(_D(u, 0), [], now) for u in ("http://d0", "http://d1")]
     for start in range(4):  # whatever the round-robin cursor says
         assert plan_route(500, 32, [], decodes, KvWeights(local_prefill_tokens=0), start=start).decode == 1
