@@ -319,7 +319,7 @@ def test_parse_prometheus_reads_the_proxys_metrics() -> None:
 
     text = ProxyMetrics().render([("prefill", "http://127.0.0.1:8100", True, 3), ("decode", "http://127.0.0.1:8200", False, 0)])
     samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in parse_prometheus(text)}
-    assert samples[("pdkv_proxy_outstanding", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
+    assert samples[("pdkv_proxy_outstanding_requests", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
     assert samples[("pdkv_proxy_backend_up", '[["role","decode"],["url","http://127.0.0.1:8200"]]')] == 0
 
 
