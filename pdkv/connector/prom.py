@@ -76,8 +76,8 @@ class PdkvPromMetrics(KVConnectorPromMetrics):
         descriptors = counter(name="pdkv_connector_descriptors_total", documentation="Write descriptors issued.", labelnames=names)
         malformed = counter(name="pdkv_connector_malformed_total", documentation="Side-channel messages refused as malformed.",
                             labelnames=names)  # fmt: skip
-        refused = counter(name="pdkv_connector_auth_refused_total",
-                          documentation="Side-channel frames dropped for their seal (deployment key set).", labelnames=[*names, "reason"])  # fmt: skip
+        refused = counter(name="pdkv_connector_auth_refused_total", labelnames=[*names, "reason"],
+                          documentation="Side-channel frames dropped for their seal (deployment key set).")  # fmt: skip
         transfer_s = histogram(name="pdkv_connector_transfer_seconds", documentation="Duration of one KV write.", labelnames=names,
                                buckets=BUCKETS_S)  # fmt: skip
         handover_s = histogram(name="pdkv_connector_handover_seconds", documentation="P prefill done to D first token scheduled.",
