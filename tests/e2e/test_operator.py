@@ -1,7 +1,7 @@
 """What an operator sees of a live CPU 1P1D (`pdkv up -f`, the tiny model, the planner on): a real Prometheus
 (Debian's `prometheus`) scrapes it with the shipped scrape configuration and rules; every dashboard panel's
-query and every recording rule returns data under a short load; `PdkvPartDown` fires when P is killed and
-resolves once `pdkv up` has it back; `pdkv top --once --json` reads the same deployment.
+query and every recording rule returns data under a short load, and `pdkv top --once --json` shows the load;
+`PdkvPartDown` fires when P is killed and resolves once `pdkv up` has it back.
 
 Two changes to the shipped files, both for time: the scrape and rule intervals are 1 s (5 s shipped), and every
 alert's `for` is 2 s (a test cannot wait the shipped 30 s to minutes). Targets are the deployment's free ports.
@@ -227,9 +227,17 @@ def test_every_panel_and_recording_rule_returns_data_under_load(live: Live, prom
         for rule in ("pdkv:proxy_requests:rate1m", "pdkv:connector_bytes:rate1m", "pdkv:decode_itl_seconds:p50_1m",
                      "pdkv:proxy_ttft_seconds:p90_1m"):  # fmt: skip
             wait_for(lambda rule=rule: _value(prometheus.query(rule)) > 0, 60, f"{rule} above 0", interval=0.5)
+        top = subprocess.run([sys.executable, "-m", "pdkv", "top", "--proxy", live.url("proxy"), "--once", "--json", "--interval", "2"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
     finally:
         stop.set()
         load.join(timeout=150)
+    assert top.returncode == 0, top.stderr
+    doc = json.loads(top.stdout)
+    assert [(e["name"], e["up"]) for e in doc["engines"]] == [("prefill-0", True), ("decode-0", True)]
+    assert doc["serving"]["requests_per_s"] > 0 and doc["serving"]["ttft_p90_ms"] > 0 and doc["serving"]["itl_p50_ms"] > 0
+    assert doc["transfers"]["per_s"] > 0 and doc["transfers"]["bytes_per_s"] > 0 and doc["transfers"]["sent"] > 0
+    assert doc["planner"] == {"desired": {"decode": 1, "prefill": 1}, "current": {"decode": 1, "prefill": 1}}
     empty = [f"{title}: {expr}" for title, expr in _dashboard_queries() if not prometheus.query(expr)]
     assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
     empty = [rule for rule in _recording_rules() if not prometheus.query(rule)]
