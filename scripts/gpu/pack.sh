@@ -18,6 +18,18 @@ STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$OUT" "$CACHE" "$STAGE/site" "$STAGE/deb" "$STAGE/debs/rdma" "$STAGE/debs/curl"
 
+# The model folder is written by pdkv itself (`pdkv model random`, below): its CLI needs typer, rich and msgspec,
+# the tokenizer tokenizers. Where this host's python3 lacks them they go to a folder of this run, not its site-packages.
+TOOLS="$STAGE/tools"
+if ! python3 -c "import typer, rich, msgspec, tokenizers" 2>/dev/null; then
+    echo "== pdkv's own dependencies for 'pdkv model random' (typer, rich, msgspec, tokenizers) -> $TOOLS"
+    python3 -m pip install -q --disable-pip-version-check --target "$TOOLS" "typer>=0.12" "rich>=13" "msgspec>=0.18" "tokenizers>=0.19" || {
+        echo "pack.sh: 'pdkv model random' needs typer, rich, msgspec and tokenizers, and pip could not install them: pip install" \
+             "-e '.[test]' here first" >&2
+        exit 1
+    }
+fi
+
 PLATFORMS=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 \
          manylinux_2_28_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64 manylinux1_x86_64; do
@@ -53,7 +65,7 @@ done
 rm -rf "$STAGE/debs"
 
 echo "== model folder (no weights)"
-PYTHONPATH="$ROOT" python3 -m pdkv model random "$STAGE/model" --config tests/fixtures/configs/qwen3-8b/config.json --no-weights --json >/dev/null
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}:$TOOLS" python3 -m pdkv model random "$STAGE/model" --config tests/fixtures/configs/qwen3-8b/config.json --no-weights --json >/dev/null
 
 echo "== pieces"
 rm -f "$OUT"/bundle.tgz.* "$OUT"/bundle.sha256
