@@ -113,7 +113,7 @@ class DeploymentReader:
         figures: dict[str, Any] = {}
         if status is not None:
             m_status, text, _ = self._get(f"{self.proxy_url}/metrics", self._admin)
-            figures = proxy_figures(text) if m_status == 200 else {}
+            figures = {**proxy_figures(text), "proxy_metrics": True} if m_status == 200 else {}
         engines = [self._engine(b) for b in health.get("backends", []) if isinstance(b, dict)]
         return Reading(at=at, wall=wall, proxy_url=self.proxy_url, proxy_up=status == 200, proxy_reason=reason, engines=engines,
                        **figures)  # fmt: skip

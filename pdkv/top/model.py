@@ -70,6 +70,7 @@ class Reading(msgspec.Struct, frozen=True, kw_only=True):
     proxy_url: str
     proxy_up: bool
     proxy_reason: str = ""
+    proxy_metrics: bool = False  # its /metrics was read: without it there are no figures, not figures of 0
     requests: float = 0.0
     errors: dict[str, float] = {}
     local_prefill: dict[str, float] = {}
@@ -173,7 +174,8 @@ def _itl(engines: list[EngineReading]) -> Histogram:
 
 def view(before: Reading | None, now: Reading) -> TopView:
     """The view of `now`, with rates and quantiles over the time since `before` (None: since the parts started)."""
-    window = (now.at - before.at) if before is not None and now.at > before.at else None
+    read = before is not None and before.proxy_metrics and now.proxy_metrics
+    window = (now.at - before.at) if before is not None and read and now.at > before.at else None
     prev = before if window else None
     counts: dict[str, int] = {}
     engines = []

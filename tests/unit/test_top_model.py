@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 
 from pdkv.top.collect import engine_figures, proxy_figures
@@ -30,9 +31,9 @@ def test_the_view_counts_only_what_happened_between_the_readings() -> None:
                 EngineReading(role="decode", url="http://d", up=False, reason="health check failed", waiting_for_kv=3,
                               transfers={"sent": 30.0, "failed": 1.0},
                               itl=Histogram([(0.01, 100.0), (0.02, 200.0), (INF, 200.0)]))]  # fmt: skip
-    before = Reading(at=10.0, wall=1e9, proxy_url="http://x", proxy_up=True, requests=100, errors={"decode_status": 1.0},
+    before = Reading(at=10.0, wall=1e9, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=100, errors={"decode_status": 1.0},
                      ttft=Histogram([(0.1, 100.0), (0.5, 100.0), (INF, 100.0)]), engines=engines0)  # fmt: skip
-    now = Reading(at=12.0, wall=1e9 + 2, proxy_url="http://x", proxy_up=True, requests=140, errors={"decode_status": 3.0},
+    now = Reading(at=12.0, wall=1e9 + 2, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=140, errors={"decode_status": 3.0},
                   local_prefill={"no_prefill": 4.0}, ttft=Histogram([(0.1, 100.0), (0.5, 140.0), (INF, 140.0)]),
                   desired={"prefill": 2.0, "decode": 1.0}, current={"prefill": 1.0, "decode": 1.0}, engines=engines1)  # fmt: skip
     v = view(before, now)
@@ -48,10 +49,11 @@ def test_the_view_counts_only_what_happened_between_the_readings() -> None:
     assert v.planner is not None and v.planner.desired == {"decode": 1, "prefill": 2}
 
 
-def test_one_reading_has_gauges_and_totals_but_no_rates() -> None:
-    v = view(None, Reading(at=1.0, wall=1.0, proxy_url="http://x", proxy_up=False, proxy_reason="unreachable (ConnectError)"))
-    assert v.window_s is None and v.serving.requests_per_s is None and v.transfers.bytes_per_s is None
-    assert v.planner is None and not v.ok
+def test_one_reading_or_a_proxy_not_read_has_no_rates() -> None:
+    down = Reading(at=1.0, wall=1.0, proxy_url="http://x", proxy_up=False, proxy_reason="unreachable (ConnectError)")
+    for v in (view(None, down), view(down, msgspec.structs.replace(down, at=2.0))):
+        assert v.window_s is None and v.serving.requests_per_s is None and v.transfers.bytes_per_s is None
+        assert v.planner is None and not v.ok
 
 
 def test_figures_are_read_from_the_exposition_text() -> None:
