@@ -232,6 +232,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l host-ip
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l listen
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l log-dir
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l logs
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l omp-bind

@@ -49,11 +49,11 @@ def figures(view: TopView) -> list[Text]:
     lines = [
         Text.assemble(Text("requests ", style="bold"), f"{_num(s.requests_per_s, '/s')} (total {s.requests:,})   ",
                       f"TTFT p50 {_num(s.ttft_p50_ms, ' ms')} p90 {_num(s.ttft_p90_ms, ' ms')}   ",
-                      f"ITL p50 {_num(s.itl_p50_ms, ' ms')} p90 {_num(s.itl_p90_ms, ' ms')}"),  # fmt: skip
+                      f"ITL p50 {_num(s.itl_p50_ms, ' ms')} p90 {_num(s.itl_p90_ms, ' ms')}"),
         Text.assemble("         ", errors, f"   local fallbacks {s.local_fallbacks} ({_num(s.local_fallbacks_per_s, '/s')})"),
         Text.assemble(Text("transfers ", style="bold"), f"{_num(t.per_s, '/s')}  {_bytes_per_s(t.bytes_per_s)}   sent {t.sent:,}   ",
                       Text(f"failures {t.failures}", style="red" if t.failures else ""), "   ",
-                      Text(f"recomputes {t.recomputes}", style="yellow" if t.recomputes else "")),  # fmt: skip
+                      Text(f"recomputes {t.recomputes}", style="yellow" if t.recomputes else "")),
     ]
     if s.errors_by_cause:
         lines.append(Text("errors by cause: " + ", ".join(f"{c} {n}" for c, n in s.errors_by_cause.items()), style="red"))
