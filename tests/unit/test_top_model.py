@@ -31,11 +31,13 @@ def test_the_view_counts_only_what_happened_between_the_readings() -> None:
                 EngineReading(role="decode", url="http://d", up=False, reason="health check failed", waiting_for_kv=3,
                               transfers={"sent": 30.0, "failed": 1.0},
                               itl=Histogram([(0.01, 100.0), (0.02, 200.0), (INF, 200.0)]))]  # fmt: skip
-    before = Reading(at=10.0, wall=1e9, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=100, errors={"decode_status": 1.0},
-                     ttft=Histogram([(0.1, 100.0), (0.5, 100.0), (INF, 100.0)]), engines=engines0)  # fmt: skip
-    now = Reading(at=12.0, wall=1e9 + 2, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=140, errors={"decode_status": 3.0},
-                  local_prefill={"no_prefill": 4.0}, ttft=Histogram([(0.1, 100.0), (0.5, 140.0), (INF, 140.0)]),
-                  desired={"prefill": 2.0, "decode": 1.0}, current={"prefill": 1.0, "decode": 1.0}, engines=engines1)  # fmt: skip
+    before = Reading(at=10.0, wall=1e9, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=100,
+                     errors={"decode_status": 1.0}, ttft=Histogram([(0.1, 100.0), (0.5, 100.0), (INF, 100.0)]),
+                     engines=engines0)  # fmt: skip
+    now = Reading(at=12.0, wall=1e9 + 2, proxy_url="http://x", proxy_up=True, proxy_metrics=True, requests=140,
+                  errors={"decode_status": 3.0}, local_prefill={"no_prefill": 4.0},
+                  ttft=Histogram([(0.1, 100.0), (0.5, 140.0), (INF, 140.0)]), desired={"prefill": 2.0, "decode": 1.0},
+                  current={"prefill": 1.0, "decode": 1.0}, engines=engines1)  # fmt: skip
     v = view(before, now)
     assert v.window_s == 2.0 and not v.ok
     assert [(e.name, e.up, e.running, e.waiting, e.kv_usage, e.waiting_for_kv) for e in v.engines] == [
