@@ -22,7 +22,8 @@ from run import HERE, PDKV_LAUNCH, PY, free_port, start, stop, wait_ready
 
 def load(url: str, concurrency: int, duration: float, warmup: float) -> dict:
     out = subprocess.run([PY, str(HERE / "loadgen.py"), "--url", url, "--concurrency", str(concurrency), "--duration", str(duration),
-                          "--warmup", str(warmup)], capture_output=True, text=True, timeout=duration + warmup + 60)  # fmt: skip
+                          "--warmup", str(warmup)], capture_output=True, text=True, timeout=duration + warmup + 60,
+                         check=False)  # fmt: skip
     if out.returncode != 0:
         raise RuntimeError(f"load generator failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout)

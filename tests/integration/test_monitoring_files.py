@@ -49,7 +49,7 @@ def _used() -> set[str]:
 @needs_promtool
 def test_promtool_checks_the_rules_and_the_scrape_configuration() -> None:
     for args in (["check", "rules", "pdkv-rules.yml"], ["check", "config", "prometheus.yml"]):
-        done = subprocess.run(["promtool", *args], cwd=MONITORING, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(["promtool", *args], cwd=MONITORING, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 pytest.importorskip("vllm")
 
-from pdkv.connector.prom import PdkvConnectorStats, PdkvPromMetrics  # noqa: E402
-from pdkv.connector.timing import TraceLog  # noqa: E402
+from pdkv.connector.prom import PdkvConnectorStats, PdkvPromMetrics
+from pdkv.connector.timing import TraceLog
 
 
 def _trace_log_with_one_transfer(tid: str = "x1") -> TraceLog:
