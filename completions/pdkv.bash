@@ -22,6 +22,7 @@ _pdkv() {
             "proxy") path="proxy" ;;
             "simulate") path="simulate" ;;
             "status") path="status" ;;
+            "top") path="top" ;;
             "trace") path="trace" ;;
             "up") path="up" ;;
         esac
@@ -45,9 +46,10 @@ _pdkv() {
         "proxy") words="--admin-key --api-key --api-key-file --config --connect-timeout --connector --decode --decode-first-byte-timeout --health-interval --host --json --kv-events --kv-queue-weight --local-fallback --local-prefill-tokens --members --no-local-fallback --planner-bounds --planner-interval --planner-profile --planner-waits --planner-window --policy --port --prefill --prefill-timeout --slo --slo-quantile --ssl-certfile --ssl-keyfile --tokenizer --help" ;;
         "simulate") words="--day-seconds --decode-range --down-after-s --down-margin --goal --interval-s --json --levels --max-batch-tokens --max-requests --output-tokens --peak-rate --prefill-range --profile --prompt-tokens --quantile --seed --slo --startup-s --trace --window-s --help" ;;
         "status") words="--admin-key --file --interval --json --proxy --timeout --watch --help" ;;
+        "top") words="--admin-key --interval --json --once --proxy --timeout --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
-        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
-        *) words="bench bootstrap doctor k8s model plan profile proxy simulate status trace up --version --help" ;;
+        "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --logs --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
+        *) words="bench bootstrap doctor k8s model plan profile proxy simulate status top trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

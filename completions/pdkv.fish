@@ -10,6 +10,7 @@ complete -c pdkv -n '__fish_use_subcommand' -a profile
 complete -c pdkv -n '__fish_use_subcommand' -a proxy
 complete -c pdkv -n '__fish_use_subcommand' -a simulate
 complete -c pdkv -n '__fish_use_subcommand' -a status
+complete -c pdkv -n '__fish_use_subcommand' -a top
 complete -c pdkv -n '__fish_use_subcommand' -a trace
 complete -c pdkv -n '__fish_use_subcommand' -a up
 complete -c pdkv -n '__fish_use_subcommand' -l version
@@ -201,6 +202,12 @@ complete -c pdkv -n '__fish_seen_subcommand_from status' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l proxy
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from status' -l watch
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l admin-key
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l interval
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l once
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l proxy
+complete -c pdkv -n '__fish_seen_subcommand_from top' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l admin-key
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l bootstrap
 complete -c pdkv -n '__fish_seen_subcommand_from trace' -l html
@@ -225,6 +232,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from up' -l host-ip
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l json
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l listen
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l log-dir
+complete -c pdkv -n '__fish_seen_subcommand_from up' -l logs
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l members
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from up' -l omp-bind

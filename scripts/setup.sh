@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 # iproute2's `ip`: the multihost test bed's network namespaces (tests/multihost/netns.py); slim images lack it.
-if ! dpkg -s libibverbs1 librdmacm1 chromium iproute2 >/dev/null 2>&1; then
+# prometheus (with promtool): the shipped rules and dashboard checked against a live deployment, and tmux: `pdkv up`'s
+# console in a terminal of known size (both tests/e2e/test_operator.py).
+if ! dpkg -s libibverbs1 librdmacm1 chromium iproute2 prometheus tmux >/dev/null 2>&1; then
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium iproute2 >/dev/null
+  apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 chromium iproute2 prometheus tmux >/dev/null
 fi
 # kubectl (client only): the test that `kubectl kustomize` accepts `pdkv k8s render`'s folder; Debian's kubernetes-client.
 if ! command -v kubectl >/dev/null 2>&1; then

@@ -34,6 +34,7 @@ COMMANDS: list[str] = [
     "up",
     "k8s",
     "status",
+    "top",
     "bench",
     "trace",
 ]
@@ -63,6 +64,8 @@ Examples:
   pdkv k8s render -f examples/k8s-1p1d.toml -o k8s/   # Kubernetes manifests of a deployment file
 
   pdkv status --proxy http://127.0.0.1:8000
+
+  pdkv top --proxy http://127.0.0.1:8000         # the live view: engines, requests, TTFT, transfers
 
   pdkv bench --model ./Qwen3-8B --blocks 63 --layout all --baseline
 

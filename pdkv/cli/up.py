@@ -6,6 +6,7 @@ import importlib.util
 import json
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,6 +18,7 @@ from rich.text import Text
 
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
+from pdkv.cli.up_console import UpConsole
 
 if TYPE_CHECKING:
     from pdkv.deploy import Part, PartEvent, Supervisor
@@ -27,8 +29,12 @@ HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a 
 
 With no arguments, starts bootstrap, prefill, decode and proxy on this host
 (on CPU with the embedded tiny model when no GPU is present), waits for each
-to be healthy, streams their logs (also to .pdkv/logs/) and stops them all on
-Ctrl-C. Pre-flight checks (ports, model, P/D agreement, bootstrap) run first.
+to be healthy and stops them all on Ctrl-C. On a terminal it shows one live
+screen: each part's state, pid, uptime and restarts, then what `pdkv top`
+shows (engines, requests, TTFT and ITL, errors, transfers); the logs go to
+.pdkv/logs/ only, and a part that exits shows its log's path. --logs streams
+the logs instead, as without a terminal or with --json. Pre-flight checks
+(ports, model, P/D agreement, bootstrap) run first.
 A deployment file with an \\[autoscale] table also starts engines within its
 bounds when the proxy's planner asks for more, and drains and stops them when
 it asks for fewer (docs/planner.md); --json prints a "scale" event per step.
@@ -36,6 +42,8 @@ it asks for fewer (docs/planner.md); --json prints a "scale" event per step.
 Examples:
 
   pdkv up
+
+  pdkv up --logs          # the parts' logs instead of the live view
 
   pdkv up --trace --once
 
@@ -122,14 +130,17 @@ def _run_trace_hook(parts: list[Part], emit: Callable[..., None], json_out: bool
 
 
 def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, trace: bool, once: bool = False,
-               restart: str | None = None) -> None:
-    """Start, warm up, (trace,) watch and stop the plan's parts, rendering each step."""
+               restart: str | None = None, live_view: bool = False) -> None:
+    """Start, warm up, (trace,) watch and stop the plan's parts, rendering each step: line by line, or with
+    `live_view` (a terminal, not --json) as the console (pdkv.cli.up_console: the parts and the deployment's live
+    view, the logs to files only)."""
     from pdkv.deploy.run import PartsRun
 
     parts = plan.parts
     kinds = {p.plan.name: p.kind for p in parts}
     width = max(len(n) for n in kinds)
     live: Live | None = None
+    screen: UpConsole | None = None
 
     def on_line(name: str, line: str) -> None:
         kind = kinds.get(name, name.rsplit("-", 1)[0])  # an engine added by [autoscale] is named by its role
@@ -146,7 +157,13 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
             emit(event.kind, name=event.name, message=event.message, code=event.code, delay_s=event.delay_s, pid=event.pid)
         else:
             style = {"restarted": "green", "started": "green", "gave-up": "bold red"}.get(event.kind, "yellow")
-            err_console.print(Text(f"pdkv up: {event.message}", style=style), highlight=False, soft_wrap=True)
+            if screen is not None:
+                screen.note(Text(f"{time.strftime('%H:%M:%S')} {event.message}", style=style, no_wrap=True, overflow="ellipsis"))
+                proc = next((p for p in sup.procs if p.name == event.name), None)
+                if proc is not None and event.kind == "exited":  # its last line is in the message; the rest is in its log
+                    screen.note(Text(f"         log: {proc.log_path}", style=style))
+            else:
+                err_console.print(Text(f"pdkv up: {event.message}", style=style), highlight=False, soft_wrap=True)
 
     def on_scale(event: ScaleEvent) -> None:
         if json_out:
@@ -154,16 +171,24 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
                  active=event.active, in_flight=event.in_flight, log=event.log)
         else:
             style = {"scale-up": "cyan", "stopped": "green", "scale-failed": "bold red"}.get(event.kind, "yellow")
-            err_console.print(Text(f"pdkv up: autoscale: {event.message}", style=style), highlight=False, soft_wrap=True)
-            for line in event.log:
-                err_console.print(Text(f"  {event.name} | {line}", style="dim"), highlight=False, soft_wrap=True)
+            if screen is not None:
+                screen.note(Text(f"{time.strftime('%H:%M:%S')} autoscale: {event.message}", style=style, no_wrap=True,
+                                 overflow="ellipsis"))
+            else:
+                err_console.print(Text(f"pdkv up: autoscale: {event.message}", style=style), highlight=False, soft_wrap=True)
+                for line in event.log:
+                    err_console.print(Text(f"  {event.name} | {line}", style="dim"), highlight=False, soft_wrap=True)
 
-    run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if show_logs and not json_out else None,  # type: ignore[arg-type]
+    stream = show_logs and not json_out and not live_view
+    run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if stream else None,  # type: ignore[arg-type]
                    on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale)
     sup = run.supervisor
     with run:
         try:
-            if not json_out:
+            if live_view:
+                screen = UpConsole(sup, kinds)
+                screen.start()
+            elif not json_out:
                 live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
                 sup.on_change = lambda: live.update(_status_table(sup, kinds)) if live is not None else None
                 live.start()
@@ -180,9 +205,13 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
             if not json_out:
                 took = ", ".join(f"{ms:.0f}" for ms in warmup_ms)
                 warmed = f" (warm-up request{'s' * (len(warmup_ms) > 1)} {took} ms)" if warmup_ms else ""
-                console.print(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/")
-                for line in _ready_message(parts, plan.served):
-                    console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
+                lines = [Text(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/"),
+                         *_ready_message(parts, plan.served)]
+                if screen is not None:
+                    screen.serve(next((p.plan.url for p in parts if p.kind == "proxy"), None), lines)
+                else:
+                    for line in lines:
+                        console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
             if trace:
                 _run_trace_hook(parts, emit, json_out)
             if not once:
@@ -193,6 +222,8 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
         finally:
             if live is not None:
                 live.stop()
+            if screen is not None:
+                screen.stop()
     emit("stopped", pids=sup.pids())
     if not json_out:
         err_console.print("stopped.")
@@ -234,6 +265,8 @@ def up(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
     log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
+    logs: Annotated[bool, typer.Option("--logs",
+        help="On a terminal, stream every part's log as without one, instead of the live view.")] = False,
     trace: Annotated[bool, typer.Option("--trace",
         help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
     once: Annotated[bool, typer.Option("--once",
@@ -279,7 +312,9 @@ def up(
             sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
         else:
             err_console.print(Text(f"pdkv up: warning: {line}", style="yellow"), soft_wrap=True)
-    _supervise(plan, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart)
+    live_view = console.is_terminal and not logs and not json_out
+    _supervise(plan, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart,
+               live_view=live_view)
 
 
 def register(app: typer.Typer) -> None:

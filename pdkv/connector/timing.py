@@ -14,6 +14,8 @@ once its first token is scheduled. `TraceLog.query` serves `pdkv trace`
 (StatsQuery on P's side channel, whose address the bootstrap registry
 lists); `trace_dir` also gets one JSON line per transfer. The metrics text
 (`render_metrics`, through prometheus_client) travels in the same StatsReply.
+The same counts since the last `take_stats` travel to the engine's own /metrics
+through vLLM's connector stats (pdkv.connector.prom).
 """
 
 from __future__ import annotations
@@ -30,6 +32,45 @@ from pdkv.metrics import histogram, render
 from pdkv.protocol import TransferTrace
 
 MAX_TRACES = 10_000
+MAX_OBSERVATIONS = 4096  # per histogram between two takes: a step is milliseconds, so never reached but under a stall
+
+
+class ConnectorDelta(msgspec.Struct, kw_only=True):
+    """The connector's counts and histogram observations over an interval; vLLM sums the TP ranks' with `add`."""
+
+    transfers: dict[str, int] = msgspec.field(default_factory=dict)  # by outcome
+    auth_refused: dict[str, int] = msgspec.field(default_factory=dict)  # by reason
+    bytes: int = 0
+    descriptors: int = 0
+    malformed: int = 0
+    transfer_s: list[float] = msgspec.field(default_factory=list)
+    handover_s: list[float] = msgspec.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.transfers or self.auth_refused or self.bytes or self.malformed or self.transfer_s or self.handover_s)
+
+    def add(self, other: ConnectorDelta) -> None:
+        for label, n in other.transfers.items():
+            _count(self.transfers, label, n)
+        for label, n in other.auth_refused.items():
+            _count(self.auth_refused, label, n)
+        self.bytes += other.bytes
+        self.descriptors += other.descriptors
+        self.malformed += other.malformed
+        for value in other.transfer_s:
+            _observe(self.transfer_s, value)
+        for value in other.handover_s:
+            _observe(self.handover_s, value)
+
+
+def _count(by: dict[str, int], label: str, n: int = 1) -> None:
+    by[label] = by.get(label, 0) + n
+
+
+def _observe(values: list[float], value: float) -> None:
+    if len(values) < MAX_OBSERVATIONS:
+        values.append(value)
 
 
 class TraceLog:
@@ -58,14 +99,27 @@ class TraceLog:
         self.handover_s = histogram(
             "pdkv_connector_handover_seconds", "P prefill done to D first token scheduled.", r, ["role"]
         ).labels(role)
+        self._delta = ConnectorDelta()  # guarded by _lock: what happened since the last take_stats
+
+    def take_stats(self) -> ConnectorDelta | None:
+        """What was counted since the last call (None if nothing): vLLM's connector stats, once per step."""
+        with self._lock:
+            if self._delta.empty:
+                return None
+            out, self._delta = self._delta, ConnectorDelta()
+            return out
 
     def malformed(self) -> None:
         """Count one side-channel message refused as malformed."""
         self._malformed.inc()
+        with self._lock:
+            self._delta.malformed += 1
 
     def auth_refused(self, reason: str) -> None:
         """Count one side-channel frame dropped as unauthenticated, stale or replayed."""
         self._auth_refused.labels(self.role, reason).inc()
+        with self._lock:
+            _count(self._delta.auth_refused, reason)
 
     def auth_refused_total(self, reason: str) -> int:
         return int(self.registry.get_sample_value("pdkv_connector_auth_refused_total", {"role": self.role, "reason": reason}) or 0)
@@ -99,7 +153,9 @@ class TraceLog:
             # From P's prefill being done (its forward, or the finish when it was not sent early).
             start = [ev[k] for k in ("p_forward_done", "p_finished") if k in ev]
             if "first_token_scheduled" in ev and start:
-                self.handover_s.observe(max(0.0, ev["first_token_scheduled"] - min(start)))
+                handover = max(0.0, ev["first_token_scheduled"] - min(start))
+                self.handover_s.observe(handover)
+                _observe(self._delta.handover_s, handover)
             self._write(t)
 
     def finish(self, tid: str, status: str, error: str = "", nbytes: int = 0, descriptors: int = 0, d_rank: int | None = None) -> None:
@@ -118,10 +174,14 @@ class TraceLog:
             if nbytes:
                 self._bytes.inc(nbytes)
                 self._descriptors.inc(descriptors)
+                self._delta.bytes += nbytes
+                self._delta.descriptors += descriptors
                 start = t.events.get("kv_ready", t.events.get("transfer_start"))  # on a GPU: once P's forward is done there
                 if start is not None and "transfer_end" in t.events:
                     self.transfer_s.observe(t.events["transfer_end"] - start)
+                    _observe(self._delta.transfer_s, t.events["transfer_end"] - start)
             self._outcomes.labels(self.role, status).inc()
+            _count(self._delta.transfers, status)
             if self.role == "decode" or status != "sent":
                 self._write(t)
 

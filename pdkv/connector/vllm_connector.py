@@ -6,6 +6,8 @@ This module is the connector's one seam with vLLM, and it serves vLLM 0.26 to 0.
 - KV layout: LBHNC (per layer, per block: heads x tokens x content) where the running vLLM names it;
   0.26 knows only NHD and HND, and its HND gives the same dense pages (`layout.kv_layout_for`).
 - `CacheHitSource` (0.32+) labels the tokens D loads as peer-to-peer; 0.26 has no such metric.
+- connector stats (0.26+): each step's counts go to vLLM, which exports them on the engine's /metrics
+  (pdkv.connector.prom).
 0.33's base class only adds `supports_sleep_mode`, `unregister_kv_caches` and `restore_kv_caches`, all with
 defaults this connector keeps.
 - 0.34: `kv_cache_access` declares how the workers reach the KV memory (config.kv_cache_access: REGISTERS for
@@ -38,6 +40,7 @@ except ImportError:  # vLLM 0.26-0.33: every KV cache is one cudaMalloc'd alloca
 
 from pdkv.connector.config import kv_cache_access, load_config
 from pdkv.connector.layout import kv_layout_for, refusal
+from pdkv.connector.prom import PdkvConnectorStats, PdkvPromMetrics
 from pdkv.connector.scheduler import ConnectorScheduler, StepMeta
 from pdkv.connector.worker import ConnectorWorker, EngineIdentity
 from pdkv.errors import UnsupportedModelError
@@ -250,6 +253,21 @@ class PdkvConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    # --- metrics: vLLM exports these on the engine's /metrics (pdkv.connector.prom) ----
+
+    def get_kv_connector_stats(self) -> PdkvConnectorStats | None:
+        delta = self._worker.stats() if self._worker is not None else None
+        return PdkvConnectorStats.of(delta) if delta is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdkvConnectorStats:
+        return PdkvConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PdkvPromMetrics:  # fmt: skip
+        return PdkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -20,7 +20,7 @@ from pdkv.connector.receiver import KVReceiver, Results
 from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import SendLimits
-from pdkv.connector.timing import TraceLog
+from pdkv.connector.timing import ConnectorDelta, TraceLog
 from pdkv.protocol import RegisterRequest
 
 log = logging.getLogger("pdkv.connector")
@@ -75,6 +75,7 @@ class ConnectorWorker:
         self.transport: Any = None
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
+        self.trace: TraceLog | None = None  # made with the sender or the receiver
         self.bootstrap: Any = None
         self.registration: Any = None  # P: StandingRegistration, renewing this worker's bootstrap entry
         self.member: Any = None  # TP0: StandingRegistration of this engine's member record
@@ -103,7 +104,7 @@ class ConnectorWorker:
         )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"
-        trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
+        self.trace = trace = TraceLog(role, self.config.trace_dir, engine_id=self.engine_id, tp_rank=self.tp_rank)
         if not self.is_producer:
             self.receiver = KVReceiver(
                 self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
@@ -205,6 +206,10 @@ class ConnectorWorker:
         for rid, why in recv.failed.items():
             log.error("pdkv: request %s fails: KV transfer %s: %s", rid, recv.transfer_ids.get(rid, "?"), why)
         return sent, recv
+
+    def stats(self) -> ConnectorDelta | None:
+        """What this rank counted since the last call, for vLLM's connector stats (pdkv.connector.prom)."""
+        return self.trace.take_stats() if self.trace is not None else None
 
     def close(self) -> None:
         for registration in (self.member, self.registration):

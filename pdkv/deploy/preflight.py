@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from pdkv.deploy.engine import parse_cores
+from pdkv.deploy.machine import numa_nodes
 from pdkv.deploy.ports import PortUse, distinct_per_host
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
 from pdkv.errors import ConfigError, TransferError
@@ -134,6 +135,12 @@ def check_vllm_release(parts: list[Part]) -> list[Problem]:
     return [Problem(", ".join(names), verdict.detail, verdict.hint)] if verdict.status is Status.FAIL else []
 
 
+def _rank_core_hint(tp: int) -> str:
+    """An omp_bind value giving `tp` ranks this host's cores in even runs ("0|1", "0-1|2-3")."""
+    per = max(1, (os.cpu_count() or 1) // tp)
+    return "|".join(f"{r * per}" if per == 1 else f"{r * per}-{(r + 1) * per - 1}" for r in range(tp))
+
+
 def _missing_cores(bind: str | None) -> list[int]:
 
     return [c for c in parse_cores(bind) or () if c >= (os.cpu_count() or 1)]
@@ -162,6 +169,14 @@ def check_engines(parts: list[Part]) -> list[Problem]:
                 part.plan.name,
                 f"omp_bind {spec.omp_bind!r} names core(s) {', '.join(map(str, missing))}, and this host has {os.cpu_count()} cores",
                 f"bind its {spec.tp} rank(s) to cores 0-{(os.cpu_count() or 1) - 1}, one core at least each",
+            ))
+        if spec.platform == "cpu" and spec.tp > 1 and parse_cores(spec.omp_bind) is None and (nodes := numa_nodes()) < spec.tp:
+            # vLLM's CPU worker binds each rank to a NUMA node of its own unless told the cores, and dies inside its start-up
+            # ("Not enough allowed NUMA nodes to bind threads of N local CPUWorkers") when the host has fewer.
+            problems.append(Problem(
+                part.plan.name,
+                f"tp {spec.tp} on CPU without omp_bind: vLLM binds each rank to a NUMA node of its own, and this host has {nodes}",
+                f'set omp_bind = "{_rank_core_hint(spec.tp)}" in its table (one core or more per rank, cores no other engine is bound to)',
             ))
         if spec.transport == "cma" and spec.platform != "cpu":
             problems.append(Problem(

@@ -73,6 +73,7 @@ class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     model_mount: str = "/models"
     node_selector: dict[str, str] = {}
     service_account: str | None = None
+    monitors: bool = False  # a PodMonitor and a ServiceMonitor for the Prometheus Operator (pdkv.k8s.monitors)
 
 
 class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

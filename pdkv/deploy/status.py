@@ -148,7 +148,7 @@ def _proxy_figures(client: Any, url: str, admin: dict[str, str] | None = None) -
     errors: dict[str, int] = {}
     requests = 0
     for name, labels, value in parse_prometheus(text):
-        if name == "pdkv_proxy_outstanding":
+        if name == "pdkv_proxy_outstanding_requests":
             in_flight[labels.get("url", "?")] = int(value)
         elif name == "pdkv_proxy_errors_total" and value:
             errors[labels.get("cause", "?")] = int(value)

@@ -9,6 +9,8 @@
     Deployment       <name>-proxy                `pdkv proxy --members <bootstrap Service>`
     Service          <name>-proxy                the clients' entry point
     HPA/ScaledObject <name>-prefill-0, ...       with [autoscale]: each role's workload on the planner's gauge
+    PodMonitor       <name>-engines              with monitors = true: the Prometheus Operator scrapes the engines ...
+    ServiceMonitor   <name>-services             ... and the proxy and the bootstrap (pdkv.k8s.monitors)
 
 Each [[prefill]]/[[decode]] table is one object whose `replicas` is the
 table's. Each prefill pod serves its own bootstrap in-worker on its pod IP,
@@ -34,6 +36,7 @@ from pdkv.deploy.topology import Part, engine_spec
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 from pdkv.k8s.autoscale import autoscaler_objects, check_autoscale
+from pdkv.k8s.monitors import monitor_objects
 from pdkv.k8s.pods import Layout
 from pdkv.k8s.settings import check_dns_label, check_kubernetes
 
@@ -296,4 +299,4 @@ def render(dep: Deployment, *, namespace: str | None = None, source: str = "depl
         argv = ["pdkv", *proxy_args(dep, "0.0.0.0"), "--members", url, *dep.proxy.extra_args]
         objects += _service_objects(dep, "proxy", ns, argv, dep.proxy.port, replicas=k.proxy_replicas,
                                     service_type=k.proxy_service_type, ready_path=pods.HEALTH_PATH)
-    return objects + autoscaler_objects(dep, workloads)
+    return objects + autoscaler_objects(dep, workloads) + monitor_objects(dep, ns)

@@ -8,7 +8,7 @@ Histograms (seconds), the TTFT split of one request:
 Counters: pdkv_proxy_requests_total{status}, pdkv_proxy_errors_total{cause},
 pdkv_proxy_local_prefill_total{reason} (requests D computed alone: no_prefill, prefill_failed, kv_local:
 the kv-aware policy found D holding all but a few of the prompt's tokens; pdkv.proxy.kv.metrics has its other metrics).
-Gauges: pdkv_proxy_backend_up{role,url}, pdkv_proxy_outstanding{role,url}.
+Gauges: pdkv_proxy_backend_up{role,url}, pdkv_proxy_outstanding_requests{role,url}.
 
 `observe` runs once per request on the proxy's loop: every labelled child it
 touches is made once and kept, so an observation is a few increments.
@@ -74,7 +74,7 @@ class ProxyMetrics:
         self.ttfb = histogram("pdkv_proxy_ttfb_seconds", "Proxy received to first byte sent to the client.", r)
         self.total = histogram("pdkv_proxy_request_seconds", "Proxy received to last byte sent to the client.", r)
         self._backend_up = Gauge("pdkv_proxy_backend_up", "1 if the backend passes health checks.", ["role", "url"], registry=r)
-        self._outstanding = Gauge("pdkv_proxy_outstanding", "Requests in flight per backend.", ["role", "url"], registry=r)
+        self._outstanding = Gauge("pdkv_proxy_outstanding_requests", "Requests in flight per backend.", ["role", "url"], registry=r)
 
     def observe(self, t: ProxyTiming) -> None:
         self.requests[str(t.status or 0)].inc()

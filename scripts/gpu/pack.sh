@@ -18,14 +18,21 @@ PIECE_MB="${PIECE_MB:-50}"
 CACHE="${PDKV_GPU_WHEELS:-$HOME/.cache/pdkv/gpu-wheels}"
 VLLM="${VLLM:-0.26}"
 case "$VLLM" in 0.26|0.34) ;; *) echo "VLLM must be 0.26 or 0.34, got $VLLM" >&2; exit 2 ;; esac
-# The model folder is written by pdkv itself: its own dependencies must be here first.
-if ! python3 -c "import typer, rich, msgspec, tokenizers" 2>/dev/null; then
-    echo "pack.sh needs pdkv's own dependencies (and tokenizers) here: run bash scripts/setup.sh first" >&2
-    exit 3
-fi
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 mkdir -p "$OUT" "$CACHE" "$STAGE/site" "$STAGE/deb" "$STAGE/debs/rdma" "$STAGE/debs/curl"
+
+# The model folder is written by pdkv itself (`pdkv model random`, below): its CLI needs typer, rich and msgspec,
+# the tokenizer tokenizers. Where this host's python3 lacks them they go to a folder of this run, not its site-packages.
+TOOLS="$STAGE/tools"
+if ! python3 -c "import typer, rich, msgspec, tokenizers" 2>/dev/null; then
+    echo "== pdkv's own dependencies for 'pdkv model random' (typer, rich, msgspec, tokenizers) -> $TOOLS"
+    python3 -m pip install -q --disable-pip-version-check --target "$TOOLS" "typer>=0.12" "rich>=13" "msgspec>=0.18" "tokenizers>=0.19" || {
+        echo "pack.sh: 'pdkv model random' needs typer, rich, msgspec and tokenizers, and pip could not install them: pip install" \
+             "-e '.[test]' here first" >&2
+        exit 1
+    }
+fi
 
 PLATFORMS=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_26_x86_64 manylinux_2_27_x86_64 \
@@ -62,7 +69,7 @@ done
 rm -rf "$STAGE/debs"
 
 echo "== model folder (no weights)"
-PYTHONPATH="$ROOT" python3 -m pdkv model random "$STAGE/model" --config tests/fixtures/configs/qwen3-8b/config.json --no-weights --json >/dev/null
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}:$TOOLS" python3 -m pdkv model random "$STAGE/model" --config tests/fixtures/configs/qwen3-8b/config.json --no-weights --json >/dev/null
 
 pieces() {  # pieces DIR NAMES...: tar the named folders of $STAGE into DIR/bundle.tgz.* and their checksums
     local dir="$1"; shift

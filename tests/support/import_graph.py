@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.proxy",),
     ("pdkv.trace",),
     ("pdkv.deploy",),
-    ("pdkv.k8s",),
+    ("pdkv.k8s", "pdkv.top"),
     ("pdkv.cli",),
     ("pdkv.__main__",),
 ]

@@ -4,7 +4,8 @@ Core kinds go through `kubernetes-validate` (its strict schemas refuse unknown f
 is one: autoscaling/v2); a LeaderWorkerSet through the LWS CRD's openAPIV3Schema (tests/fixtures/k8s/), made
 strict the same way, and its two pod templates through the core PodTemplate schema as well; a KEDA ScaledObject
 through a schema written by hand from KEDA's CRD and its prometheus scaler (tests/fixtures/k8s/, the file
-says which), and the HPA behavior it carries through the HorizontalPodAutoscaler schema as well.
+says which), and the HPA behavior it carries through the HorizontalPodAutoscaler schema as well; a PodMonitor and
+a ServiceMonitor through schemas written by hand from the Prometheus Operator's CRDs (tests/fixtures/k8s/, likewise).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 CRD = ROOT / "tests" / "fixtures" / "k8s" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 KEDA_SCHEMA = ROOT / "tests" / "fixtures" / "k8s" / "keda.sh_scaledobjects.handwritten.schema.yaml"
+MONITOR_SCHEMAS = ROOT / "tests" / "fixtures" / "k8s" / "monitoring.coreos.com_monitors.handwritten.schema.yaml"
 
 DEPLOYMENT = """model = "/models/Qwen3-8B"
 device = "mlx5_0"
@@ -121,12 +123,31 @@ def validate_scaled_object(obj: dict[str, Any], version: str) -> None:
         kubernetes_validate.validate(copy.deepcopy(hpa), version, strict=True)
 
 
+@cache
+def monitor_schemas() -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(MONITOR_SCHEMAS.read_text())
+
+
+def validate_monitor(obj: dict[str, Any]) -> None:
+    """A PodMonitor or ServiceMonitor against the schema written from the Prometheus Operator's CRD."""
+    import jsonschema
+
+    schemas = monitor_schemas()
+    jsonschema.Draft7Validator({**schemas[obj["kind"]], "definitions": schemas["definitions"]}).validate(obj)
+
+
 def validate(obj: dict[str, Any], version: str) -> None:
-    """Raise on the first schema error of `obj` (a core kind, a LeaderWorkerSet or a ScaledObject) for Kubernetes `version`."""
+    """Raise on the first schema error of `obj` (a core kind, a LeaderWorkerSet, a ScaledObject, a PodMonitor or a
+    ServiceMonitor) for Kubernetes `version`."""
     import kubernetes_validate
 
     if obj["kind"] == "ScaledObject":
         validate_scaled_object(obj, version)
+        return
+    if obj["kind"] in ("PodMonitor", "ServiceMonitor"):
+        validate_monitor(obj)
         return
     if obj["kind"] != "LeaderWorkerSet":
         kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)

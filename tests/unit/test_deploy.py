@@ -222,6 +222,27 @@ def test_cores_this_host_lacks_are_a_problem(tmp_path: Path, monkeypatch: pytest
     assert check_engines(_parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "1"}, model=model, platform="cpu", block_size=32)) == []
 
 
+def _numa(root: Path, nodes: int) -> str:
+    for n in range(nodes):
+        (root / f"sys/devices/system/node/node{n}").mkdir(parents=True)
+        (root / f"sys/devices/system/node/node{n}/cpulist").write_text(f"{n}\n")
+    return str(root)
+
+
+def test_cpu_tp_without_omp_bind_on_fewer_numa_nodes_than_ranks_says_what_to_write(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's CPU worker would die inside its start-up: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers".
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setenv("PDKV_SYS_ROOT", _numa(tmp_path / "one", 1))
+    model = _model(tmp_path, "m")
+    [problem] = check_engines(_parts({"tp": 2}, {"omp_bind": "3"}, model=model, platform="cpu", block_size=32))
+    assert problem.part == "prefill-0" and "tp 2 on CPU without omp_bind" in problem.what and "this host has 1" in problem.what
+    assert 'omp_bind = "0-1|2-3"' in problem.fix
+    assert check_engines(_parts({"tp": 2, "omp_bind": "0-1"}, {"omp_bind": "3"}, model=model, platform="cpu", block_size=32)) == []
+    monkeypatch.setenv("PDKV_SYS_ROOT", _numa(tmp_path / "two", 2))  # a node per rank: vLLM's own binding works
+    assert check_engines(_parts({"tp": 2}, {"omp_bind": "3"}, model=model, platform="cpu", block_size=32)) == []
+
+
 def test_more_ranks_than_cores_is_said_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     model = _model(tmp_path, "m")
@@ -322,7 +343,7 @@ def test_parse_prometheus_reads_the_proxys_metrics() -> None:
 
     text = ProxyMetrics().render([("prefill", "http://127.0.0.1:8100", True, 3), ("decode", "http://127.0.0.1:8200", False, 0)])
     samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in parse_prometheus(text)}
-    assert samples[("pdkv_proxy_outstanding", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
+    assert samples[("pdkv_proxy_outstanding_requests", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
     assert samples[("pdkv_proxy_backend_up", '[["role","decode"],["url","http://127.0.0.1:8200"]]')] == 0
 
 

@@ -34,7 +34,8 @@ BEFORE = {
         "pdkv_proxy_ttfb_seconds": ("histogram", "Proxy received to first byte sent to the client.", HISTOGRAM),
         "pdkv_proxy_request_seconds": ("histogram", "Proxy received to last byte sent to the client.", HISTOGRAM),
         "pdkv_proxy_backend_up": ("gauge", "1 if the backend passes health checks.", {"": PROXY_BACKENDS}),
-        "pdkv_proxy_outstanding": ("gauge", "Requests in flight per backend.", {"": PROXY_BACKENDS}),
+        # Renamed from pdkv_proxy_outstanding: a count of requests names its unit.
+        "pdkv_proxy_outstanding_requests": ("gauge", "Requests in flight per backend.", {"": PROXY_BACKENDS}),
     },
     "connector": {
         "pdkv_connector_transfers": (

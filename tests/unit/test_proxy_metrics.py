@@ -37,7 +37,7 @@ def test_metrics_split_ttft_and_count_errors_by_cause():
     assert "pdkv_proxy_decode_wait_seconds_count 1" in text
     assert "pdkv_proxy_ttfb_seconds_count 1" in text
     assert 'pdkv_proxy_backend_up{role="decode",url="http://d:1"} 0' in text
-    assert 'pdkv_proxy_outstanding{role="decode",url="http://d:1"} 2' in text
+    assert 'pdkv_proxy_outstanding_requests{role="decode",url="http://d:1"} 2' in text
     assert m.registry.get_sample_value("pdkv_proxy_ttfb_seconds_sum") == pytest.approx(0.06, abs=1e-6)
 
 

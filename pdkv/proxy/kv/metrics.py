@@ -16,7 +16,7 @@
     pdkv_proxy_kv_engine_hit_tokens_total{engine}          prompt tokens the engine itself found in its prefix cache
                                                            (vllm:prefix_cache_hits, read from its /metrics since the proxy started)
     pdkv_proxy_kv_engine_query_tokens_total{engine}        prompt tokens the engine looked up there (vllm:prefix_cache_queries)
-    pdkv_proxy_kv_engine_kv_usage{engine}                  its KV usage, 0..1, as last read (vllm:kv_cache_usage_perc)
+    pdkv_proxy_kv_engine_kv_usage_ratio{engine}            its KV usage, 0..1, as last read (vllm:kv_cache_usage_perc)
     pdkv_proxy_kv_engine_scrape_errors_total{engine}       /metrics readings that failed or named no vLLM gauge
 """
 
@@ -54,7 +54,7 @@ class KvMetrics(StreamObserver):
                                          "cache, by its own /metrics.", ["engine"], registry=r)
         self.engine_query_tokens = Counter("pdkv_proxy_kv_engine_query_tokens_total", "Prompt tokens the engine looked up in its "
                                            "prefix cache, by its own /metrics.", ["engine"], registry=r)
-        self.engine_kv_usage = Gauge("pdkv_proxy_kv_engine_kv_usage", "The engine's KV usage (0..1) as last read from its /metrics.",
+        self.engine_kv_usage = Gauge("pdkv_proxy_kv_engine_kv_usage_ratio", "The engine's KV usage (0..1) as last read from its /metrics.",
                                      ["engine"], registry=r)
         self.engine_scrape_errors = Counter("pdkv_proxy_kv_engine_scrape_errors_total", "Readings of an engine's /metrics that "
                                             "failed or named no vLLM gauge.", ["engine"], registry=r)
