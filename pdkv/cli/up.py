@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.cli.options import JsonOpt
+from pdkv.cli.options import DEFAULT_LOG_DIR, JsonOpt, LogDirOpt
 from pdkv.cli.output import console, err_console, print_json
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
             err_console.print(Text(f"pdkv up: autoscale: {event.message}", style=style), highlight=False, soft_wrap=True)
 
     run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if show_logs and not json_out else None,  # type: ignore[arg-type]
-                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale)
+                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale, command=["pdkv", *sys.argv[1:]])
     sup = run.supervisor
     with run:
         try:
@@ -230,7 +230,7 @@ def up(
         help="CPU cores for the engine's OpenMP threads, e.g. 0 or 0-3 (CPU only).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact commands and environment; start nothing.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
-    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
+    log_dir: LogDirOpt = DEFAULT_LOG_DIR,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
     trace: Annotated[bool, typer.Option("--trace",
         help="Once ready, send one request through the proxy and print its timeline (pdkv trace).")] = False,
