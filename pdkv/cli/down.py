@@ -50,12 +50,13 @@ def down(
         print_json({"log_dir": str(log_dir), "deployments": to_builtins(stopped)})
     elif not stopped:
         which = f"of pdkv up {pid} " if pid is not None else ""
-        console.print(f"nothing {which}recorded in {log_dir} runs", highlight=False)
+        console.print(f"nothing {which}recorded in {log_dir} runs", highlight=False, soft_wrap=True)
     for s in [] if json_out else stopped:
         how = "pdkv up stopped them" if s.up_alive else "stopped directly: its pdkv up was gone"
-        console.print(f"`{s.command}` (pid {s.pid}): {', '.join(s.stopped) or 'no part'}; {how} in {s.seconds:.1f} s", highlight=False)
+        console.print(f"`{s.command}` (pid {s.pid}): {', '.join(s.stopped) or 'no part'}; {how} in {s.seconds:.1f} s", highlight=False,
+                      soft_wrap=True)
         if s.left:
-            err_console.print(Text(f"  still alive: {', '.join(s.left)}", style="bold red"), highlight=False)
+            err_console.print(Text(f"  still alive: {', '.join(s.left)}", style="bold red"), highlight=False, soft_wrap=True)
     if failed:
         raise typer.Exit(int(ExitCode.FAILED))
 

@@ -28,7 +28,12 @@ HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a 
 With no arguments, starts bootstrap, prefill, decode and proxy on this host
 (on CPU with the embedded tiny model when no GPU is present), waits for each
 to be healthy, streams their logs (also to .pdkv/logs/) and stops them all on
-Ctrl-C. Pre-flight checks (ports, model, P/D agreement, bootstrap) run first.
+Ctrl-C, SIGTERM or SIGHUP (its terminal closed). Pre-flight checks (ports,
+model, P/D agreement, bootstrap) run first. The parts never outlive it: if it
+is killed (SIGKILL, out of memory), its watchdog stops them within seconds.
+What it started is recorded in the log folder; a later `pdkv up` there that
+would start the same parts names the live ones instead, and `pdkv down` stops
+them.
 A deployment file with an \\[autoscale] table also starts engines within its
 bounds when the proxy's planner asks for more, and drains and stops them when
 it asks for fewer (docs/planner.md); --json prints a "scale" event per step.
@@ -90,7 +95,7 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
     proxy = next((p for p in parts if p.kind == "proxy"), None)
     target = proxy or next((p for p in parts if p.kind in ("prefill", "decode")), None)
     if target is None:  # a fleet host with only a bootstrap server
-        return [Text("ready.", style="bold green"), Text("Ctrl-C stops every part.", style="dim")]
+        return [Text("ready.", style="bold green"), Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim")]
     model = served or (target.spec.model if target.spec else "MODEL")
     body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
     curl = f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
@@ -99,7 +104,7 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
         lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
         if importlib.util.find_spec("pdkv.cli.trace") is not None:
             lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
-    lines.append(Text("Ctrl-C stops every part.", style="dim"))
+    lines.append(Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim"))
     return lines
 
 

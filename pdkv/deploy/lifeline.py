@@ -15,6 +15,7 @@ exits at once. A process that dies with parts running closes the pipe by dying: 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import subprocess
@@ -26,6 +27,8 @@ from typing import Self
 
 from pdkv.deploy import watchdog
 from pdkv.deploy.leftovers import PartRecord, UpRecord, record_path, write_record
+
+log = logging.getLogger("pdkv.deploy")
 
 WATCHDOG_GRACE_S = 10.0  # a part's time to stop on SIGTERM once `pdkv up` is gone, as the supervisor's own stop gives it
 WATCHDOG_BOUND_S = WATCHDOG_GRACE_S + watchdog.KILL_WAIT_S  # from `pdkv up`'s death to every part gone
@@ -60,6 +63,7 @@ class Lifeline:
         self._pipe: int | None = None  # guarded by _write: the write end
         self._write = threading.Lock()  # guards the pipe and the record
         self._watchdog: subprocess.Popen[bytes] | None = None
+        self._warned = False  # guarded by _write: the watchdog's absence was logged
         self.record = UpRecord(pid=os.getpid(), started=psutil.Process().create_time(), command=list(command), cwd=os.getcwd(),
                                log_dir=str(self.log_dir.absolute()), marker=self.marker, parts=[*parts])
 
@@ -86,9 +90,9 @@ class Lifeline:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         read, write = os.pipe()  # both ends close on exec: only the watchdog gets the read end (as its stdin)
         try:
-            # -I: the standard library and site-packages only, whatever PYTHONPATH the parts are given.
+            # Run by path (nothing of pdkv is imported there); -P: its own folder, pdkv/deploy, is not put on sys.path.
             self._watchdog = subprocess.Popen(
-                [sys.executable, "-I", watchdog.__file__, "--marker", self.marker, "--grace", str(self.grace),
+                [sys.executable, "-P", watchdog.__file__, "--marker", self.marker, "--grace", str(self.grace),
                  "--record", str(self.path.absolute()), "--log", str((self.log_dir / "watchdog.log").absolute())],
                 stdin=read, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             )
@@ -108,7 +112,10 @@ class Lifeline:
         try:
             os.write(self._pipe, line.encode() + b"\n")  # shorter than PIPE_BUF: written whole
         except BrokenPipeError:  # the watchdog is gone (killed by hand): the record still says what runs
-            pass
+            if not self._warned:
+                self._warned = True
+                log.warning("the watchdog (pid %s) is gone: the parts would outlive this process if it were killed; "
+                            "`pdkv down --log-dir %s` stops them then", self.record.watchdog, self.log_dir)
 
     def adopt(self, name: str, pid: int, argv: Sequence[str], url: str) -> None:
         """A part started: `pid` leads its process group."""

@@ -2,8 +2,8 @@
 the OOM killer, a crash), the watchdog stops them, within `grace` + KILL_WAIT_S seconds.
 
 It is a process of its own, in a session of its own (no signal meant for a terminal's jobs reaches it), run
-by path under `python -I` (pdkv.deploy.lifeline starts it): it imports the standard library and psutil only,
-never pdkv, so it starts in milliseconds and is the same code whatever pdkv the parts import.
+by path (pdkv.deploy.lifeline starts it): it imports the standard library and psutil only, never pdkv, so it
+starts in a fraction of a second and is the same code whatever pdkv the parts import.
 
 Its standard input is the read end of a pipe whose write end only `pdkv up` holds. `pdkv up` writes
 `+PGID NAME` when a part's process group starts and `-PGID` once it has stopped it. End of file means
