@@ -31,6 +31,8 @@ from pdkv.deploy.leftovers import read_record
 from pdkv.deploy.lifeline import WATCHDOG_BOUND_S, Lifeline
 from pdkv.deploy.preflight import port_free
 from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.restart import RestartPolicy
+from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.protocol import RegisterRequest
 
 READY_S = 60.0  # a bootstrap server and a proxy on a loaded 2-core host
@@ -283,6 +285,30 @@ def test_the_watchdog_stops_a_process_that_left_its_group(tmp_path: Path) -> Non
         assert line.close(timeout=10) == 0
     assert proc.proc.wait(timeout=5) == -signal.SIGTERM
     wait_for(lambda: not any(_alive(pid) for pid in (inside, outside)), 5, "both children of the part to end")
+
+
+def test_a_restarted_part_is_followed_under_its_new_pid(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)]
+    plan = LaunchPlan(name="bootstrap-0", argv=argv, env={}, url=f"http://127.0.0.1:{port}")
+    events: list[PartEvent] = []
+    with Lifeline(tmp_path, command=["pdkv", "up"], grace=2) as line:
+        sup = Supervisor([plan], tmp_path, on_event=events.append, restart=[RestartPolicy(initial_s=0.1)])
+        try:
+            sup.start_all(timeout=30)
+            old = sup.procs[0].pid
+            assert old is not None
+            os.kill(old, signal.SIGKILL)
+            assert sup.watch(interval=0.05, until=lambda: any(e.kind == "restarted" for e in events)) is None
+            new = sup.procs[0].pid
+            (part,) = read_record(line.path).parts
+            assert new != old and (part.pid, part.pgid) == (new, new)
+            assert line.close(timeout=10) == 0  # as if `pdkv up` had died here
+            assert sup.procs[0].proc.wait(timeout=5) == 0  # the bootstrap server ends cleanly on SIGTERM
+        finally:
+            sup.stop_all()
+    log = (tmp_path / "watchdog.log").read_text()
+    assert f"bootstrap-0 (group {new})" in log and str(old) not in log and not line.path.exists()
 
 
 def test_a_part_the_autoscaler_adds_dies_with_pdkv_up(tmp_path: Path) -> None:
