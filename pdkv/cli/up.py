@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shlex
@@ -192,13 +193,15 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
                 run.watch()
         except KeyboardInterrupt:
             if not json_out:
-                err_console.print("stopping every part ...")
+                with contextlib.suppress(OSError):  # after SIGHUP the terminal is gone: writing to it fails
+                    err_console.print("stopping every part ...")
         finally:
             if live is not None:
                 live.stop()
-    emit("stopped", pids=sup.pids())
-    if not json_out:
-        err_console.print("stopped.")
+    with contextlib.suppress(OSError):
+        emit("stopped", pids=sup.pids())
+        if not json_out:
+            err_console.print("stopped.")
 
 
 def up(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -203,6 +205,37 @@ def test_sighup_stops_like_sigterm_and_a_request_in_flight_finishes(fleet: Fleet
     assert json.loads(out.splitlines()[-1])["event"] == "stopped"
     assert not any(_alive(pid) for pid in family) and fleet.free()
     assert not list(fleet.logs.glob("pdkv-up-*.json")) and not (fleet.logs / "watchdog.log").exists()
+
+
+def test_closing_the_terminal_pdkv_up_runs_in_stops_every_part(fleet: Fleet) -> None:
+    """The everyday case: `pdkv up` in a terminal (a pty here, `pdkv up` its session leader) that is closed. The
+    kernel sends SIGHUP, and every write to the terminal fails from then on."""
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: `pdkv up` with the terminal as its stdin, stdout and stderr
+        os.execv(sys.executable, [sys.executable, "-m", "pdkv", "up", "-f", str(fleet.file), "--host", "A", "--log-dir",
+                                  str(fleet.logs)])  # fmt: skip
+    try:
+        shown = b""
+        deadline = time.monotonic() + READY_S
+        while b"parts ready" not in shown:
+            assert time.monotonic() < deadline, shown.decode(errors="replace")[-2000:]
+            if select.select([terminal], [], [], 1.0)[0]:
+                shown += os.read(terminal, 65536)
+        family = _family(pid)
+        assert len(family) >= 4  # pdkv up, its watchdog, the bootstrap server, the proxy
+        os.close(terminal)
+        t0 = time.monotonic()
+        _, status = os.waitpid(pid, 0)
+        took = waited_for(lambda: not any(_alive(p) for p in family) and fleet.free(), BOUND_S, "every part gone after the hang-up")
+        print(f"\nterminal closed: pdkv up ended ({os.waitstatus_to_exitcode(status)}) and every part was gone after "
+              f"{time.monotonic() - t0:.2f} s ({took:.2f} s after pdkv up)")
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not list(fleet.logs.glob("pdkv-up-*.json"))
+        assert not (fleet.logs / "watchdog.log").exists()  # pdkv up stopped them itself
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
 
 
 def test_a_second_up_names_the_live_parts_and_pdkv_down_stops_them(fleet: Fleet) -> None:
