@@ -29,12 +29,14 @@ from support.waiting import wait_for, waited_for
 
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.deploy.engine import LaunchPlan
-from pdkv.deploy.leftovers import read_record
+from pdkv.deploy.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
 from pdkv.deploy.lifeline import WATCHDOG_BOUND_S, Lifeline
 from pdkv.deploy.preflight import port_free
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartPolicy
+from pdkv.deploy.run import UpOptions, resolve
 from pdkv.deploy.supervisor import PartEvent, Supervisor
+from pdkv.errors import StartError
 from pdkv.protocol import RegisterRequest
 
 READY_S = 60.0  # a bootstrap server and a proxy on a loaded 2-core host
@@ -276,6 +278,30 @@ def test_parts_orphaned_with_their_watchdog_are_named_and_stopped_by_pdkv_down(f
     assert done.returncode == 0, done.stderr
     assert "stopped directly" in done.stdout and "bootstrap-0" in done.stdout
     assert not any(_alive(pid) for pid in parts.values()) and fleet.free() and not path.exists()
+
+
+def test_role_engines_sharing_a_log_folder_clash_only_on_a_name_or_a_port(tmp_path: Path) -> None:
+    """`pdkv up --role prefill` and `--role decode` side by side in one folder start; a second prefill there does not."""
+    p_port, boot, d_port = free_port(), free_port(), free_port()
+    role = {"host_ip": "127.0.0.1", "platform": "cpu"}
+    prefill = resolve(UpOptions(role="prefill", port=p_port, bootstrap_port=boot, **role), tmp_path).parts
+    with Lifeline(tmp_path, command=["pdkv", "up", "--role", "prefill"],
+                  parts=[PartRecord(name=p.plan.name, url=p.plan.url, ports=p.ports, command=p.plan.argv) for p in prefill]) as line:
+        engine = ManagedProcess(_plan("prefill", "import time; time.sleep(120)"), tmp_path / "prefill.log").start()
+        try:
+            record = read_record(line.path)
+            record.pid = 999_999_999  # the record of another `pdkv up` (this process skips its own), gone since
+            write_record(record_path(tmp_path, record.pid), record)
+            raise_conflicts(tmp_path, resolve(UpOptions(role="decode", port=d_port, **role), tmp_path).parts)
+            for other in (UpOptions(role="prefill", port=free_port(), bootstrap_port=free_port(), **role),  # the same name
+                          UpOptions(role="decode", port=boot, **role)):  # P's bootstrap port
+                with pytest.raises(StartError) as info:
+                    raise_conflicts(tmp_path, resolve(other, tmp_path).parts)
+                assert "which is gone, still run here" in info.value.message
+                assert f"  prefill: pid {engine.pid}, ports {p_port}, {boot}, http://127.0.0.1:{p_port}" in info.value.message
+                assert info.value.hint.startswith(f"stop it with `pdkv down --log-dir {tmp_path} --pid 999999999`")
+        finally:
+            engine.stop(grace=5)
 
 
 # --- the watchdog on its own: a lifeline closed with its parts still adopted is what a dead `pdkv up` leaves
