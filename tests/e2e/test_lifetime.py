@@ -23,6 +23,7 @@ import httpx
 import psutil
 import pytest
 from support.ports import free_port
+from support.up_events import UpEvents
 from support.waiting import waited_for
 
 from pdkv.deploy.lifeline import WATCHDOG_BOUND_S
@@ -71,6 +72,7 @@ omp_bind = "1"
 port = {self.ports['proxy']}
 """)
         self.started: list[subprocess.Popen[str]] = []
+        self.readers: list[UpEvents] = []
         self.seen: set[int] = set()  # every process of every deployment, for the clean-up of a failed test
 
     def up(self) -> subprocess.Popen[str]:
@@ -81,15 +83,14 @@ port = {self.ports['proxy']}
 
     def ready(self, proc: subprocess.Popen[str]) -> set[int]:
         """Wait for `proc`'s "ready" event; every process of its deployment then (pdkv up, watchdog, parts, their children)."""
-        assert proc.stdout is not None
         t0 = time.monotonic()
-        for line in proc.stdout:
-            if line.startswith("{") and json.loads(line)["event"] == "ready":
-                break
-            assert time.monotonic() - t0 < READY_S, "pdkv up was not ready in time"
-        else:
+        events = UpEvents(proc)
+        self.readers.append(events)
+        try:
+            events.wait("ready", READY_S)
+        except AssertionError as exc:
             tails = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(self.logs.glob("*.log")))
-            raise AssertionError(f"pdkv up ended before it was ready: {proc.stderr.read() if proc.stderr else ''}\n{tails}")
+            raise AssertionError(f"{exc}\n{tails}") from None
         print(f"\npdkv up ready after {time.monotonic() - t0:.1f} s")
         family = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
         self.seen |= family
@@ -115,7 +116,13 @@ def place(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         for proc in p.started:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=10)
+            proc.wait(timeout=10)
+        for events in p.readers:
+            events.close()
+        followed = {events.proc.pid for events in p.readers}
+        for proc in p.started:
+            if proc.pid not in followed:
+                proc.communicate(timeout=10)
         for pid in p.seen:  # a failed test must not leave engines on the shared cores
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
