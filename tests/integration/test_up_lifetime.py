@@ -1,8 +1,9 @@
 """The parts `pdkv up` starts never outlive it, on real processes: `pdkv up -f fleet.toml --host A` starting a
 real bootstrap server and a real proxy (stub P and D servers of hosts B and C on 127.0.0.2 and 127.0.0.3 stand
-in for the engines), sent SIGHUP, killed with SIGKILL, started twice in one place; `pdkv down`; and the watchdog
-itself: a group that ignores SIGTERM, a process that left its part's group, a part started the way the
-autoscaler starts one (Supervisor.launch)."""
+in for the engines), sent SIGHUP, killed with SIGKILL, run in a terminal that is closed, started twice in one
+place; `pdkv down`; `--role` engines sharing a log folder; and the watchdog itself: a group that ignores SIGTERM,
+a process that left its part's group, a part restarted by the supervisor, a part started the way the autoscaler
+starts one (Supervisor.launch)."""
 
 from __future__ import annotations
 
