@@ -12,6 +12,7 @@ _pdkv() {
             "bootstrap deregister") path="bootstrap deregister" ;;
             "bootstrap query") path="bootstrap query" ;;
             "doctor") path="doctor" ;;
+            "down") path="down" ;;
             "k8s") path="k8s" ;;
             "k8s render") path="k8s render" ;;
             "model") path="model" ;;
@@ -39,6 +40,7 @@ _pdkv() {
         "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --src --sweep --target --tp --transport --warmup --help" ;;
         "bootstrap") words="deregister query --host --json --port --probe-failures --probe-interval --probe-timeout --quiet --token --help" ;;
         "doctor") words="--device --json --mooncake-timeout --port --skip-mooncake --transport --help" ;;
+        "down") words="--grace --json --log-dir --pid --timeout --help" ;;
         "k8s") words="render --help" ;;
         "model") words="random tiny --help" ;;
         "plan") words="--block-size --dtype --head-dim --json --kv-heads --layers --link-gbps --max-engines --model --output-tokens --profile --prompt-tokens --quantile --rate --slo --tp --trace --help" ;;
@@ -49,7 +51,7 @@ _pdkv() {
         "top") words="--admin-key --interval --json --once --proxy --timeout --help" ;;
         "trace") words="--admin-key --bootstrap --html --json --link-gbps --max-tokens --prompt --prompt-tokens --proxy --repeat --timeout --help" ;;
         "up") words="--block-size --bootstrap --bootstrap-port --connector --device --dry-run --file --gpu --host --host-ip --json --listen --log-dir --logs --members --model --omp-bind --once --platform --port --quiet --restart --role --timeout --tp --trace --transport --help" ;;
-        *) words="bench bootstrap doctor k8s model plan profile proxy simulate status top trace up --version --help" ;;
+        *) words="bench bootstrap doctor down k8s model plan profile proxy simulate status top trace up --version --help" ;;
     esac
     COMPREPLY=($(compgen -W "$words" -- "$cur"))
 }

@@ -3,6 +3,7 @@ complete -c pdkv -f
 complete -c pdkv -n '__fish_use_subcommand' -a bench
 complete -c pdkv -n '__fish_use_subcommand' -a bootstrap
 complete -c pdkv -n '__fish_use_subcommand' -a doctor
+complete -c pdkv -n '__fish_use_subcommand' -a down
 complete -c pdkv -n '__fish_use_subcommand' -a k8s
 complete -c pdkv -n '__fish_use_subcommand' -a model
 complete -c pdkv -n '__fish_use_subcommand' -a plan
@@ -97,6 +98,11 @@ complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l mooncake-timeout
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l port
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l skip-mooncake
 complete -c pdkv -n '__fish_seen_subcommand_from doctor' -l transport
+complete -c pdkv -n '__fish_seen_subcommand_from down' -l grace
+complete -c pdkv -n '__fish_seen_subcommand_from down' -l json
+complete -c pdkv -n '__fish_seen_subcommand_from down' -l log-dir
+complete -c pdkv -n '__fish_seen_subcommand_from down' -l pid
+complete -c pdkv -n '__fish_seen_subcommand_from down' -l timeout
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and not __fish_seen_subcommand_from render' -a render
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l file
 complete -c pdkv -n '__fish_seen_subcommand_from k8s; and __fish_seen_subcommand_from render' -l json

@@ -32,6 +32,7 @@ COMMANDS: list[str] = [
     "proxy",
     "doctor",
     "up",
+    "down",
     "k8s",
     "status",
     "top",
@@ -60,6 +61,8 @@ Examples:
   pdkv doctor --device mlx5_0
 
   pdkv up                                # a local 1P1D: bootstrap, prefill, decode, proxy
+
+  pdkv down                              # stop it, from another terminal
 
   pdkv k8s render -f examples/k8s-1p1d.toml -o k8s/   # Kubernetes manifests of a deployment file
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -11,6 +12,8 @@ AdminKeyOpt = Annotated[
     typer.Option("--admin-key", envvar="PDKV_ADMIN_KEY", show_envvar=True, help="The proxy's admin key, for its /pdkv/* and /metrics."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for scripts instead of tables.")]
+DEFAULT_LOG_DIR = Path(".pdkv/logs")
+LogDirOpt = Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written, and the record of what `pdkv up` started.")]
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model directory or its config.json.")]
 LayersOpt = Annotated[int | None, typer.Option("--layers", help="Number of attention layers (instead of --model).")]
 KvHeadsOpt = Annotated[int | None, typer.Option("--kv-heads", help="KV heads (instead of --model).")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shlex
@@ -16,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pdkv.cli.options import JsonOpt
+from pdkv.cli.options import DEFAULT_LOG_DIR, JsonOpt, LogDirOpt
 from pdkv.cli.output import console, err_console, print_json
 from pdkv.cli.up_console import UpConsole
 
@@ -29,12 +30,16 @@ HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a 
 
 With no arguments, starts bootstrap, prefill, decode and proxy on this host
 (on CPU with the embedded tiny model when no GPU is present), waits for each
-to be healthy and stops them all on Ctrl-C. On a terminal it shows one live
-screen: each part's state, pid, uptime and restarts, then what `pdkv top`
-shows (engines, requests, TTFT and ITL, errors, transfers); the logs go to
-.pdkv/logs/ only, and a part that exits shows its log's path. --logs streams
-the logs instead, as without a terminal or with --json. Pre-flight checks
-(ports, model, P/D agreement, bootstrap) run first.
+to be healthy and stops them all on Ctrl-C, SIGTERM or SIGHUP (its terminal
+closed). On a terminal it shows one live screen: each part's state, pid,
+uptime and restarts, then what `pdkv top` shows (engines, requests, TTFT and
+ITL, errors, transfers); the logs go to .pdkv/logs/ only, and a part that exits
+shows its log's path. --logs streams the logs instead, as without a terminal or
+with --json. Pre-flight checks (ports, model, P/D agreement, bootstrap) run
+first. The parts never outlive it: if it is killed (SIGKILL, out of memory),
+its watchdog stops them within seconds. What it started is recorded in the log
+folder; a later `pdkv up` there that would start the same parts names the live
+ones instead, and `pdkv down` stops them.
 A deployment file with an \\[autoscale] table also starts engines within its
 bounds when the proxy's planner asks for more, and drains and stops them when
 it asks for fewer (docs/planner.md); --json prints a "scale" event per step.
@@ -98,7 +103,7 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
     proxy = next((p for p in parts if p.kind == "proxy"), None)
     target = proxy or next((p for p in parts if p.kind in ("prefill", "decode")), None)
     if target is None:  # a fleet host with only a bootstrap server
-        return [Text("ready.", style="bold green"), Text("Ctrl-C stops every part.", style="dim")]
+        return [Text("ready.", style="bold green"), Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim")]
     model = served or (target.spec.model if target.spec else "MODEL")
     body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
     curl = f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
@@ -107,7 +112,7 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
         lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
         if importlib.util.find_spec("pdkv.cli.trace") is not None:
             lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
-    lines.append(Text("Ctrl-C stops every part.", style="dim"))
+    lines.append(Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim"))
     return lines
 
 
@@ -181,7 +186,7 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
 
     stream = show_logs and not json_out and not live_view
     run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if stream else None,  # type: ignore[arg-type]
-                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale)
+                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale, command=["pdkv", *sys.argv[1:]])
     sup = run.supervisor
     with run:
         try:
@@ -218,15 +223,20 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
                 run.watch()
         except KeyboardInterrupt:
             if not json_out:
-                err_console.print("stopping every part ...")
+                with contextlib.suppress(OSError):  # after SIGHUP the terminal is gone: writing to it fails
+                    err_console.print("stopping every part ...")
         finally:
+            # after SIGHUP the terminal is gone: drawing on it fails, and the stop goes on
             if live is not None:
-                live.stop()
+                with contextlib.suppress(OSError):
+                    live.stop()
             if screen is not None:
-                screen.stop()
-    emit("stopped", pids=sup.pids())
-    if not json_out:
-        err_console.print("stopped.")
+                with contextlib.suppress(OSError):
+                    screen.stop()
+    with contextlib.suppress(OSError):  # after SIGHUP the terminal is gone: writing to it fails
+        emit("stopped", pids=sup.pids())
+        if not json_out:
+            err_console.print("stopped.")
 
 
 def up(
@@ -263,7 +273,7 @@ def up(
         help="CPU cores for the engine's OpenMP threads, e.g. 0 or 0-3 (CPU only).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the exact commands and environment; start nothing.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds each part may take to become healthy.")] = 900.0,
-    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each part's log is written.")] = Path(".pdkv/logs"),
+    log_dir: LogDirOpt = DEFAULT_LOG_DIR,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Do not stream the parts' logs (they still go to --log-dir).")] = False,
     logs: Annotated[bool, typer.Option("--logs",
         help="On a terminal, stream every part's log as without one, instead of the live view.")] = False,

@@ -13,11 +13,15 @@
 - `restart`: `RestartPolicy`, when a part that died starts again (pure);
 - `supervisor`: start the parts in order, each healthy before the next, restart what dies, stop in reverse;
 - `run`: `pdkv up` as a library: `resolve` the parts to start, `PartsRun` to start, watch and stop them;
+- `lifeline`, `watchdog`: the parts never outlive `pdkv up`: a watchdog process stops them if it dies;
+- `leftovers`: the record of what a `pdkv up` started, what of it still runs, and `pdkv down`;
 - `warmup`, `vllm_logging`, `exposure`: the first request, the engines' logs, parts reachable without a key;
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
 from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_plan
+from pdkv.deploy.leftovers import UpRecord, running, stop_recorded
+from pdkv.deploy.lifeline import Lifeline
 from pdkv.deploy.loader import deployment_from_dict, load_deployment
 from pdkv.deploy.machine import gpu_count, local_addresses, rdma_devices
 from pdkv.deploy.preflight import Problem, preflight, raise_problems, shared_cores
@@ -36,6 +40,7 @@ __all__ = [
     "HostEntry",
     "KubernetesEntry",
     "LaunchPlan",
+    "Lifeline",
     "ManagedProcess",
     "Part",
     "PartEvent",
@@ -47,6 +52,7 @@ __all__ = [
     "Supervisor",
     "UpOptions",
     "UpPlan",
+    "UpRecord",
     "Verdict",
     "collect_status",
     "deployment_from_dict",
@@ -61,6 +67,8 @@ __all__ = [
     "raise_problems",
     "rdma_devices",
     "resolve",
+    "running",
     "shared_cores",
     "status_targets",
+    "stop_recorded",
 ]

@@ -6,7 +6,9 @@ a callback), binds it to the plan's cores, waits for its HTTP health
 endpoint with a bound, and stops the whole group (SIGTERM to the process,
 bounded grace, SIGTERM to the rest of the group, SIGKILL). `start()` may be
 called again after the process has ended: the same plan, ports, cores and
-environment (the supervisor's restart).
+environment (the supervisor's restart). While this process has a lifeline open
+(pdkv.deploy.lifeline: `pdkv up`'s), each start is reported to it, and each
+stop: its watchdog stops whatever is left if this process dies.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdkv.deploy import lifeline
 from pdkv.errors import StartError
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class ManagedProcess:
         self._pump: threading.Thread | None = None
         self.started_at: float | None = None
         self.ready_at: float | None = None
+        self._lifeline: lifeline.Lifeline | None = None  # the one this start was reported to
 
     @property
     def pid(self) -> int | None:
@@ -93,7 +97,8 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.base_env, **self.plan.env}
+        line = lifeline.current()
+        env = {**self.base_env, **self.plan.env, **(line.env if line is not None else {})}
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
@@ -107,6 +112,9 @@ class ManagedProcess:
         except OSError as exc:
             log.close()
             raise StartError(f"{self.name}: cannot run {self.plan.argv[0]}: {exc.strerror or exc}") from None
+        if line is not None:
+            line.adopt(self.name, self.proc.pid, self.plan.argv, self.plan.url)
+            self._lifeline = line
         if self.plan.cpus:
             # Before vLLM forks its engine core and workers (seconds of imports away): they inherit it.
             try:
@@ -205,6 +213,9 @@ class ManagedProcess:
                     os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+        if self._lifeline is not None:
+            self._lifeline.release(pgid)
+            self._lifeline = None
         if self._pump is not None:
             self._pump.join(timeout=2)
         return proc.returncode

@@ -7,14 +7,17 @@ puts the deployment key where every part inherits it. `prepare` writes what
 the parts need and runs the pre-flight checks. `PartsRun` starts the parts
 stage by stage, warms the deployment up, watches (restarting by each part's
 policy, and with `[autoscale]` starting and draining engines as the proxy's
-planner asks: pdkv.deploy.autoscale) and stops them all, with SIGINT and SIGTERM stopping cleanly. Nothing
-here prints: the command renders what the callbacks and results say.
+planner asks: pdkv.deploy.autoscale) and stops them all, with SIGINT, SIGTERM and SIGHUP stopping cleanly; its
+lifeline (pdkv.deploy.lifeline) records the parts beside their logs and has a watchdog stop them should this
+process end without doing so. `prepare` refuses to start what a deployment recorded there still runs
+(pdkv.deploy.leftovers). Nothing here prints: the command renders what the callbacks and results say.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +28,8 @@ from pdkv.auth import TOKEN_ENV, token_from_env
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.exposure import exposure_warnings
 from pdkv.deploy.fleet import chosen_hosts
+from pdkv.deploy.leftovers import PartRecord, ports_of, raise_conflicts
+from pdkv.deploy.lifeline import Lifeline
 from pdkv.deploy.loader import load_deployment
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.machine import gpu_count, local_addresses
@@ -43,6 +48,7 @@ from pdkv.tinymodel import tiny_model_path
 
 # Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
 STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal `pdkv up` ran in was closed
 
 
 class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,9 +194,11 @@ def hand_out_key(token: str | None, parts: Sequence[Part]) -> list[str]:
 
 
 def prepare(plan: UpPlan, log_dir: str | Path) -> None:
-    """The pre-flight checks (PreflightError listing every problem; the ports of the engines `[autoscale]` may add
-    among them), then vLLM's logging configuration written into `log_dir`. The tiny model, if used, must be in its
-    cache already (pdkv.tinymodel.ensure_tiny_model)."""
+    """StartError when a deployment started with `log_dir` still runs a part of the plan's names or ports (naming
+    them and the command that stops them); then the pre-flight checks (PreflightError listing every problem; the
+    ports of the engines `[autoscale]` may add among them), and vLLM's logging configuration written into
+    `log_dir`. The tiny model, if used, must be in its cache already (pdkv.tinymodel.ensure_tiny_model)."""
+    raise_conflicts(log_dir, plan.parts)
     reserved = allocate_ports(plan.autoscale).reserved() if plan.autoscale is not None else []
     raise_problems(preflight(plan.parts, plan.bootstraps, reserved=reserved))
     write_logging_config(plan.parts, log_dir)
@@ -206,17 +214,20 @@ def served_model(parts: Sequence[Part], served: str | None) -> str:
 class PartsRun:
     """Every part of a plan under one supervisor: `with PartsRun(...) as run: run.start(); run.warm_up(); run.watch()`.
 
-    Inside the `with`, SIGTERM stops cleanly like Ctrl-C (KeyboardInterrupt), also when the shell started
-    `pdkv up` with SIGINT ignored; leaving it stops every part with both signals ignored (a second Ctrl-C
-    must not orphan an engine), then puts SIGTERM's handler back and SIGINT's to KeyboardInterrupt.
-    `on_line(name, line)` gets every output line, `on_event` every PartEvent of the watch, `on_change()`
-    runs after each state change.
+    Inside the `with`, SIGTERM and SIGHUP stop cleanly like Ctrl-C (KeyboardInterrupt), also when the shell
+    started `pdkv up` with SIGINT ignored; leaving it stops every part with the three signals ignored (a second
+    Ctrl-C must not orphan an engine), then puts SIGTERM's and SIGHUP's handlers back and SIGINT's to
+    KeyboardInterrupt. The `with` holds the lifeline: every part started inside it is recorded in `log_dir` and
+    stopped by the watchdog if this process ends without stopping it. `command` is the command line the record
+    shows (default: this process's). `on_line(name, line)` gets every output line, `on_event` every PartEvent
+    of the watch, `on_change()` runs after each state change.
     """
 
     def __init__(
         self, parts: Sequence[Part], log_dir: str | Path, *, restart: Literal["on-failure", "no"] | None = None,
         on_line: Callable[[str, str], None] | None = None, on_event: Callable[[PartEvent], None] | None = None,
         autoscale: Deployment | None = None, on_scale: Callable[[ScaleEvent], None] | None = None,
+        command: Sequence[str] | None = None,
     ) -> None:
         self.parts = list(parts)
         restart_with: dict[str, list[str]] = {}
@@ -227,26 +238,38 @@ class PartsRun:
             [p.plan for p in self.parts], log_dir, on_line=on_line, stages=[STAGES[p.kind] for p in self.parts],
             restart=[RestartPolicy(restart or p.restart) for p in self.parts], restart_with=restart_with, on_event=on_event,
         )
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
         proxy = next((p for p in self.parts if p.kind == "proxy"), None)
         self.autoscaler = None if autoscale is None or proxy is None else Autoscaler(
             autoscale, self.supervisor, self.parts, proxy.plan.url, log_dir, on_event=on_scale)
+        records = [PartRecord.of(p) for p in self.parts]
+        self.lifeline = Lifeline(log_dir, command=list(command) if command is not None else sys.argv, parts=records,
+                                 ports_of=self._ports_of)
+
+    def _ports_of(self, name: str) -> list[tuple[str, int]]:
+        """The ports of part `name` (an engine the autoscaler added, too)."""
+        parts = list(self.parts)
+        if self.autoscaler is not None:  # its slots hold the engines (and bootstraps) it added
+            parts += [p for slots in self.autoscaler.slots.values() for slot in slots for p in slot.parts]
+        return next((ports_of(p) for p in parts if p.plan.name == name), [])
 
     def __enter__(self) -> PartsRun:
-        self._previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.lifeline.open()
+        self._previous = {sig: signal.signal(sig, signal.default_int_handler) for sig in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         try:
             if self.autoscaler is not None:
                 self.autoscaler.close()
             self.supervisor.stop_all()
         finally:
+            self.lifeline.close()
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, self._previous)
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, self._previous[sig])
 
     def start(self, timeout: float) -> float:
         """Start every part, stage by stage, each healthy within `timeout` s; the seconds it took."""

@@ -228,18 +228,19 @@ def test_a_broken_status_view_does_not_stop_the_shutdown(tmp_path: Path) -> None
 
 
 def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path):
-    """`pdkv up`'s run (pdkv.deploy.run.PartsRun): inside the `with`, SIGTERM stops like Ctrl-C; leaving it
-    stops every part, puts SIGTERM's handler back and leaves SIGINT raising KeyboardInterrupt; `watch` names
-    the part that died and is not started again."""
+    """`pdkv up`'s run (pdkv.deploy.run.PartsRun): inside the `with`, SIGTERM and SIGHUP stop like Ctrl-C; leaving
+    it stops every part, puts SIGTERM's and SIGHUP's handlers back and leaves SIGINT raising KeyboardInterrupt;
+    `watch` names the part that died and is not started again."""
     from pdkv.deploy.run import PartsRun
     from pdkv.deploy.topology import Part
     from pdkv.errors import PdkvError
 
     plan = bootstrap_plan("bootstrap-0")
     part = Part(kind="bootstrap", plan=plan, ports=[], restart="no")
-    before_term = signal.getsignal(signal.SIGTERM)
+    before_term, before_hup = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     with PartsRun([part], tmp_path, restart="no") as run:
         assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGHUP) is signal.default_int_handler
         assert run.start(30) > 0
         pid = run.supervisor.procs[0].pid
         assert httpx.get(f"{plan.url}/health", timeout=5).status_code == 200
@@ -248,6 +249,7 @@ def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path)
             run.watch()
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert signal.getsignal(signal.SIGTERM) is before_term and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGHUP) is before_hup
 
 
 def test_a_part_launched_while_watching_is_reported_started_and_a_retired_one_stays_stopped(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ class Stub:
     client (the proxy) went away before the answer was complete.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, host: str = "127.0.0.1") -> None:
         self.name = name
         self.behaviour: dict[str, Any] = {"status": 200, "delay": 0.0, "chunks": 3, "gap": 0.0, "healthy": True}
         self.seen: list[tuple[dict[str, str], dict[str, Any]]] = []
@@ -45,7 +45,7 @@ class Stub:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
-        self.service = BackgroundService(app)
+        self.service = BackgroundService(app, host)
 
     @property
     def url(self) -> str:
