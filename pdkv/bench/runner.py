@@ -126,6 +126,8 @@ def check_spec(spec: BenchSpec) -> None:
         if not (src.startswith("cuda:") and dst.startswith("cuda:")):
             raise UsageError("--transport ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
         return
+    if spec.transport == "socket":
+        return
     if spec.transport == "cma":
         if (src, dst) != ("cpu", "cpu"):
             raise UsageError(
@@ -268,7 +270,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         verify_transfer(client, memory, descriptors, f"{label}, cold")
         if on_progress:
             on_progress(label, 1, total)
-        bare_write, closer = _bare_writer(spec, transport, peer, descriptors, memory, ready.regions) if spec.baseline else (None, None)
+        bare_write, closer = _bare_writer(spec, transport, peer, descriptors, memory, ready) if spec.baseline else (None, None)
         try:
             samples, bare = _timed_loop(spec, write, bare_write, label, total, on_progress)
         finally:
@@ -307,12 +309,18 @@ def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesc
 
 def _writer(transport, peer: str, local_ids, remote_ids, local_regions, remote_regions, heads=(None,)) -> Callable[[], object]:
     """How the connector writes: write_blocks from block ids and both sides' regions, once per share in `heads` (None: whole)."""
-    return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h) for h in heads]
+    from pdkv.bench.control import BENCH_TRANSFER
+
+    return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h, transfer=BENCH_TRANSFER)
+                    for h in heads]
 
 
-def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):
+def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, ready):
     """The baseline write for this transport and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
-    or (cma) plain memmove calls."""
+    (cma) plain memmove calls, or (socket) Mooncake tcp's writes of the same descriptors between the same memory."""
+    remote_regions = ready.regions
+    if spec.transport == "socket":
+        return _mooncake_tcp_writer(spec, memory, descriptors, ready.baseline_session)
     if spec.transport == "ipc":
         from pdkv.bench.baseline import CopyBaseline
 
@@ -328,6 +336,25 @@ def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, rem
     engine = transport.engine
     srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
     return (lambda: bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)), None
+
+
+def _mooncake_tcp_writer(spec: BenchSpec, memory, descriptors, session: str):
+    """Mooncake tcp's write of `descriptors` into the target's Mooncake session on the same memory, timed in ms."""
+    from pdkv.transport import open_transport
+
+    if not session:
+        raise TransferError("the bench target runs no Mooncake tcp beside the socket transport",
+                            hint="install Mooncake, or drop --baseline")
+    gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
+    mooncake = open_transport("tcp", spec.hostname, gpu=gpu, settings=spec.settings)
+    mooncake.register(memory.spans)
+
+    def write_ms() -> float:
+        t0 = time.perf_counter()
+        mooncake.write(session, descriptors)
+        return (time.perf_counter() - t0) * 1e3
+
+    return write_ms, mooncake.close
 
 
 def _timed_loop(spec: BenchSpec, write, bare_write, label: str, total: int, on_progress):
@@ -365,6 +392,8 @@ def _baseline(
         note = "baseline: plain copy_ calls, one per descriptor, inside one process"
     elif spec.transport == "cma":
         note = "baseline: plain memmove calls, one per descriptor, inside one process"
+    elif spec.transport == "socket":
+        note = "baseline: Mooncake tcp, the same descriptors between the same memory"
     elif not spec.transfer_engine_bench:
         note = "not asked for"
     elif spec.target is not None:

@@ -168,7 +168,7 @@ class CmaTransport(PlannedWrites):
         with self._lock:
             self._set_spans([s for s in self._index[0] if s not in gone])
 
-    def write(self, peer: str, descriptors: Sequence[Descriptor]) -> None:
+    def write(self, peer: str, descriptors: Sequence[Descriptor], *, transfer: str = "") -> None:
         """Copy every descriptor into `peer`'s memory; return once all bytes have landed, else raise TransferError."""
         if self._closed:
             raise TransferError("the cma transport is closed")

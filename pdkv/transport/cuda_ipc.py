@@ -268,7 +268,13 @@ class CudaIpcTransport:
         words = self.chunk_bytes // 8
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
-    def write(self, peer: str, descriptors: list[Descriptor]) -> None:
+    def expect(self, transfer: str, ranges: list[tuple[int, int]]) -> None:
+        """Nothing to do: P's kernel writes into D's exported memory without D's part."""
+
+    def forget(self, transfer: str) -> None:
+        pass
+
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:
         with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
@@ -281,7 +287,9 @@ class CudaIpcTransport:
             self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
         return Written(sum(d.length for d in descriptors), len(descriptors))
 
-    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None) -> Written:
+    def write_blocks(
+        self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None, *, transfer: str = "",
+    ) -> Written:
         """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
 
         Checks, before any copy: block ids inside both sides' regions, each local region inside registered memory, each

@@ -280,10 +280,11 @@ class MooncakeTransport(PlannedWrites):
         if rc != 0:
             raise TransferError(f"Mooncake could not unregister {len(addrs)} regions, rc {rc}")
 
-    def write(self, peer: str, descriptors: list[Descriptor], *, timeout_s: float | None = None) -> None:
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "", timeout_s: float | None = None) -> None:
         """Write every descriptor into `peer`'s registered memory; return once all bytes have landed.
 
-        Descriptors go to Mooncake in calls of at most `max_batch`, one after another.
+        Descriptors go to Mooncake in calls of at most `max_batch`, one after another. `transfer` is not
+        Mooncake's concern (D takes no part in the write).
 
         Raises TransferError, naming the peer and the byte count, when Mooncake
         reports a failure (peer gone, destination outside its registered
