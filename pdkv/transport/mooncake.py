@@ -292,10 +292,10 @@ class MooncakeTransport(PlannedWrites):
         `write_timeout_s`).
         """
         self._check_open()
-        if peer.startswith("cma:"):
+        if peer.startswith(("cma:", "socket://")):
             # host:port parsing would accept it and Mooncake would try to resolve "cma:<boot id>".
             raise TransferError(
-                f"decode's address {peer!r} is for cma, but this engine moves KV with Mooncake {self.protocol}: "
+                f"decode's address {peer!r} is for {peer.split(':')[0]}, but this engine moves KV with Mooncake {self.protocol}: "
                 "use the same mooncake_protocol on P and D"
             )
         if not descriptors:
