@@ -227,6 +227,7 @@ def run_bench(spec: BenchSpec, on_progress: Progress | None = None) -> BenchRepo
 
 
 def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_progress: Progress | None, stack) -> BenchReport:
+    from pdkv.bench.baseline import baseline_writer
     from pdkv.bench.control import Bye, Refill, TargetClient
     from pdkv.bench.memory import KVMemory
     from pdkv.transport import open_transport
@@ -270,7 +271,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         verify_transfer(client, memory, descriptors, f"{label}, cold")
         if on_progress:
             on_progress(label, 1, total)
-        bare_write, closer = _bare_writer(spec, transport, peer, descriptors, memory, ready) if spec.baseline else (None, None)
+        bare_write, closer = baseline_writer(spec, transport, peer, descriptors, memory, ready) if spec.baseline else (None, None)
         try:
             samples, bare = _timed_loop(spec, write, bare_write, label, total, on_progress)
         finally:
@@ -313,48 +314,6 @@ def _writer(transport, peer: str, local_ids, remote_ids, local_regions, remote_r
 
     return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h, transfer=BENCH_TRANSFER)
                     for h in heads]
-
-
-def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, ready):
-    """The baseline write for this transport and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
-    (cma) plain memmove calls, or (socket) Mooncake tcp's writes of the same descriptors between the same memory."""
-    remote_regions = ready.regions
-    if spec.transport == "socket":
-        return _mooncake_tcp_writer(spec, memory, descriptors, ready.baseline_session)
-    if spec.transport == "ipc":
-        from pdkv.bench.baseline import CopyBaseline
-
-        copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
-        return copier.write_ms, copier.close
-    if spec.transport == "cma":
-        from pdkv.bench.baseline import MemmoveBaseline
-
-        mover = MemmoveBaseline(memory, descriptors, remote_regions)
-        return mover.write_ms, mover.close
-    from pdkv.bench.baseline import bare_write_ms
-
-    engine = transport.engine
-    srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
-    return (lambda: bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)), None
-
-
-def _mooncake_tcp_writer(spec: BenchSpec, memory, descriptors, session: str):
-    """Mooncake tcp's write of `descriptors` into the target's Mooncake session on the same memory, timed in ms."""
-    from pdkv.transport import open_transport
-
-    if not session:
-        raise TransferError("the bench target runs no Mooncake tcp beside the socket transport",
-                            hint="install Mooncake, or drop --baseline")
-    gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
-    mooncake = open_transport("tcp", spec.hostname, gpu=gpu, settings=spec.settings)
-    mooncake.register(memory.spans)
-
-    def write_ms() -> float:
-        t0 = time.perf_counter()
-        mooncake.write(session, descriptors)
-        return (time.perf_counter() - t0) * 1e3
-
-    return write_ms, mooncake.close
 
 
 def _timed_loop(spec: BenchSpec, write, bare_write, label: str, total: int, on_progress):

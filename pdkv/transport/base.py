@@ -8,7 +8,7 @@ import msgspec
 
 from pdkv.protocol import Region
 
-__all__ = ["Descriptor", "Region", "Transport", "Written"]
+__all__ = ["Descriptor", "Region", "Transport", "UncheckedWrites", "Written"]
 
 if TYPE_CHECKING:
     from pdkv.protocol import IpcExport
@@ -28,6 +28,17 @@ class Written(NamedTuple):
 
     bytes: int
     descriptors: int
+
+
+class UncheckedWrites:
+    """`expect` and `forget` of a transport whose writes land in D's memory without D's part (Mooncake, cma, ipc):
+    D has nothing to check them with. The socket transport, whose D receives every byte, checks."""
+
+    def expect(self, transfer: str, ranges: list[tuple[int, int]]) -> None:
+        pass
+
+    def forget(self, transfer: str) -> None:
+        pass
 
 
 @runtime_checkable

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.errors import StartError, TransferError, UsageError
-from pdkv.transport.base import Descriptor
+from pdkv.transport.base import Descriptor, UncheckedWrites
 from pdkv.transport.planned import PlannedWrites
 
 PROTOCOLS = ("tcp", "rdma")
@@ -174,7 +174,7 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-class MooncakeTransport(PlannedWrites):
+class MooncakeTransport(PlannedWrites, UncheckedWrites):
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
     Raises StartError when the engine cannot start (wheel missing, no RDMA

@@ -18,12 +18,6 @@ class PlannedWrites:
     def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:  # provided by the transport
         raise NotImplementedError
 
-    def expect(self, transfer: str, ranges: list[tuple[int, int]]) -> None:
-        """Nothing to do where P writes into D's memory without D's part (Mooncake, cma); socket checks."""
-
-    def forget(self, transfer: str) -> None:
-        pass
-
     def hello(self) -> None:
         return None
 

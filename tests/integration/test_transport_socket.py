@@ -68,7 +68,10 @@ class Decode:
 
     def close(self) -> None:
         if self.proc.is_alive():
-            self.conn.send("stop")
+            try:
+                self.conn.send("stop")
+            except OSError:  # killed by the test, not yet reaped
+                pass
             self.proc.join(15)
         if self.proc.is_alive():
             self.proc.kill()

@@ -24,6 +24,9 @@ from collections.abc import Iterable, Sequence
 from enum import IntEnum
 
 from pdkv.auth import derive_key
+from pdkv.errors import FrameError
+
+__all__ = ["FrameError", "Grants", "Kind"]  # and the frame helpers below: the wire's one home
 
 MAGIC = b"PDKS"
 VERSION = 1
@@ -59,10 +62,6 @@ BODY_LIMIT = {
     Kind.HELLO: HELLO.size, Kind.CHALLENGE: CHALLENGE.size, Kind.PROOF: PROOF.size, Kind.READY: 0,
     Kind.WRITE: MAX_BODY, Kind.ACK: ACK.size, Kind.REFUSE: MAX_REASON_BYTES,
 }
-
-
-class FrameError(ValueError):
-    """A frame that breaks the format: the connection that carried it is closed."""
 
 
 def head(kind: Kind, body_len: int) -> bytes:
