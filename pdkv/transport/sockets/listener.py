@@ -80,8 +80,8 @@ class SocketListener:
                     conn.close()
                     continue
                 self._conns.add(conn)
-            peer = f"{addr[0]}:{addr[1]}"
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"pdkv-socket-conn {peer}", daemon=True).start()
+            peer = str(addr[0])  # refusals are logged once a minute per host, not per connection
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"pdkv-socket-conn {peer}:{addr[1]}", daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         memory = None
