@@ -18,7 +18,7 @@ from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.protocol import DecodeParams, PrefillParams
 from pdkv.transport import TRANSPORTS, TransportName
-from pdkv.transport.sockets import DEFAULT_CONNECTIONS, MAX_CONNECTIONS
+from pdkv.transport.sockets import MAX_CONNECTIONS
 
 # kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
 TRANSPORT_KEYS = ("mooncake_protocol", "transport")
@@ -61,8 +61,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_port: int = 0
     # D, transport socket: the port its listener binds, TP rank r on socket_port + r (a pod declares them); 0: a free port.
     socket_port: int = 0
-    # P, transport socket: TCP connections to each D, every transfer split over them (docs/socket.md).
-    socket_connections: int = DEFAULT_CONNECTIONS
+    # P, transport socket: TCP connections to each D, every transfer split over them (docs/socket.md); 0: as many
+    # as the worker's cores, at most 4.
+    socket_connections: int = 0
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -93,9 +94,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"kv_connector_extra_config.side_channel_port must be 0..64511, got {self.side_channel_port}")
         if not 0 <= self.socket_port <= 65535 - 1024:
             raise ConfigError(f"kv_connector_extra_config.socket_port must be 0..64511, got {self.socket_port}")
-        if not 1 <= self.socket_connections <= MAX_CONNECTIONS:
+        if not 0 <= self.socket_connections <= MAX_CONNECTIONS:
             raise ConfigError(
-                f"kv_connector_extra_config.socket_connections must be 1..{MAX_CONNECTIONS}, got {self.socket_connections}")
+                f"kv_connector_extra_config.socket_connections must be 0..{MAX_CONNECTIONS}, got {self.socket_connections}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

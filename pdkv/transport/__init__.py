@@ -39,10 +39,10 @@ def open_transport(
     Mooncake, torch and Triton are imported here, not when pdkv.transport is imported.
     """
     if transport == "socket":
-        from pdkv.transport.sockets import DEFAULT_CONNECTIONS, SocketTransport
+        from pdkv.transport.sockets import SocketTransport
 
         timeout = {"write_timeout_s": options["write_timeout_s"]} if "write_timeout_s" in options else {}
-        return SocketTransport(hostname, gpu=gpu, writable=writable, port=port, connections=connections or DEFAULT_CONNECTIONS, **timeout)
+        return SocketTransport(hostname, gpu=gpu, writable=writable, port=port, connections=connections or 0, **timeout)
     if transport == "ipc":
         if gpu is None:
             raise StartError("the ipc transport moves KV between GPUs, and this KV cache is in host memory",

@@ -69,14 +69,17 @@ def parse_session(session: str) -> tuple[str, int, bytes]:
     return host, port_no, session_id
 
 
-def dial(host: str, port: int, session_id: bytes, key: bytes, timeout_s: float) -> socket.socket:
-    """A connection to D's listener that passed the handshake: D proved it holds the key and is the session."""
+def dial(host: str, port: int, session_id: bytes, key: bytes, timeout_s: float, buffer_bytes: int = 0) -> socket.socket:
+    """A connection to D's listener that passed the handshake: D proved it holds the key and is the session.
+    `buffer_bytes`: its send buffer (SO_SNDBUF; 0: the kernel's autotuning)."""
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
     except OSError as exc:
         raise TransferError(f"cannot connect to decode's socket listener {host}:{port}: {exc}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if buffer_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
         sock.settimeout(timeout_s)
         p_nonce = secrets.token_bytes(wire.NONCE_BYTES)
         sock.sendall(wire.frame(wire.Kind.HELLO, wire.HELLO.pack(session_id, p_nonce)))
@@ -211,12 +214,12 @@ class Lane:
 class PeerLanes:
     """The N lanes to one D. Safe from any thread (lanes take jobs from any thread)."""
 
-    def __init__(self, session: str, key: bytes, lanes: int, memory: Callable[[], Any], timeout_s: float) -> None:
+    def __init__(self, session: str, key: bytes, lanes: int, memory: Callable[[], Any], timeout_s: float, buffer_bytes: int = 0) -> None:
         host, port, session_id = parse_session(session)
         self.timeout_s = timeout_s
 
         def connect() -> socket.socket:
-            return dial(host, port, session_id, key, timeout_s)
+            return dial(host, port, session_id, key, timeout_s, buffer_bytes)
 
         self.lanes = [Lane(f"pdkv-socket-send {host}:{port}/{i}", connect, memory, timeout_s) for i in range(lanes)]
 

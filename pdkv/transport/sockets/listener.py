@@ -43,8 +43,9 @@ class SocketListener:
     def __init__(
         self, host: str, port: int, grants: wire.Grants, *, key: bytes, memory: Callable[[], object] = HostMemory,
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, progress_timeout_s: float = PROGRESS_TIMEOUT_S,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S, buffer_bytes: int = 0,
     ) -> None:
+        """`buffer_bytes`: each connection's receive buffer (SO_RCVBUF; 0: the kernel's autotuning)."""
         self.session_id = secrets.token_bytes(wire.SESSION_ID_BYTES)
         self.grants = grants
         self._key = key
@@ -55,6 +56,8 @@ class SocketListener:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if buffer_bytes:  # set before listen(): accepted connections inherit it
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
         try:
             self._sock.bind((host, port))
         except OSError as exc:

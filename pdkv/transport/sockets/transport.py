@@ -8,6 +8,7 @@ and splits every transfer over them. The session address a peer writes to is `so
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -22,10 +23,23 @@ from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
 from pdkv.transport.sockets.streams import DEFAULT_CHUNK_BYTES, HostMemory
 
-DEFAULT_CONNECTIONS = 4  # per D: docs/bench.md has the measurement behind it
+DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
+# Each connection's socket buffer (the kernel doubles it): small enough that a write's bytes stay in the CPU's caches
+# between the two copies, large enough for a 100 Gb/s link's bandwidth-delay product over 4 connections. 0: autotuning.
+DEFAULT_BUFFER_BYTES = 256 << 10
 MAX_CONNECTIONS = 64
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 MAX_PEERS = 64  # D engines one P keeps connections to; past it the least recently written loses them
+
+
+def default_connections() -> int:
+    """Connections per D when none are asked for: DEFAULT_CONNECTIONS, but no more than the cores this process may
+    run on (each connection's copies keep a core busy; on 2 cores 2 connections moved the most)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(DEFAULT_CONNECTIONS, cores))
 
 
 class SocketTransport(PlannedWrites):
@@ -36,11 +50,13 @@ class SocketTransport(PlannedWrites):
 
     def __init__(
         self, hostname: str = "127.0.0.1", *, port: int = 0, gpu: int | None = None, writable: bool = True,
-        connections: int = DEFAULT_CONNECTIONS, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
-        token: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        connections: int = 0, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        token: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> None:
         """`writable`: peers write into this process (D); `gpu`: the KV lives on that CUDA device (staged through
-        pinned host buffers); `token`: the deployment key (default PDKV_TOKEN)."""
+        pinned host buffers); `connections` to each D (0: default_connections()); `token`: the deployment key
+        (default PDKV_TOKEN); `buffer_bytes`: each connection's socket buffer (0: the kernel's autotuning)."""
+        connections = connections or default_connections()
         if not 1 <= connections <= MAX_CONNECTIONS:
             raise UsageError(f"socket connections must be 1..{MAX_CONNECTIONS}, got {connections}")
         if write_timeout_s <= 0:
@@ -50,6 +66,7 @@ class SocketTransport(PlannedWrites):
         self.write_timeout_s = write_timeout_s
         self.gpu = gpu
         self.chunk_bytes = chunk_bytes
+        self.buffer_bytes = buffer_bytes
         self._key = wire.handshake_key(token if token is not None else token_from_env())
         self.grants = wire.Grants()
         self._lock = threading.Lock()
@@ -58,7 +75,8 @@ class SocketTransport(PlannedWrites):
         self._peers: OrderedDict[str, PeerLanes] = OrderedDict()  # guarded by _lock
         self._closed = False
         self.listener = (
-            SocketListener(hostname, port, self.grants, key=self._key, memory=self._memory, progress_timeout_s=write_timeout_s)
+            SocketListener(hostname, port, self.grants, key=self._key, memory=self._memory, progress_timeout_s=write_timeout_s,
+                           buffer_bytes=buffer_bytes)
             if writable else None
         )
         at = f"[{hostname}]" if ":" in hostname else hostname
@@ -143,7 +161,7 @@ class SocketTransport(PlannedWrites):
             if lanes is not None:
                 self._peers.move_to_end(peer)
                 return lanes
-        fresh = PeerLanes(peer, self._key, self.connections, self._memory, self.write_timeout_s)
+        fresh = PeerLanes(peer, self._key, self.connections, self._memory, self.write_timeout_s, self.buffer_bytes)
         evicted: list[PeerLanes] = []
         with self._lock:
             lanes = self._peers.get(peer)
