@@ -64,6 +64,7 @@ class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
     mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
     side_channel_port: int = 5600  # prefill pods: pdkv's side channel, TP rank r on side_channel_port + r
+    socket_port: int = 5700  # decode pods, protocol socket: the KV listener, TP rank r on socket_port + r
     master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
     proxy_replicas: int = 1
     proxy_service_type: ServiceType = "ClusterIP"
