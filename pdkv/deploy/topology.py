@@ -137,7 +137,17 @@ def engine_spec(
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
         kv_events_port=kv_events_port,
+        connector_extra=socket_settings(dep, entry, role),
     )
+
+
+def socket_settings(dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"]) -> dict[str, int]:
+    """The socket transport's kv_connector_extra_config keys the file sets for this engine (none for other transports)."""
+    if dep.transport != "socket":
+        return {}
+    if role == "decode":
+        return {"socket_port": entry.socket_port} if entry.socket_port else {}
+    return {"socket_connections": dep.socket_connections} if dep.socket_connections else {}
 
 
 def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
@@ -193,7 +203,8 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         events_port = kv_events_port_of(dep, entry, len(dep.prefill) + i)
         spec = engine_spec(dep, entry, "decode", None, None, host_ip=d_at, kv_events_port=events_port)
         plan = _reached_at(engine_plan(spec, name=f"decode-{i}"), d_at, entry.port)
-        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *events_ports(spec)], spec=spec,
+        listens = [("0.0.0.0", entry.socket_port + r) for r in range(entry.tp)] if "socket_port" in spec.connector_extra else []
+        decodes.append(Part(kind="decode", plan=plan, ports=[(dep.host, entry.port), *events_ports(spec), *listens], spec=spec,
                             restart=entry.restart or dep.restart, host=entry.host))
     # pdkv's connector: every engine joins the first prefill's bootstrap's members registry, which the proxy follows.
     members = prefills[0].bootstrap_url if prefills and dep.connector == "pdkv" else None
