@@ -22,8 +22,7 @@ from pdkv.errors import TransferError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
 from pdkv.transport.planner import block_spans
-from pdkv.transport.sockets import SocketTransport
-from pdkv.transport.sockets import wire
+from pdkv.transport.sockets import SocketTransport, wire
 
 BL = 64 * 1024
 LAYERS, BLOCKS = 3, 64

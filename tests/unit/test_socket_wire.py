@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pdkv.errors import TransferError
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import parse_session, split
 from pdkv.transport.sockets.streams import chunked
-from pdkv.errors import TransferError
 
 
 def test_a_head_is_read_back_and_anything_else_is_refused():
