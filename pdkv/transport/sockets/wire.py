@@ -26,7 +26,6 @@ from enum import IntEnum
 from pdkv.auth import derive_key
 from pdkv.errors import FrameError
 
-__all__ = ["FrameError", "Grants", "Kind"]  # and the frame helpers below: the wire's one home
 
 MAGIC = b"PDKS"
 VERSION = 1
