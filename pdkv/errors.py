@@ -12,7 +12,6 @@
     ├── UnreachableError                           a peer did not answer within its bound
     │   └── UpstreamError                          a proxied exchange ended without an HTTP answer
     ├── TransferError                              a KV transfer failed or arrived corrupted
-    │   └── FrameError                             a frame of the socket transport's wire broke its format
     ├── EventDecodeError                           an engine's KV cache event could not be read
     ├── TimeoutError_                              a bounded wait ran out
     ├── ParamsError (also a ValueError)            kv_transfer_params a connector cannot serve
@@ -90,10 +89,6 @@ class UnreachableError(PdkvError):
 
 
 class TransferError(PdkvError):
-    pass
-
-
-class FrameError(TransferError):
     pass
 
 

@@ -45,7 +45,6 @@ from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
 from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
 from pdkv.errors import PdkvError, UsageError
 from pdkv.tinymodel import tiny_model_path
-from pdkv.transport import TRANSPORTS
 
 # Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
 STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
@@ -93,7 +92,7 @@ class UpPlan(msgspec.Struct, kw_only=True):
 
 def _check_options(o: UpOptions, gpus: int) -> None:
     for value, allowed, flag in ((o.connector, ("pdkv", "mooncake"), "--connector"),
-                                 (o.transport, (*TRANSPORTS, None), "--transport"),
+                                 (o.transport, ("rdma", "tcp", "ipc", "cma", None), "--transport"),
                                  (o.platform, ("gpu", "cpu", None), "--platform"), (o.restart, ("on-failure", "no", None), "--restart")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")
