@@ -154,7 +154,7 @@ def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Eng
     d = engines.decode(protocol)
     with engines.proxy(protocol, d) as url:
         p = engines.prefill(protocol)
-        cases = streams(80)  # seconds of load at 8 in flight: the kill, 1 s in, lands in the middle of it
+        cases = streams(320)  # 8 in flight, several seconds of load on 2 cores: the kill, 1 s in, lands inside it
 
         async def load_and_kill() -> list[Answer]:
             run = asyncio.ensure_future(run_load(url, cases, engines.model, 8))
@@ -187,7 +187,7 @@ def test_decode_killed_under_load_fails_fast_leaks_nothing_on_prefill_and_comes_
     d = engines.decode("cma")
     with engines.proxy("cma", d) as url:
         p = engines.prefill("cma")
-        cases = streams(80)  # seconds of load at 8 in flight: the kill, 1 s in, lands in the middle of it
+        cases = streams(320)  # 8 in flight, several seconds of load on 2 cores: the kill, 1 s in, lands inside it
         killed_at: list[float] = []
 
         async def load_and_kill() -> list[Answer]:
