@@ -67,6 +67,7 @@ class EngineLoads:
         now = time.monotonic()
         await self.scrape([b for b in states if self.reading(b.url, now, max_age_s) is None])
         now = time.monotonic()
+        # a server that did not answer now keeps no reading older than the bound and the scrape's own wait
         return [self.reading(b.url, now, max_age_s + self.timeout_s) for b in states]
 
     async def run(self, interval_s: float) -> None:

@@ -10,7 +10,6 @@ P's opening of it, for both kinds of allocation a vLLM may hand the connector:
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from pdkv.errors import TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
@@ -117,7 +116,8 @@ def open_export(driver: CudaDriver, export: IpcExport, device: int) -> OpenedPee
     return opened
 
 
-def close_opened(driver: CudaDriver, opened: OpenedPeer | Any) -> None:
+def close_opened(driver: CudaDriver, opened: OpenedPeer) -> None:
+    """Unmap what `open_export` mapped and close the handles it opened."""
     vmm = driver.vmm()
     for ptr in opened.pointers:
         if ptr in opened.imported:
