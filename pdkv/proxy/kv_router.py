@@ -145,25 +145,25 @@ class KvRouter:
     async def route(self, body: dict[str, Any], endpoint: str, t: ProxyTiming) -> Route | None:
         """Where this request goes (recorded as routed), or None when no P/D pair is up (the proxy's no-prefill
         path then decides)."""
-        choice = await self.choose(body, endpoint, self.backends, t)
+        choice = await self._choose(body, endpoint, t)
         if choice is None:
             return None
         if choice.prefill is None:  # D holds all but a few of the prompt's tokens: D alone
             return Route(None, None, choice.decode, "kv_local")
-        chosen = self.pairing(choice, self.backends, t)
+        chosen = self._pairing(choice, t)
         return None if chosen is None else Route(*chosen)
 
-    async def choose(self, body: dict[str, Any], endpoint: str, backends: Backends, t: ProxyTiming) -> KvChoice | None:
+    async def _choose(self, body: dict[str, Any], endpoint: str, t: ProxyTiming) -> KvChoice | None:
         """The plan for this request, or None when no P/D pair is up. A plan for D alone (`prefill` None) is
-        recorded as routed at once; a P/D plan once paired (`pairing`)."""
-        targets, _owners, decodes = backends.routable()
+        recorded as routed at once; a P/D plan once paired (`_pairing`)."""
+        targets, _owners, decodes = self.backends.routable()
         if not decodes or not targets:
             return None
         started = time.perf_counter()
         tokens = await self.tokens.token_ids(body, endpoint, decodes[0].pool)
         tokenize_s = time.perf_counter() - started
         self.metrics.tokenize.observe(tokenize_s)
-        targets, _owners, decodes = backends.routable()  # it may have changed while we waited
+        targets, _owners, decodes = self.backends.routable()  # it may have changed while we waited
         if not decodes or not targets:
             return None
         size = self.block_size()
@@ -171,7 +171,7 @@ class KvRouter:
         keys = block_keys(tokens, size) if keyed else []  # type: ignore[arg-type]
         now = time.monotonic()
         p_cands = [PrefillCandidate(self.index.hits(t.url, keys, now).blocks if keyed else 0, self.queued_tokens(t.url),
-                                    backends.in_flight(t)) for t in targets]
+                                    self.backends.in_flight(t)) for t in targets]
         d_cands = [self._decode_candidate(d, keys if keyed else [], now) for d in decodes]
         self._cursor += 1
         plan = plan_route(len(tokens) if tokens else 0, size or 1, p_cands, d_cands, self.weights, start=self._cursor, keyed=keyed)
@@ -200,13 +200,13 @@ class KvRouter:
         self.metrics.engine_hit_tokens.labels(url).inc(counter_delta(hits, load.prefix_hits))
         self.metrics.engine_query_tokens.labels(url).inc(counter_delta(queries, load.prefix_queries))
 
-    def pairing(self, choice: KvChoice | None, backends: Backends, t: ProxyTiming) -> tuple[Pairing, PrefillState, BackendState] | None:
+    def _pairing(self, choice: KvChoice | None, t: ProxyTiming) -> tuple[Pairing, PrefillState, BackendState] | None:
         """The P/D pair of `choice` (recorded as routed), or None if there is none."""
-        targets, owners, _ = backends.routable()
+        targets, owners, _ = self.backends.routable()
         if choice is None or choice.prefill is None or choice.prefill >= len(targets):
             return None
-        if not backends.may_pair(choice.prefill, choice.decode):  # model, block size, TP or transport disagree
-            return backends.pair()
+        if not self.backends.may_pair(choice.prefill, choice.decode):  # model, block size, TP or transport disagree
+            return self.backends.pair()
         target = targets[choice.prefill]
         self.routed(choice, t, target.url)
         return Pairing(target, choice.decode.url), owners[choice.prefill], choice.decode
