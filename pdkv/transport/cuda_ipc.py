@@ -170,15 +170,13 @@ class CudaIpcTransport:
             raise TransferError("CUDA IPC cannot open handles exported by the same process")
         self._disconnect(peer)
         self._watched.watch(peer, export.pid, export.start_time)
-        opened = OpenedPeer([], {})
+        opened = OpenedPeer()
         try:
             opened = open_export(self.driver, export, self.device)
-            spans = []
-            for region in export.regions:
-                alloc = export.allocations[region.alloc]
-                if region.base < alloc.base or region.base + region.length > alloc.base + alloc.size:
-                    raise TransferError(f"peer {peer} exported a region outside its allocation")
-                spans.append((region.base, region.base + region.length, opened.pointers[region.alloc] + region.base - alloc.base))
+            try:
+                spans = [opened.span(export, region) for region in export.regions]
+            except TransferError as e:
+                raise TransferError(f"peer {peer} exported a region it cannot be written in: {e}") from None
             peer_device = self.driver.device_of(opened.pointers[0]) if opened.pointers else self.device
             if self.pull and peer_device != self.device:
                 self.driver.enable_peer_access(peer_device, self.device)

@@ -2,8 +2,11 @@
 
 vLLM 0.34's extensible KV cache reserves address space and maps physical allocations into it (cuMemCreate,
 cuMemMap); legacy CUDA IPC (cuIpcGetMemHandle) cannot export such memory. When the connector declares
-`EXPORTS_FD`, vLLM creates each segment as one allocation exportable as a file descriptor; D exports it here,
-the descriptor crosses to P (fd_share), and P imports and maps it into its own address space.
+`EXPORTS_FD`, vLLM creates every allocation exportable as a file descriptor. A segment (one layer's blocks) grows
+by further allocations mapped after the first (warm-up commits a few blocks, the final size the rest), so one
+region may span several. D exports each allocation here, the descriptors cross to P (fd_share), and P maps those
+that lie back to back in D back to back in its own address space (`map_run`): a region contiguous in D is
+contiguous in P.
 
 The driver calls go through ctypes, as cuda_kernels.CudaDriver's do; the structures follow cuda.h.
 """
@@ -11,12 +14,11 @@ The driver calls go through ctypes, as cuda_kernels.CudaDriver's do; the structu
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 from pdkv.errors import TransferError
 
-__all__ = ["ImportedAllocation", "VmmDriver"]
+__all__ = ["MappedRun", "VmmDriver"]
 
 _HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _LOCATION_TYPE_DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
@@ -42,11 +44,16 @@ class _AccessDesc(ctypes.Structure):
     _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
-class ImportedAllocation:
-    """A peer's allocation mapped at `ptr` in this process; `VmmDriver.unmap` undoes it."""
+class MappedRun:
+    """Allocations mapped back to back at `ptr` in this process (`parts`: each one's size, in order);
+    `VmmDriver.unmap` undoes it."""
 
-    def __init__(self, ptr: int, size: int, handle: int) -> None:
-        self.ptr, self.size, self.handle = ptr, size, handle
+    def __init__(self, ptr: int, parts: list[int]) -> None:
+        self.ptr, self.parts = ptr, parts
+
+    @property
+    def size(self) -> int:
+        return sum(self.parts)
 
 
 class VmmDriver:
@@ -76,6 +83,14 @@ class VmmDriver:
                     "cuMemExportToShareableHandle")
         return fd.value
 
+    def import_fd(self, fd: int) -> int:
+        """The allocation behind `fd` (the caller still closes it) as a handle of this process: `release` it once mapped."""
+        handle = ctypes.c_ulonglong()
+        self._check(self.lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
+                                                            ctypes.c_int(_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)),
+                    "cuMemImportFromShareableHandle")
+        return handle.value
+
     def release(self, handle: int) -> None:
         self._check(self.lib.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
 
@@ -85,57 +100,62 @@ class VmmDriver:
                     "cuMemGetAllocationPropertiesFromHandle")
         return prop
 
-    def import_fd(self, fd: int, size: int, devices: list[int]) -> ImportedAllocation:
-        """Import the allocation behind `fd` (the caller still closes it), map its first `size` bytes and give
-        `devices` and the GPU that holds it read/write access. TransferError if the driver refuses any step
-        (nothing is left mapped)."""
-        handle = ctypes.c_ulonglong()
-        self._check(self.lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd),
-                                                            ctypes.c_int(_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)),
-                    "cuMemImportFromShareableHandle")
+    def map_run(self, parts: list[tuple[int, int]], devices: list[int]) -> MappedRun:
+        """Map the allocations `parts` ((handle, size) each) back to back in one new address range, and give
+        `devices` and the GPUs that hold them read/write access: memory contiguous in its owner stays contiguous
+        here. The handles stay the caller's (mapped memory lives until unmapped, released or not). TransferError
+        if the driver refuses any step (nothing is left mapped)."""
+        total = sum(size for _, size in parts)
         ptr = ctypes.c_ulonglong()
-        reserved = mapped = False
+        devices = sorted({*devices, *(self._properties(handle).location.id for handle, _ in parts)})
+        self._check(self.lib.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(total), ctypes.c_size_t(0),
+                                                 ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+        run = MappedRun(ptr.value, [])
         try:
-            devices = sorted({*devices, self._properties(handle.value).location.id})
-            self._check(self.lib.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                                     ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
-            reserved = True
-            self._check(self.lib.cuMemMap(ctypes.c_ulonglong(ptr.value), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                          ctypes.c_ulonglong(handle.value), ctypes.c_ulonglong(0)), "cuMemMap")
-            mapped = True
+            for handle, size in parts:
+                self._check(self.lib.cuMemMap(ctypes.c_ulonglong(run.ptr + run.size), ctypes.c_size_t(size), ctypes.c_size_t(0),
+                                              ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0)), "cuMemMap")
+                run.parts.append(size)
             access = (_AccessDesc * len(devices))(*[_AccessDesc(_Location(_LOCATION_TYPE_DEVICE, d), _ACCESS_READWRITE) for d in devices])
-            self._check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(ptr.value), ctypes.c_size_t(size), access,
+            self._check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(run.ptr), ctypes.c_size_t(total), access,
                                                 ctypes.c_size_t(len(devices))), "cuMemSetAccess")
         except TransferError:
-            if mapped:
-                self.lib.cuMemUnmap(ctypes.c_ulonglong(ptr.value), ctypes.c_size_t(size))
-            if reserved:
-                self.lib.cuMemAddressFree(ctypes.c_ulonglong(ptr.value), ctypes.c_size_t(size))
-            self.lib.cuMemRelease(handle)
+            self._unmap_parts(run)
+            self.lib.cuMemAddressFree(ctypes.c_ulonglong(run.ptr), ctypes.c_size_t(total))  # the range reserved whole
             raise
-        return ImportedAllocation(ptr.value, size, handle.value)
+        return run
 
-    def allocate(self, size: int, device: int) -> ImportedAllocation:
-        """A new allocation of at least `size` bytes on `device`, exportable as a file descriptor and mapped here, as
-        vLLM 0.34 makes each KV segment under EXPORTS_FD (the GPU tests' D uses it); `unmap` frees it."""
+    def allocate(self, size: int, device: int, chunks: int = 1) -> MappedRun:
+        """At least `size` bytes on `device` in `chunks` allocations mapped back to back, each exportable as a file
+        descriptor, as vLLM 0.34's extensible KV cache backs a segment under EXPORTS_FD once it has grown (the GPU
+        tests' D uses it); `unmap` frees it."""
         prop = _AllocationProp(type=1, requestedHandleTypes=_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                                location=_Location(_LOCATION_TYPE_DEVICE, device))  # type 1: CU_MEM_ALLOCATION_TYPE_PINNED
         granule = ctypes.c_size_t()
         self._check(self.lib.cuMemGetAllocationGranularity(ctypes.byref(granule), ctypes.byref(prop), ctypes.c_int(0)),
                     "cuMemGetAllocationGranularity")
-        size = -(-size // granule.value) * granule.value
-        handle = ctypes.c_ulonglong()
-        self._check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0)),
-                    "cuMemCreate")
-        fd = self.export_fd(handle.value)
+        part = -(-size // (chunks * granule.value)) * granule.value
+        handles: list[int] = []
         try:
-            return self.import_fd(fd, size, [device])
+            for _ in range(chunks):
+                handle = ctypes.c_ulonglong()
+                self._check(self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(part), ctypes.byref(prop),
+                                                 ctypes.c_ulonglong(0)), "cuMemCreate")
+                handles.append(handle.value)
+            return self.map_run([(h, part) for h in handles], [device])
         finally:
-            os.close(fd)
-            self.release(handle.value)
+            for handle in handles:
+                self.release(handle)
 
-    def unmap(self, imported: ImportedAllocation) -> None:
-        ptr, size = ctypes.c_ulonglong(imported.ptr), ctypes.c_size_t(imported.size)
-        self._check(self.lib.cuMemUnmap(ptr, size), "cuMemUnmap")
-        self._check(self.lib.cuMemAddressFree(ptr, size), "cuMemAddressFree")
-        self.release(imported.handle)
+    def unmap(self, run: MappedRun) -> None:
+        for rc in self._unmap_parts(run):
+            self._check(rc, "cuMemUnmap")
+        self._check(self.lib.cuMemAddressFree(ctypes.c_ulonglong(run.ptr), ctypes.c_size_t(run.size)), "cuMemAddressFree")
+
+    def _unmap_parts(self, run: MappedRun) -> list[int]:
+        """Unmap each part where it was mapped (a mapping is undone whole, never a range across several); the codes."""
+        codes, offset = [], 0
+        for size in run.parts:
+            codes.append(self.lib.cuMemUnmap(ctypes.c_ulonglong(run.ptr + offset), ctypes.c_size_t(size)))
+            offset += size
+        return codes

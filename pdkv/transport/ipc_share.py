@@ -4,7 +4,8 @@ P's opening of it, for both kinds of allocation a vLLM may hand the connector:
   legacy CUDA IPC handle per allocation, opened with cuIpcOpenMemHandle;
 - a CUDA VMM allocation (vLLM 0.34's extensible KV cache, created exportable because the connector declares
   EXPORTS_FD): a POSIX file descriptor per allocation, which P fetches from D's descriptor server (fd_share,
-  with the export's token), imports and maps (cuda_vmm).
+  with the export's token), imports and maps (cuda_vmm). A region may span several such allocations (a segment
+  grown after warm-up); P maps allocations that lie back to back in D back to back too (`contiguous_runs`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import os
 from pdkv.errors import TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.cuda_kernels import CudaDriver
-from pdkv.transport.cuda_vmm import ImportedAllocation
+from pdkv.transport.cuda_vmm import MappedRun
 from pdkv.transport.fd_share import FdServer, fetch_fds
 from pdkv.transport.host import host_id, process_start_time
 
-__all__ = ["KvExporter", "OpenedPeer", "close_opened", "open_export"]
+__all__ = ["KvExporter", "OpenedPeer", "close_opened", "contiguous_runs", "open_export"]
 
 
 class KvExporter:
@@ -43,11 +44,14 @@ class KvExporter:
         fds: list[int] = []
         try:
             for addr, length in local:
-                base, size = self.driver.address_range(addr)
-                if base not in index:
-                    index[base] = len(allocations)
-                    allocations.append(self._allocation(base, size, fds))
-                regions.append(IpcRegion(index[base], addr, length))
+                first = None
+                for base, size in self._allocations_under(addr, length):
+                    if base not in index:
+                        index[base] = len(allocations)
+                        allocations.append(self._allocation(base, size, fds))
+                    first = index[base] if first is None else first
+                assert first is not None
+                regions.append(IpcRegion(first, addr, length))
             server = FdServer(fds) if fds else None
         except BaseException:
             for fd in fds:
@@ -57,6 +61,18 @@ class KvExporter:
         return IpcExport(host_id(), os.getpid(), self.device, self.device_uuid, allocations, regions,
                          process_start_time(os.getpid()), fd_server=server.name if server else "",
                          fd_token=server.token if server else b"")
+
+    def _allocations_under(self, addr: int, length: int) -> list[tuple[int, int]]:
+        """(base, size) of each allocation the range covers, in order: one for cudaMalloc'd memory, one or more
+        for a segment of vLLM's extensible KV cache."""
+        found, cursor, end = [], addr, addr + length
+        while cursor < end:
+            base, size = self.driver.address_range(cursor)
+            if not base <= cursor < base + size:
+                raise TransferError(f"the driver placed 0x{cursor:x} in no allocation (0x{base:x}+{size})")
+            found.append((base, size))
+            cursor = base + size
+        return found
 
     def _allocation(self, base: int, size: int, fds: list[int]) -> IpcAllocation:
         handle = self.vmm.handle_of(base)
@@ -85,31 +101,72 @@ class KvExporter:
 
 
 class OpenedPeer:
-    """P's side: one export opened in this process. `pointers[i]` is allocation i's address here."""
+    """P's side: one export opened in this process. `pointers[i]` is allocation i's address here, and `reach[i]` the
+    exporter's address where the memory contiguous here from allocation i ends (its own end for a legacy handle,
+    its run's for a mapped descriptor)."""
 
-    def __init__(self, pointers: list[int], imported: dict[int, ImportedAllocation]) -> None:
-        self.pointers, self.imported = pointers, imported
+    def __init__(self) -> None:
+        self.pointers: list[int] = []
+        self.reach: list[int] = []
+        self.runs: list[MappedRun] = []  # what `close_opened` unmaps
+        self.handles: list[int] = []  # legacy IPC pointers `close_opened` closes
+
+    def span(self, export: IpcExport, region: IpcRegion) -> tuple[int, int, int]:
+        """(start, end, address here) of `region`; TransferError if it reaches past what was opened contiguously."""
+        if region.alloc >= len(self.pointers):
+            raise TransferError(f"region names allocation {region.alloc} of {len(self.pointers)}")
+        alloc = export.allocations[region.alloc]
+        if region.base < alloc.base or region.base + region.length > self.reach[region.alloc]:
+            raise TransferError(f"region 0x{region.base:x}+{region.length} lies outside the allocations exported with it")
+        return region.base, region.base + region.length, self.pointers[region.alloc] + region.base - alloc.base
+
+
+def contiguous_runs(allocations: list[IpcAllocation]) -> list[list[int]]:
+    """The indices of the descriptor-shared allocations grouped into runs that lie back to back in the exporter's
+    address space, each run in address order (pure: what `open_export` maps as one range)."""
+    shared = sorted((a.base, i) for i, a in enumerate(allocations) if a.fd)
+    runs: list[list[int]] = []
+    end = None
+    for base, i in shared:
+        if runs and base == end:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = base + allocations[i].size
+    return runs
 
 
 def open_export(driver: CudaDriver, export: IpcExport, device: int) -> OpenedPeer:
     """Open every allocation of `export` (handles, or descriptors fetched from D) for `device`; on any failure
     close what was opened and raise TransferError."""
     vmm = driver.vmm()
-    opened = OpenedPeer([], {})
+    allocations = export.allocations
+    opened = OpenedPeer()
+    opened.pointers, opened.reach = [0] * len(allocations), [0] * len(allocations)
+    handles: dict[int, int] = {}
     try:
-        fds = fetch_fds(export.fd_server, export.fd_token, sum(a.fd for a in export.allocations)) if export.fd_server else []
+        fds = fetch_fds(export.fd_server, export.fd_token, sum(a.fd for a in allocations)) if export.fd_server else []
         try:
             shared = iter(fds)
-            for alloc in export.allocations:
+            for i, alloc in enumerate(allocations):
                 if alloc.fd:
-                    mapping = vmm.import_fd(next(shared), alloc.size, [device])
-                    opened.imported[mapping.ptr] = mapping
-                    opened.pointers.append(mapping.ptr)
+                    handles[i] = vmm.import_fd(next(shared))
                 else:
-                    opened.pointers.append(driver.ipc_open(alloc.handle))
+                    opened.pointers[i] = driver.ipc_open(alloc.handle)
+                    opened.handles.append(opened.pointers[i])
+                    opened.reach[i] = alloc.base + alloc.size
+            for run in contiguous_runs(allocations):
+                mapped = vmm.map_run([(handles[i], allocations[i].size) for i in run], [device])
+                opened.runs.append(mapped)
+                start, last = allocations[run[0]], allocations[run[-1]]
+                for i in run:
+                    opened.pointers[i] = mapped.ptr + allocations[i].base - start.base
+                    opened.reach[i] = last.base + last.size
         finally:
             for fd in fds:
                 os.close(fd)
+            for handle in handles.values():  # the mappings hold the memory now
+                vmm.release(handle)
     except TransferError:
         close_opened(driver, opened)
         raise
@@ -119,8 +176,8 @@ def open_export(driver: CudaDriver, export: IpcExport, device: int) -> OpenedPee
 def close_opened(driver: CudaDriver, opened: OpenedPeer) -> None:
     """Unmap what `open_export` mapped and close the handles it opened."""
     vmm = driver.vmm()
-    for ptr in opened.pointers:
-        if ptr in opened.imported:
-            vmm.unmap(opened.imported[ptr])
-        else:
-            driver.ipc_close(ptr)
+    for run in opened.runs:
+        vmm.unmap(run)
+    for ptr in opened.handles:
+        driver.ipc_close(ptr)
+    opened.runs, opened.handles = [], []

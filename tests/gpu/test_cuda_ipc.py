@@ -122,7 +122,9 @@ def test_a_captured_block_graph_keeps_the_table_it_reads_from() -> None:
 
 
 def _vmm_decode_side(conn, device: int) -> None:
-    """D whose KV is CUDA VMM memory exportable as file descriptors, as vLLM 0.34 allocates it under EXPORTS_FD."""
+    """D whose KV is CUDA VMM memory exportable as file descriptors, as vLLM 0.34 allocates it under EXPORTS_FD: each
+    layer's segment three allocations mapped back to back (2 MiB each), its blocks spanning the first two, as a
+    segment grown after warm-up is."""
     import ctypes
 
     import numpy as np
@@ -131,7 +133,7 @@ def _vmm_decode_side(conn, device: int) -> None:
 
     with CudaIpcTransport(device) as t:
         vmm = t.driver.vmm()
-        kv = [vmm.allocate(BLOCKS * BLOCK_LEN, device) for _ in range(LAYERS)]
+        kv = [vmm.allocate(BLOCKS * BLOCK_LEN, device, chunks=3) for _ in range(LAYERS)]
         for seg in kv:
             t.driver.lib.cuMemsetD8_v2(ctypes.c_uint64(seg.ptr), ctypes.c_ubyte(0), ctypes.c_size_t(seg.size))
         t.register([(seg.ptr, BLOCKS * BLOCK_LEN) for seg in kv])
@@ -148,8 +150,8 @@ def _vmm_decode_side(conn, device: int) -> None:
 
 
 def test_ipc_writes_into_vmm_memory_shared_by_file_descriptor():
-    """vLLM 0.34's extensible KV cache: D's allocations go to P as descriptors (fd_share), P maps and writes them;
-    a forged token gets nothing."""
+    """vLLM 0.34's extensible KV cache: D's allocations go to P as descriptors (fd_share), P maps those back to back
+    in D back to back and writes blocks on both sides of a boundary between two; a forged token gets nothing."""
     import msgspec
     import torch
 
@@ -166,6 +168,7 @@ def test_ipc_writes_into_vmm_memory_shared_by_file_descriptor():
         assert parent.poll(120), "decode side did not export in time"
         export, remote_bases = parent.recv()
         assert all(a.fd and a.handle == b"" for a in export.allocations) and export.fd_server and len(export.fd_token) == 32
+        assert len(export.allocations) == 2 * LAYERS, [(hex(a.base), a.size) for a in export.allocations]
         with CudaIpcTransport(p_dev) as t:
             forged = msgspec.structs.replace(export, fd_token=bytes(32))
             with pytest.raises(TransferError, match="refused"):
@@ -177,7 +180,7 @@ def test_ipc_writes_into_vmm_memory_shared_by_file_descriptor():
             t.connect("d", export)
             local = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in src]
             remote = [Region(b, BLOCK_LEN, BLOCKS) for b in remote_bases]
-            lblocks, rblocks = [5, 6, 40, 2], [60, 61, 8, 30]
+            lblocks, rblocks = [5, 6, 40, 2], [31, 32, 8, 60]  # 31 | 32: either side of the first boundary
             assert t.write_blocks("d", lblocks, rblocks, local, remote).bytes == LAYERS * 4 * BLOCK_LEN
             parent.send(rblocks)
             assert parent.recv() == [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in src]
