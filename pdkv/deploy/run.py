@@ -38,17 +38,23 @@ from pdkv.deploy.preflight import preflight, raise_problems
 from pdkv.deploy.scaling import autoscaled
 from pdkv.deploy.restart import RestartPolicy
 from pdkv.deploy.single import role_parts, split_cores, with_cores, with_extra
+from pdkv.deploy.stages import start_stages
 from pdkv.deploy.autoscale import Autoscaler, ScaleEvent
 from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.deploy.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment
 from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
 from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
+from pdkv.doctor.software import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, version_tuple
 from pdkv.errors import PdkvError, UsageError
 from pdkv.tinymodel import tiny_model_path
 
-# Engines start together (each pinned to its own cores on CPU): start-up is the slow part.
-STAGES = {"bootstrap": 0, "prefill": 1, "decode": 1, "proxy": 2}
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal `pdkv up` ran in was closed
+
+
+def _extensible_release() -> bool:
+    """Whether the vLLM this interpreter would start has the extensible KV cache (0.34+): `start_stages` needs it."""
+    _, version = installed_vllm()
+    return version is not None and version_tuple(version)[:2] >= VLLM_EXTENSIBLE_KV_CACHE
 
 
 class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,7 +241,7 @@ class PartsRun:
             if p.registers_with:
                 restart_with.setdefault(p.registers_with, []).append(p.plan.name)
         self.supervisor = Supervisor(
-            [p.plan for p in self.parts], log_dir, on_line=on_line, stages=[STAGES[p.kind] for p in self.parts],
+            [p.plan for p in self.parts], log_dir, on_line=on_line, stages=start_stages(self.parts, _extensible_release()),
             restart=[RestartPolicy(restart or p.restart) for p in self.parts], restart_with=restart_with, on_event=on_event,
         )
         self._previous: dict[int, Any] = {}

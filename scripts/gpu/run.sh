@@ -19,6 +19,10 @@
 #           profile and check need pdkv-ipc alone, bench and the tests all three.
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
+#   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
+#           before is ready, as vLLM 0.34 measures each engine's KV cache from the memory free after its warm-up).
+#   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
+#           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
 #   VLLM    0.26 (the default) or 0.34: which vLLM runs (0.34: BUNDLE_DIR/vllm-0.34 from `VLLM=0.34 pack.sh`,
 #           unpacked before the 0.26 site; each engine's extensible KV cache sized from its share of the GPU,
 #           PDKV_GPU_KV=extensible in tests/gpu/deployments.py).
@@ -35,7 +39,7 @@ WORK="${2:-/tmp/pdkv-gpu}"
 OUT="${OUT:-$WORK/out}"
 STEPS="${STEPS:-bench tests transport kill}"
 AUX="$WORK/aux"
-rm -rf "$AUX"
+[ "${ATTACH:-0}" = 1 ] || rm -rf "$AUX"
 mkdir -p "$WORK" "$OUT" "$AUX"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -98,17 +102,14 @@ $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
 PIDS=()
 DEPLOYMENTS="${DEPLOYMENTS:-pdkv-ipc pdkv-tcp mooncake-tcp}"
 N=$(echo $DEPLOYMENTS | wc -w)
-for name in $DEPLOYMENTS; do
-    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
-    PIDS+=($!)
-done
 stop_all() {
     for pid in "${PIDS[@]}"; do kill -INT -- "-$pid" 2>/dev/null; done
     for _ in $(seq 60); do
         alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-        [ $alive = 0 ] && return; sleep 1
+        [ $alive = 0 ] && break; sleep 1
     done
     for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
+    rm -f "$WORK/running"
 }
 digest() {
     # What a reader needs of WORK/aux, in one file: every event of `pdkv up` but the long ready line, each log's
@@ -126,15 +127,40 @@ digest() {
         cat "$AUX"/ties.jsonl 2>/dev/null
     } > "$OUT/digest.txt" 2>&1
 }
-finish() { stop_all; digest; }
+# KEEP=1 leaves the deployments running when this run ends (their pids in WORK/running), for a later run on the same
+# host with ATTACH=1, which uses them instead of starting its own: start and tests then fit two commands of a
+# bounded length. Without KEEP they stop at the end.
+finish() { if [ "${KEEP:-0}" = 1 ]; then printf '%s\n' "${PIDS[@]}" > "$WORK/running"; else stop_all; fi; digest; }
 trap finish EXIT
-ready=0
-for _ in $(seq 540); do
-    ready=$(grep -l '"event": "ready"' "$AUX"/up-*.jsonl 2>/dev/null | wc -l)
-    [ "$ready" = "$N" ] && break
-    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "a pdkv up ended early"; break 2; }; done
-    sleep 1
-done
+ready_count() { grep -l '"event": "ready"' "$AUX"/up-*.jsonl 2>/dev/null | wc -l; }
+wait_ready() {  # wait_ready COUNT: until COUNT deployments are ready, one ends, or 540 s pass
+    for _ in $(seq 540); do
+        [ "$(ready_count)" -ge "$1" ] && return 0
+        for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "a pdkv up ended early"; return 1; }; done
+        sleep 1
+    done
+    return 1
+}
+if [ "${ATTACH:-0}" = 1 ]; then
+    mapfile -t PIDS < "$WORK/running" || { say "ATTACH=1: no deployments left running in $WORK (run with KEEP=1 first)"; exit 2; }
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "ATTACH=1: pdkv up $pid is gone"; exit 1; }; done
+    say "attached to the $N deployments left running"
+else
+    # vLLM 0.34 sizes each engine's KV cache from the memory it measures after warm-up, and counts what another
+    # process allocates meanwhile as its own: with START=serial (0.34's default) each deployment starts once the
+    # one before is ready, and pdkv up starts a deployment's engines on the shared GPU one after another itself.
+    START="${START:-$([ "$VLLM" = 0.34 ] && echo serial || echo together)}"
+    say "starting $DEPLOYMENTS ($START)"
+    i=0
+    for name in $DEPLOYMENTS; do
+        setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
+        PIDS+=($!)
+        i=$((i + 1))
+        if [ "$START" = serial ]; then wait_ready "$i" || break; say "$name ready ($(elapsed))"; fi
+    done
+    wait_ready "$N"
+fi
+ready=$(ready_count)
 say "deployments ready: $ready of $N ($(elapsed))"
 gpu_memory() { say "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) ($1)"; }
 gpu_memory "all engines up"
