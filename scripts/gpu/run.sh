@@ -167,7 +167,7 @@ gpu_memory "all engines up"
 grep -h '"event": "ready"' "$AUX"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
 # Each engine's KV capacity as its log states it (same settings for every deployment: pdkv's against vLLM's connector).
 for f in "$AUX"/logs-*/*.log; do
-    grep -h -E "GPU KV cache size|Extended KV cache to|Available KV cache memory|KV cache layout|extensible" "$f" 2>/dev/null \
+    grep -h -E "GPU KV cache size|Extended KV cache to|Memory after warmup|Available KV cache memory|KV cache layout|extensible" "$f" 2>/dev/null \
         | sed "s#^#$(basename "$(dirname "$f")")/$(basename "$f"): #" | cut -c1-260 | tail -n 4 >> "$SUMMARY"
 done
 if [ "$ready" != "$N" ]; then
