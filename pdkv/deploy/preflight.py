@@ -16,6 +16,7 @@ import msgspec
 from pdkv.deploy.engine import parse_cores
 from pdkv.deploy.machine import numa_nodes
 from pdkv.deploy.ports import PortUse, distinct_per_host
+from pdkv.deploy.stages import gpus_of, share_gpu
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
 from pdkv.errors import ConfigError, TransferError
 from pdkv.tp_heads import rank_heads
@@ -285,11 +286,54 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
     return [] if ok else [Problem("cma", detail, fix)]
 
 
+def _memory_share(part: Part) -> float | None:
+    """The `--gpu-memory-utilization` an engine's arguments give, None where they give none."""
+    args = list(part.spec.extra_args) if part.spec else []
+    for i, arg in enumerate(args):
+        name, _, value = arg.partition("=")
+        if name == "--gpu-memory-utilization":
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
+def check_gpu_shares(parts: list[Part]) -> list[Problem]:
+    """Engines that share a GPU must each be given a share of its memory, together at most all of it: vLLM's default
+    (0.92 of the GPU; all of it with vLLM 0.34's extensible KV cache) lets only the first start."""
+    engines = [p for p in parts if p.kind in ("prefill", "decode")]
+    problems: list[Problem] = []
+    for i, a in enumerate(engines):
+        group = [a, *(b for b in engines[i + 1:] if share_gpu(a, b))]
+        unset = [p.plan.name for p in group if _memory_share(p) is None]
+        if len(group) > 1 and unset:
+            problems.append(Problem(
+                ", ".join(p.plan.name for p in group),
+                f"share a GPU, and {', '.join(unset)} take{'s' if len(unset) == 1 else ''} vLLM's default share of its memory "
+                "(0.92; all of it with vLLM 0.34's extensible KV cache): only the engine that starts first fits",
+                "give each engine on that GPU --gpu-memory-utilization in extra_args, together at most 0.95"))
+            break
+    by_gpu: dict[tuple[str | None, str], list[Part]] = {}
+    for p in engines:
+        for gpu in sorted(gpus_of(p) or ()):
+            by_gpu.setdefault((p.host, gpu), []).append(p)
+    for (_, gpu), on in by_gpu.items():
+        shares = [_memory_share(p) for p in on]
+        if len(on) > 1 and all(s is not None for s in shares) and sum(shares) > 1.0:  # type: ignore[arg-type]
+            problems.append(Problem(
+                ", ".join(p.plan.name for p in on),
+                f"share GPU {gpu} with --gpu-memory-utilization adding up to {sum(shares):.2f}",  # type: ignore[arg-type]
+                "lower each engine's --gpu-memory-utilization so that together they are at most 0.95"))
+    return problems
+
+
 def preflight(parts: list[Part], bootstrap_urls: Sequence[str] = (), *, reserved: Sequence[PortUse] = ()) -> list[Problem]:
     """Every pre-flight problem of `parts` (and of the `reserved` ports of engines `[autoscale]` may add), in start
     order; empty when all is well."""
-    return (check_ports(parts, reserved) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts) + check_cma(parts)
-            + check_bootstraps(list(bootstrap_urls)))
+    return (check_ports(parts, reserved) + check_connector(parts) + check_vllm_release(parts) + check_engines(parts)
+            + check_gpu_shares(parts) + check_cma(parts) + check_bootstraps(list(bootstrap_urls)))
 
 
 def shared_cores(parts: list[Part]) -> list[str]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pdkv.connector.config import NO_EXTENSIBLE_KV_CACHE
 from pdkv.deploy.topology import Part
 
-__all__ = ["measures_kv_cache", "start_stages"]
+__all__ = ["gpus_of", "measures_kv_cache", "share_gpu", "start_stages"]
 
 _FIRST = {"bootstrap": 0, "prefill": 1, "decode": 1}
 
@@ -28,16 +28,17 @@ def measures_kv_cache(part: Part, extensible_release: bool) -> bool:
     return not any(a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE for a in spec.extra_args)
 
 
-def _gpus(part: Part) -> frozenset[str] | None:
-    """The GPUs an engine uses (its `gpu` list), None for all of the host's."""
+def gpus_of(part: Part) -> frozenset[str] | None:
+    """The GPUs an engine on a GPU uses (its `gpu` list), None for all of the host's."""
     gpu = part.spec.gpu if part.spec else None
     return None if gpu is None else frozenset(g.strip() for g in gpu.split(",") if g.strip())
 
 
-def _share(a: Part, b: Part) -> bool:
-    if a.host != b.host:
+def share_gpu(a: Part, b: Part) -> bool:
+    """Whether two engines on GPUs of one host use a GPU in common."""
+    if a.host != b.host or a.spec is None or b.spec is None or "gpu" != a.spec.platform or "gpu" != b.spec.platform:
         return False
-    ga, gb = _gpus(a), _gpus(b)
+    ga, gb = gpus_of(a), gpus_of(b)
     return ga is None or gb is None or bool(ga & gb)
 
 
@@ -51,7 +52,7 @@ def start_stages(parts: Sequence[Part], extensible_release: bool) -> list[int]:
         stage = _FIRST[part.kind] if part.kind in _FIRST else 0
         if part.kind in ("prefill", "decode"):
             after = [stages[j] + 1 for j in range(i)
-                     if parts[j].kind in ("prefill", "decode") and (measured[i] or measured[j]) and _share(part, parts[j])]
+                     if parts[j].kind in ("prefill", "decode") and (measured[i] or measured[j]) and share_gpu(part, parts[j])]
             stage = max([stage, *after])
         stages.append(stage)
     last_engine = max((s for p, s in zip(parts, stages, strict=True) if p.kind in ("prefill", "decode")), default=1)

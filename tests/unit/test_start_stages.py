@@ -52,3 +52,20 @@ def test_cpu_engines_always_start_together():
     parts = _parts([{"port": 8100}], [{"port": 8200}], platform="cpu")
     assert not any(measures_kv_cache(p, True) for p in parts)
     assert sorted(s for p, s in zip(parts, start_stages(parts, True), strict=True) if p.kind in ("prefill", "decode")) == [1, 1]
+
+
+def test_preflight_wants_a_memory_share_for_each_engine_on_a_shared_gpu():
+    from pdkv.deploy.preflight import check_gpu_shares
+
+    unset = _parts([{"port": 8100, "gpu": "0"}], [{"port": 8200, "gpu": "0", "extra_args": ["--gpu-memory-utilization", "0.4"]}])
+    [problem] = check_gpu_shares(unset)
+    assert "prefill-0 takes vLLM's default share" in problem.what and "--gpu-memory-utilization" in problem.fix
+    too_much = _parts([{"port": 8100, "gpu": "0", "extra_args": ["--gpu-memory-utilization=0.6"]}],
+                      [{"port": 8200, "gpu": "0,1", "tp": 2, "extra_args": ["--gpu-memory-utilization", "0.5"]}])
+    [problem] = check_gpu_shares(too_much)
+    assert "GPU 0" in problem.what and "1.10" in problem.what
+    fine = _parts([{"port": 8100, "gpu": "0", "extra_args": ["--gpu-memory-utilization", "0.45"]}],
+                  [{"port": 8200, "gpu": "0", "extra_args": ["--gpu-memory-utilization", "0.45"]}])
+    apart = _parts([{"port": 8100, "gpu": "0"}], [{"port": 8200, "gpu": "1"}])
+    assert check_gpu_shares(fine) == [] and check_gpu_shares(apart) == []
+    assert check_gpu_shares(_parts([{"port": 8100}], [{"port": 8200}], platform="cpu")) == []
