@@ -46,7 +46,9 @@ DECODE_SCHEDULING = os.environ.get("PDKV_GPU_DECODE_SCHEDULING", "async")
 # 0.34's extensible KV cache (which a fixed size turns off), "extensible": a share of the GPU each
 # (--gpu-memory-utilization KV_SHARE), the cache committed after warm-up from what that share leaves.
 KV_SIZING = os.environ.get("PDKV_GPU_KV", "fixed")
-KV_SHARE = 0.15  # chosen, not yet run: 6 x 0.15 x 141 GiB leaves each engine its 15.3 GiB of weights and a few GiB of KV
+# Each engine's share of the GPU under "extensible" (PDKV_GPU_KV_SHARE): 6 x 0.15 x 141 GiB (an H200) leaves each
+# engine its 15.3 GiB of weights and a few GiB of KV; four engines on an 80 GB H100 fit at 0.22.
+KV_SHARE = float(os.environ.get("PDKV_GPU_KV_SHARE", "0.15"))
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
