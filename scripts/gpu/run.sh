@@ -21,6 +21,7 @@
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
 #           before is ready, as vLLM 0.34 measures each engine's KV cache from the memory free after its warm-up).
+#   PREPARE_ONLY=1  unpack and write the weights, then stop.
 #   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
 #           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
 #   VLLM    0.26 (the default) or 0.34: which vLLM runs (0.34: BUNDLE_DIR/vllm-0.34 from `VLLM=0.34 pack.sh`,
@@ -96,6 +97,7 @@ if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if h
         || { say "model: writing the weights failed"; exit 3; }
 fi
 say "model ready ($(elapsed))"
+[ "${PREPARE_ONLY:-0}" = 1 ] && exit 0  # unpack and weights only (a command of its own where each is bounded)
 
 FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
