@@ -1,11 +1,12 @@
-"""P/D TTFT and handover on one GPU host, side by side in one run: pdkv's connector over CUDA IPC and over Mooncake
-tcp against vLLM's MooncakeConnector over Mooncake tcp, each a running 1P1D of tests/gpu/deployments.py.
+"""P/D TTFT and handover on one GPU host, side by side in one run: pdkv's connector over CUDA IPC, over its own TCP
+(socket) or over Mooncake tcp against vLLM's MooncakeConnector over Mooncake tcp, each a running 1P1D of
+tests/gpu/deployments.py (those its ACTIVE names; the MooncakeConnector's among them).
 
 For each round, in an order that rotates, each deployment serves one fresh (uncached) prompt through pdkv's
 proxy (P/D TTFT: P and D dispatched together, as users run it) and P alone serves another fresh prompt of the
 same length (P's TTFT). The handover is the P/D TTFT minus P alone's: what disaggregation costs on that path.
 Ratios against vLLM's MooncakeConnector are given per round (median) and of the medians. Then `pdkv trace` of
-the seed's request (1,000-token prompt, 128 output tokens) on pdkv's two deployments: the TTFT decomposition.
+the seed's request (1,000-token prompt, 128 output tokens) on pdkv's deployments: the TTFT decomposition.
 
 Run: python benchmarks/gpu_pd.py [--rounds 10] [--prompt-tokens 1000] [--json FILE]   (scripts/gpu/run.sh runs it)
 """
@@ -24,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.gpu.deployments import NAMES, urls  # noqa: E402
+from tests.gpu.deployments import ACTIVE, urls  # noqa: E402
 
 SERVED = "qwen3-8b-random"
 VOCAB = 151936
@@ -55,14 +56,16 @@ def main() -> int:
     ap.add_argument("--traces", type=int, default=5, help="seed requests traced per pdkv deployment")
     ap.add_argument("--json", type=Path, help="write every sample and the summary here")
     args = ap.parse_args()
+    if BASELINE not in ACTIVE:
+        ap.error(f"the ratios are to {BASELINE}: name it in PDKV_GPU_DEPLOYMENTS (now {' '.join(ACTIVE)})")
     rng = random.Random(20261203)
 
     def fresh() -> list[int]:
         return [rng.randrange(VOCAB) for _ in range(args.prompt_tokens)]
 
-    samples: dict[str, dict[str, list[float]]] = {n: {"pd": [], "p_alone": []} for n in NAMES}
+    samples: dict[str, dict[str, list[float]]] = {n: {"pd": [], "p_alone": []} for n in ACTIVE}
     for r in range(args.rounds + 1):
-        order = NAMES[r % len(NAMES):] + NAMES[: r % len(NAMES)]
+        order = ACTIVE[r % len(ACTIVE):] + ACTIVE[: r % len(ACTIVE)]
         for name in order:
             u = urls(name)
             pd, alone = ttft_ms(u.proxy, fresh(), args.max_tokens), ttft_ms(u.prefill, fresh(), args.max_tokens)
@@ -72,20 +75,20 @@ def main() -> int:
         print(f"round {r}/{args.rounds} done", file=sys.stderr)
 
     summary: dict[str, dict] = {}
-    for name in NAMES:
+    for name in ACTIVE:
         s = samples[name]
         handover = [a - b for a, b in zip(s["pd"], s["p_alone"], strict=True)]
         summary[name] = {"pd_ttft_ms": statistics.median(s["pd"]), "p_alone_ttft_ms": statistics.median(s["p_alone"]),
                          "handover_ms": statistics.median(handover), "pd_min_ms": min(s["pd"]), "pd_max_ms": max(s["pd"])}
     base = samples[BASELINE]["pd"]
-    for name in NAMES:
+    for name in ACTIVE:
         per_round = [a / b for a, b in zip(samples[name]["pd"], base, strict=True)]
         summary[name]["ratio_of_medians"] = summary[name]["pd_ttft_ms"] / summary[BASELINE]["pd_ttft_ms"]
         summary[name]["median_round_ratio"] = statistics.median(per_round)
 
     print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts, {args.rounds} rounds (median; ratio to {BASELINE})")
     print(f"{'deployment':14} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
-    for name in NAMES:
+    for name in ACTIVE:
         s = summary[name]
         print(f"{name:14} {s['pd_ttft_ms']:8.1f}ms {s['p_alone_ttft_ms']:7.1f}ms {s['handover_ms']:7.1f}ms "
               f"{s['ratio_of_medians']:7.2f} {s['median_round_ratio']:10.2f}")
@@ -94,7 +97,7 @@ def main() -> int:
     from pdkv.trace import run_trace
     from pdkv.trace.assemble import summarize
 
-    for name in (n for n in NAMES if n.startswith("pdkv")):
+    for name in (n for n in ACTIVE if n.startswith("pdkv")):
         got = [run_trace(urls(name).proxy, prompt=" ".join(f"t{i}" for i in fresh()), max_tokens=128) for _ in range(args.traces)]
         summ = summarize(got)
         phases = {p.name: p.p50_ms for p in summ.phases}

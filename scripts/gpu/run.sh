@@ -103,6 +103,7 @@ FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
 PIDS=()
 DEPLOYMENTS="${DEPLOYMENTS:-pdkv-ipc pdkv-tcp mooncake-tcp}"
+export PDKV_GPU_DEPLOYMENTS="$DEPLOYMENTS"
 N=$(echo $DEPLOYMENTS | wc -w)
 stop_all() {
     for pid in "${PIDS[@]}"; do kill -INT -- "-$pid" 2>/dev/null; done

@@ -1,8 +1,10 @@
 """The GPU tier's deployments: 1P1D on GPU 0 (P and D share it), started by `pdkv up -f` from files written here.
 
-Three deployments, one per connector/transport a one-host GPU user would pick: pdkv's connector over CUDA IPC
-(`pdkv-ipc`), pdkv's connector over Mooncake tcp (`pdkv-tcp`) and vLLM's MooncakeConnector over Mooncake tcp
-(`mooncake-tcp`). Each file says how its two engines share the GPU: a fixed KV cache size
+Four deployments, one per connector/transport a GPU user would pick: pdkv's connector over CUDA IPC (`pdkv-ipc`),
+over its own TCP connections (`pdkv-socket`, what hosts without RDMA use) and over Mooncake tcp (`pdkv-tcp`), and
+vLLM's MooncakeConnector over Mooncake tcp (`mooncake-tcp`). One H200 holds three at once (six engines of
+Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS (scripts/gpu/run.sh sets it from DEPLOYMENTS), else `pdkv-ipc
+pdkv-tcp mooncake-tcp`; `pdkv-socket` runs when named there. Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), CUDA graphs
 of whole decode steps without torch.compile (or, with PDKV_GPU_GRAPHS=eager, eager mode),
 FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that P alone
@@ -29,9 +31,25 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
+NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp", "pdkv-socket")
+DEFAULT_ACTIVE = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
+
+
+def active(text: str | None = None) -> tuple[str, ...]:
+    """The deployments started and tested: PDKV_GPU_DEPLOYMENTS (names, space or comma separated), else DEFAULT_ACTIVE."""
+    text = os.environ.get("PDKV_GPU_DEPLOYMENTS", "") if text is None else text
+    names = tuple(n for n in text.replace(",", " ").split() if n)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        raise ValueError(f"PDKV_GPU_DEPLOYMENTS names {unknown}; known: {', '.join(NAMES)}")
+    return names or DEFAULT_ACTIVE
+
+
+ACTIVE = active()
 READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
-KV_CACHE_BYTES = 4 << 30  # per engine: 29k tokens of Qwen3-8B's KV; six engines (15.3 GiB of weights each) fit one H200
+# Per engine under "fixed" (PDKV_GPU_KV_GIB, 4 by default: 29k tokens of Qwen3-8B's KV; six engines of 15.3 GiB of
+# weights each fit one H200; four fit an 80 GB H100 at 2).
+KV_CACHE_BYTES = int(float(os.environ.get("PDKV_GPU_KV_GIB", "4")) * (1 << 30))
 MAX_BATCH_TOKENS = 4096  # P's and D's tokens a forward (vLLM's --max-num-batched-tokens); the planner check's simulator too
 BLOCK_SIZE = 16
 # How the engines run their forwards: "full-decode" (the default): every step of decodes only replays a CUDA graph
@@ -68,6 +86,7 @@ PORTS = {
     "pdkv-ipc": Ports(8000, 8100, 8200, 9000, 5600),
     "pdkv-tcp": Ports(8001, 8101, 8201, 9010, 5620),
     "mooncake-tcp": Ports(8002, 8102, 8202, 9020, 5640),
+    "pdkv-socket": Ports(8003, 8103, 8203, 9030, 5660),
 }
 
 

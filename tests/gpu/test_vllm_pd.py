@@ -99,11 +99,11 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, deps
         pytest.skip("PDKV_GPU_MODEL names no model folder (pdkv model random DIR --config ...; scripts/gpu/run.sh writes one)")
     pytest.importorskip("vllm")
     if os.environ.get("PDKV_GPU_UP"):
-        yield {name: deps.attach(name) for name in deps.NAMES}
+        yield {name: deps.attach(name) for name in deps.ACTIVE}
         return
     folder = tmp_path_factory.mktemp("gpu-deployments")
     files = deps.write_files(MODEL, folder)
-    runs = [deps.start(name, files[name], folder / f"{name}.stderr") for name in deps.NAMES]
+    runs = [deps.start(name, files[name], folder / f"{name}.stderr") for name in deps.ACTIVE]
     try:
         deps.wait_ready(runs)
         yield {r.name: r for r in runs}
@@ -112,7 +112,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, deps
             deps.stop(r)
 
 
-@pytest.fixture(params=deps.NAMES)
+@pytest.fixture(params=deps.ACTIVE)
 def dep(request: pytest.FixtureRequest, running: dict[str, deps.Running]) -> deps.Running:
     return running[request.param]
 
@@ -185,7 +185,7 @@ def _kill_engine(url: str) -> list[int]:
     return [p.pid for p in victims]
 
 
-@pytest.mark.parametrize("name", ["pdkv-ipc", "pdkv-tcp"])
+@pytest.mark.parametrize("name", [n for n in deps.ACTIVE if n.startswith("pdkv-")])
 def test_p_killed_under_load_every_request_answered(running: dict[str, deps.Running], name: str) -> None:
     dep = running[name]
     cases = [(prompt_ids(600 + 37 * i, seed=9100 + i), 24) for i in range(16)]
