@@ -78,11 +78,11 @@ class ProxyClient:
                                       timeout=self.timeout if timeout is None else timeout)  # fmt: skip
         except httpx.TimeoutException as exc:
             if timeout is None:  # a short call: the proxy is not answering
-                raise UnreachableError(f"proxy {self.url} did not answer {method} {path} within {self.timeout:g} s",
+                raise UnreachableError(f"proxy {self.url} did not answer {method} {path} within {self.timeout:g} s (unreachable)",
                                        hint=_HINT) from exc
             raise TimeoutError_(f"no answer through {self.url} within {timeout:g} s") from None
         except httpx.HTTPError as exc:
-            raise UnreachableError(f"proxy {self.url} did not answer {method} {path}: {type(exc).__name__}: {exc}",
+            raise UnreachableError(f"proxy {self.url} did not answer {method} {path} (unreachable: {type(exc).__name__}: {exc})",
                                    hint=_HINT) from None
 
     def _ok(self, method: str, path: str, r: httpx.Response, *, whole: bool = False) -> bytes:
