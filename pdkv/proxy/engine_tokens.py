@@ -1,4 +1,4 @@
-"""The proxy's client of a vLLM engine's `/tokenize`: a request's prompt as the engine's token ids.
+"""A request's prompt as the engine's token ids, from its `/tokenize` (pdkv.engine_api over the backend's pool).
 
 The chat template is applied by the engine itself (the same code, the same tokenizer), so the ids are those its
 scheduler will hash into block keys. A batch of prompts, an answer that is not 200, or one without `tokens`
