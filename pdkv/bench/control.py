@@ -14,7 +14,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from pdkv.errors import PdkvError, RemoteError, UnreachableError
+from pdkv.errors import PdkvError, RemoteError, StartError, UnreachableError
+from pdkv.peer_address import advertised_address
 from pdkv.protocol import Address, BlockCount, IpcExport, Length, check_span
 from pdkv.transport.base import Region
 
@@ -98,7 +99,6 @@ class BenchTarget:
         import zmq
 
         from pdkv.bench.memory import parse_device
-        from pdkv.errors import StartError
         from pdkv.transport import open_transport
 
         self.dst = parse_device(dst)
@@ -254,11 +254,10 @@ class TargetClient:
 
 
 def _primary_address() -> str:
-    import socket
-
+    """The address `pdkv up` would advertise (pdkv.peer_address); loopback on a host with none."""
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
+        return advertised_address()
+    except StartError:
         return "127.0.0.1"
 
 

@@ -5,13 +5,13 @@ and default of an option lives here once.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 
 from pdkv.bench.layout import expand_layouts, parse_sweep
 from pdkv.bench.runner import BenchSpec, settings_from_env
-from pdkv.errors import UsageError
+from pdkv.errors import StartError, UsageError
 from pdkv.geometry import geometry_from_options, parse_tp_pair
+from pdkv.peer_address import advertised_address
 
 
 def parse_settings(items: Sequence[str]) -> dict[str, str]:
@@ -26,13 +26,11 @@ def parse_settings(items: Sequence[str]) -> dict[str, str]:
 
 
 def address_towards(target: str) -> str:
-    """This host's address on the route to `target` (UDP connect sends nothing)."""
-    host = target.rsplit(":", 1)[0].strip("[]")
+    """This host's address for the server at `target` (HOST:PORT) to reach (pdkv.peer_address, towards it);
+    loopback on a host with none."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))
-            return s.getsockname()[0]
-    except OSError:
+        return advertised_address(towards=target.rsplit(":", 1)[0].strip("[]"))
+    except StartError:
         return "127.0.0.1"
 
 

@@ -247,11 +247,11 @@ def proxy(
         for col in ("role", "url", "up", "detail"):
             table.add_column(col)
         for b in backends:
-            detail = b["reason"]
-            if b["role"] == "prefill":
-                engines = ", ".join(f"dp{k}={v}" for k, v in b["engines"].items())
-                detail = f"bootstrap {b['bootstrap']}" + (f"; {engines}" if engines else f"; {b['reason']}")
-            table.add_row(b["role"], b["url"], "yes" if b["up"] else "no", detail)
+            detail = b.reason
+            if b.role == "prefill":
+                engines = ", ".join(f"dp{k}={v}" for k, v in (b.engines or {}).items())
+                detail = f"bootstrap {b.bootstrap}" + (f"; {engines}" if engines else f"; {b.reason}")
+            table.add_row(b.role, b.url, "yes" if b.up else "no", detail)
         console.print(table)
         if ready:
             console.print(f"ready: {url}/v1/completions")

@@ -56,7 +56,7 @@ def _render(report: Any) -> Group:
         errors = ", ".join(f"{cause} {n}" for cause, n in sorted(px.errors.items())) or "none"
         blocks.append(Text(f"proxy {px.url}: {px.requests} requests answered; in flight: {flight}; errors: {errors}"))
         for e in px.recent_errors:
-            what = f"{e.get('request_id', '?')} {e.get('error', '?')} (status {e.get('status', '?')})"
+            what = f"{e.request_id} {e.error or '?'} (status {e.status if e.status is not None else '?'})"
             blocks.append(Text(f"  recent error: {what}", style="red"))
     return Group(*blocks)
 

@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -43,11 +43,12 @@ from pdkv.deploy.ports import Role, allocate_ports
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.scaling import RetryBackoff, added_entry, added_slot_parts, scale_steps
 from pdkv.deploy.schema import Deployment
-from pdkv.deploy.status import parse_prometheus
 from pdkv.deploy.supervisor import RUNNING, Supervisor
 from pdkv.deploy.topology import Part
 from pdkv.deploy.vllm_logging import with_vllm_logging
-from pdkv.errors import PdkvError, StartError
+from pdkv.engine_api import EngineClient
+from pdkv.errors import PdkvError, RemoteError, StartError, UnreachableError
+from pdkv.proxy_api import DrainAnswer, PlannerView, ProxyClient
 
 log = logging.getLogger("pdkv.deploy")
 
@@ -107,10 +108,10 @@ class Autoscaler:
             self.slots[role] = [Slot(role, i, ([boots[f"bootstrap-{i}"]] if f"bootstrap-{i}" in boots else []) + [e])
                                 for i, e in enumerate(engines)]
         self.desired: dict[str, int] | None = None
-        self.view: dict[str, Any] | None = None
+        self.view: PlannerView | None = None
         self._next_poll = 0.0
         self.backoff: dict[Role, RetryBackoff] = {role: RetryBackoff() for role in ROLES}
-        self._client: Any = None
+        self._client: ProxyClient | None = None
 
     # --- the loop
     def tick(self) -> None:
@@ -124,12 +125,16 @@ class Autoscaler:
         if now < self._next_poll:
             return
         self._next_poll = now + self.auto.interval_s
-        view = self._get("/pdkv/planner")
-        if not isinstance(view, dict) or not isinstance(view.get("desired"), dict):
+        try:
+            view = self._proxy().planner()
+        except (UnreachableError, RemoteError) as exc:  # the engines keep serving; the next tick asks again
+            log.debug("autoscale: no planner view: %s", exc)
             return
-        self.view, self.desired = view, view["desired"]
+        if view.desired is None:
+            return
+        self.view, self.desired = view, {"prefill": view.desired.prefill, "decode": view.desired.decode}
         for role in ROLES:
-            self.apply(role, int(view["desired"][role]), now)
+            self.apply(role, self.desired[role], now)
 
     def active(self, role: Role) -> list[Slot]:
         return [s for s in self.slots[role] if s.state == "active"]
@@ -223,16 +228,16 @@ class Autoscaler:
             return
         slot.state, slot.drain_since = "draining", now
         answer = self._post_drain(slot.url, True)
-        n = answer.get("in_flight") if isinstance(answer, dict) else None
+        n = answer.in_flight if isinstance(answer, DrainAnswer) else None
         self._emit("draining", slot.role, slot.engine.plan.name, f"draining {slot.engine.plan.name}: no new requests, "
                    f"{n if n is not None else 'its'} request(s) in flight finish first; the planner asks for {desired}", desired, n)
         self._drain_step(slot, now)
 
     def _drain_step(self, slot: Slot, now: float) -> None:
         answer = self._post_drain(slot.url, True)
-        n = answer.get("in_flight") if isinstance(answer, dict) else None
+        n = answer.in_flight if isinstance(answer, DrainAnswer) else None
         desired = (self.desired or {}).get(slot.role, 0)
-        if isinstance(answer, dict) and answer.get("_status") == 404:
+        if answer == "unknown":
             self._stop(slot, desired, 0, "the proxy does not route to it")
         elif n == 0 and self._engine_idle(slot.url):
             self._stop(slot, desired, 0, "its requests finished")
@@ -261,48 +266,27 @@ class Autoscaler:
         except Exception:  # reporting must not stop scaling
             log.exception("scale event report failed")
 
-    def _http(self) -> Any:
+    def _proxy(self) -> ProxyClient:
         if self._client is None:
-            import httpx
-
-            from pdkv.proxy.guard import admin_headers
-
-            self._client = httpx.Client(timeout=2.0, headers=admin_headers())
+            self._client = ProxyClient(self.proxy_url, timeout=2.0)
         return self._client
-
-    def _get(self, path: str) -> Any:
-        import httpx
-
-        try:
-            r = self._http().get(self.proxy_url + path)
-            return r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
 
     def _engine_idle(self, url: str) -> bool:
         """Whether the engine itself runs and queues nothing (vllm:num_requests_running and _waiting on its /metrics):
         the proxy's count ends with the client's answer, an engine's own work may trail it. True when unreadable."""
-        import httpx
-
         try:
-            text = self._http().get(url + "/metrics").text
-        except httpx.HTTPError:
+            with EngineClient(url, timeout=2.0) as engine:
+                return engine.load().requests == 0
+        except (UnreachableError, RemoteError):
             return True
-        busy = [v for name, _, v in parse_prometheus(text) if name in ("vllm:num_requests_running", "vllm:num_requests_waiting")]
-        return sum(busy) == 0
 
-    def _post_drain(self, url: str, on: bool) -> dict[str, Any] | None:
-        import httpx
-
+    def _post_drain(self, url: str, on: bool) -> DrainAnswer | Literal["unknown"] | None:
+        """The proxy's answer; "unknown" when it has no backend at `url` (404), None when it did not answer."""
         try:
-            r = self._http().post(self.proxy_url + "/pdkv/drain", json={"url": url, "draining": on})
-        except httpx.HTTPError:
-            return None
-        if r.status_code == 404:
-            return {"_status": 404}
-        try:
-            return r.json() if r.status_code == 200 else None
-        except ValueError:
+            return self._proxy().drain(url, on)
+        except RemoteError as exc:
+            return "unknown" if exc.status == 404 else None
+        except UnreachableError:
             return None
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, ipc_handles_for
-from pdkv.errors import StartError, UsageError
+from pdkv.errors import UsageError
+from pdkv.peer_address import advertised_address
 from pdkv.transport import TransportName
 
 Role = Literal["prefill", "decode", "none"]
@@ -133,28 +134,6 @@ def vllm_console_script_works() -> bool:
     return True
 
 
-def routable_ip() -> str:
-    """A non-loopback IPv4 address of an interface that is up (no packets are sent)."""
-    import ipaddress
-
-    import psutil
-
-    stats = psutil.net_if_stats()
-    for name, addrs in sorted(psutil.net_if_addrs().items()):
-        if name in stats and not stats[name].isup:
-            continue
-        for addr in addrs:
-            if addr.family.name != "AF_INET":
-                continue
-            ip = ipaddress.ip_address(addr.address)
-            if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
-                return addr.address
-    raise StartError(
-        "this host has no routable IPv4 address for its peers to reach",
-        hint="pass --host-ip ADDRESS (127.0.0.1 only if every part runs on this host)",
-    )
-
-
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     """vLLM's --kv-transfer-config for `spec`, or None for a colocated engine."""
     if spec.role == "none":
@@ -187,7 +166,7 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     if spec.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = spec.gpu
     if spec.role != "none":
-        env["VLLM_HOST_IP"] = spec.host_ip or routable_ip()
+        env["VLLM_HOST_IP"] = spec.host_ip or advertised_address()
         if spec.bootstrap_port is not None:
             env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(spec.bootstrap_port)
     elif spec.host_ip:

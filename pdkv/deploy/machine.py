@@ -6,6 +6,8 @@ import glob
 import os
 import shutil
 
+from pdkv import peer_address
+
 
 def gpu_count() -> int:
     """How many NVIDIA GPUs this host shows, without starting CUDA."""
@@ -33,9 +35,5 @@ def rdma_devices() -> list[str]:
 
 
 def local_addresses() -> list[str]:
-    """Every address of this machine's interfaces (in its network namespace)."""
-    import socket
-
-    import psutil
-
-    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+    """Every address of this machine's interfaces (in its network namespace): pdkv.peer_address's table."""
+    return peer_address.local_addresses()

@@ -18,7 +18,7 @@ from pdkv.deploy.machine import numa_nodes
 from pdkv.deploy.ports import PortUse, distinct_per_host
 from pdkv.deploy.stages import gpus_of, share_gpu
 from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
-from pdkv.errors import ConfigError, TransferError
+from pdkv.errors import ConfigError, RemoteError, TransferError, UnreachableError
 from pdkv.tp_heads import rank_heads
 
 SHIM_FOLDER = "cpu_accelerator"  # tests/shims/cpu_accelerator: a test-only fake accelerator index for vLLM's connector
@@ -252,24 +252,24 @@ def _head_split(pair: str, p_tp: int, d_tp: int, config: dict[str, Any] | None) 
 
 def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
     """Each external bootstrap answers GET /query within `timeout`."""
-    import httpx
+    from pdkv.bootstrap.client import BootstrapClient, normalize_url
 
     problems = []
     for url in urls:
-        base = url if "://" in url else f"http://{url}"
+        base = normalize_url(url)
         try:
-            r = httpx.get(base.rstrip("/") + "/query", timeout=timeout)
-            r.raise_for_status()
-        except httpx.HTTPStatusError as exc:
+            with BootstrapClient(base, timeout=timeout, retries=0) as bs:
+                bs.query()
+        except RemoteError as exc:
             problems.append(Problem(
                 "bootstrap",
-                f"{base} answered {exc.response.status_code} to GET /query",
+                f"{base} answered {exc.status if exc.status is not None else 'something else'} to GET /query",
                 "point at a Mooncake bootstrap server (pdkv bootstrap)",
             ))
-        except httpx.HTTPError as exc:
+        except UnreachableError as exc:
             problems.append(Problem(
                 "bootstrap",
-                f"{base} is unreachable ({type(exc).__name__})",
+                f"{base} is unreachable ({exc.message})",
                 "start it (pdkv bootstrap --port PORT) or fix the bootstrap URL",
             ))
     return problems

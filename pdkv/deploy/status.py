@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
+from pdkv.bootstrap.client import BootstrapClient
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.topology import deployment_parts
+from pdkv.engine_api import EngineClient
+from pdkv.errors import RemoteError, UnreachableError
+from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyClient, ProxyHealth
 
 
 class PartHealth(msgspec.Struct, frozen=True):
@@ -34,7 +38,7 @@ class ProxyFigures(msgspec.Struct, frozen=True):
     in_flight: dict[str, int]
     requests: int
     errors: dict[str, int]
-    recent_errors: list[dict[str, Any]]
+    recent_errors: list[ProxyTiming]
 
 
 class StatusReport(msgspec.Struct, frozen=True):
@@ -45,37 +49,6 @@ class StatusReport(msgspec.Struct, frozen=True):
     @property
     def ok(self) -> bool:
         return all(p.up for p in self.parts)
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample in Prometheus text exposition, by prometheus_client's parser.
-
-    Text the parser cannot read ends the list there: the metric families before it are kept.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: list[tuple[str, dict[str, str], float]] = []
-    try:
-        for family in text_string_to_metric_families(text):
-            out.extend((s.name, dict(s.labels), float(s.value)) for s in family.samples)
-    except ValueError:
-        pass
-    return out
-
-
-def _get(client: Any, url: str, headers: dict[str, str] | None = None) -> tuple[int | None, Any, str]:
-    """(status, parsed JSON or text, error) of GET url; status None when unreachable."""
-    import httpx
-
-    try:
-        r = client.get(url, headers=headers)
-    except httpx.HTTPError as exc:
-        return None, None, f"unreachable ({type(exc).__name__})"
-    try:
-        body = r.json()
-    except ValueError:
-        body = r.text
-    return r.status_code, body, ""
 
 
 def status_targets(dep: Deployment) -> tuple[list[tuple[str, str, str]], list[str], str | None]:
@@ -96,63 +69,76 @@ def collect_status(
     *, proxy_url: str | None = None, targets: Sequence[tuple[str, str, str]] = (), bootstraps: Sequence[str] = (), timeout: float = 2.0,
     hosts: dict[str, str] | None = None, admin_key: str | None = None,
 ) -> StatusReport:
-    """Poll every part's /health, each bootstrap's /query and the proxy's /metrics.
+    """Poll every part's /health, each bootstrap's /query and the proxy's /metrics, each through its client.
 
     Given only a proxy URL, the parts and bootstraps are those the proxy's
     /health reports. `admin_key` (default: env PDKV_ADMIN_KEY) goes to the proxy's /metrics and /pdkv/* only.
     """
-    import httpx
-
-    from pdkv.proxy.guard import admin_headers
-
-    admin = admin_headers(admin_key)
-
     targets, boots = list(targets), list(bootstraps)
     parts: list[PartHealth] = []
     figures: ProxyFigures | None = None
-    with httpx.Client(timeout=timeout) as client:
-        if proxy_url:
-            status, body, err = _get(client, proxy_url.rstrip("/") + "/health")
+    if proxy_url:
+        with ProxyClient(proxy_url, timeout=timeout, admin_key=admin_key) as proxy:
+            try:
+                health: ProxyHealth | None = proxy.health()
+                err = ""
+            except (UnreachableError, RemoteError) as exc:
+                health, err = None, exc.message
             if not any(kind == "proxy" for _, kind, _ in targets):
-                reason = err or (body.get("reason", "") if isinstance(body, dict) else "")
-                why = "" if status == 200 else reason or f"answered {status}"
-                parts.append(PartHealth("proxy", "proxy", proxy_url, status == 200, why))
-            if isinstance(body, dict) and not targets:
-                for i, b in enumerate(body.get("backends", [])):
-                    targets.append((f"{b.get('role', '?')}-{i}", str(b.get("role", "?")), str(b.get("url", ""))))
-                    if b.get("bootstrap"):
-                        boots.append(str(b["bootstrap"]))
-            figures = _proxy_figures(client, proxy_url, admin) if status is not None else None
-        for name, kind, url in targets:
-            status, body, err = _get(client, url.rstrip("/") + "/health")
-            up = status is not None and 200 <= status < 300
-            parts.append(PartHealth(name, kind, url, up, "" if up else err or f"answered {status}", host=(hosts or {}).get(name, "")))
-            if kind == "proxy" and figures is None and status is not None:
-                figures = _proxy_figures(client, url, admin)
-        registrations: list[Registration] = []
-        for boot in sorted(set(boots)):
-            status, body, _ = _get(client, boot.rstrip("/") + "/query")
-            if status == 200 and isinstance(body, dict):
-                for dp, entry in sorted(body.items()):
-                    for tp, pps in sorted((entry.get("worker_addr") or {}).items()):
-                        for pp, addr in sorted(pps.items()):
-                            registrations.append(Registration(boot, int(dp), str(entry.get("engine_id")), int(tp), int(pp), str(addr)))
+                up = health is not None and health.status == "ok"
+                parts.append(PartHealth("proxy", "proxy", proxy_url, up, "" if up else err or (health.reason if health else "")))
+            if health is not None and not targets:
+                for i, b in enumerate(health.backends):
+                    targets.append((f"{b.role}-{i}", b.role, b.url))
+                    if b.bootstrap:
+                        boots.append(str(b.bootstrap))
+            figures = _proxy_figures(proxy) if health is not None else None
+    for name, kind, url in targets:
+        up, err = _part_health(kind, url, timeout, admin_key)
+        parts.append(PartHealth(name, kind, url, up, "" if up else err, host=(hosts or {}).get(name, "")))
+        if kind == "proxy" and figures is None and up:
+            with ProxyClient(url, timeout=timeout, admin_key=admin_key) as proxy:
+                figures = _proxy_figures(proxy)
+    registrations: list[Registration] = []
+    for boot in sorted(set(boots)):
+        try:
+            with BootstrapClient(boot, timeout=timeout, retries=0) as bs:
+                engines = bs.query()
+        except (UnreachableError, RemoteError):
+            continue
+        for dp, entry in sorted(engines.items()):
+            for tp, pps in sorted(entry.worker_addr.items(), key=lambda kv: int(kv[0])):
+                for pp, addr in sorted(pps.items(), key=lambda kv: int(kv[0])):
+                    registrations.append(Registration(boot, int(dp), str(entry.engine_id), int(tp), int(pp), str(addr)))
     return StatusReport(parts=parts, registrations=registrations, proxy=figures)
 
 
-def _proxy_figures(client: Any, url: str, admin: dict[str, str] | None = None) -> ProxyFigures | None:
-    status, text, _ = _get(client, url.rstrip("/") + "/metrics", admin)
-    if status != 200 or not isinstance(text, str):
+def _part_health(kind: str, url: str, timeout: float, admin_key: str | None) -> tuple[bool, str]:
+    """(up, why not) of one part, asked through the client of its kind."""
+    if kind == "proxy":
+        with ProxyClient(url, timeout=timeout, admin_key=admin_key) as proxy:
+            try:
+                health = proxy.health()
+            except (UnreachableError, RemoteError) as exc:
+                return False, exc.message
+            return health.status == "ok", health.reason
+    if kind == "bootstrap":
+        with BootstrapClient(url, timeout=timeout, retries=0) as bs:
+            return (True, "") if bs.health() else (False, "unreachable or not healthy")
+    with EngineClient(url, timeout=timeout) as engine:
+        problem = engine.health_problem()
+        return problem is None, problem or ""
+
+
+def _proxy_figures(proxy: ProxyClient) -> ProxyFigures | None:
+    try:
+        scrape = proxy.metrics(("pdkv_proxy_outstanding_requests", "pdkv_proxy_errors_total", "pdkv_proxy_requests_total"))
+    except (UnreachableError, RemoteError):
         return None
-    in_flight: dict[str, int] = {}
-    errors: dict[str, int] = {}
-    requests = 0
-    for name, labels, value in parse_prometheus(text):
-        if name == "pdkv_proxy_outstanding_requests":
-            in_flight[labels.get("url", "?")] = int(value)
-        elif name == "pdkv_proxy_errors_total" and value:
-            errors[labels.get("cause", "?")] = int(value)
-        elif name == "pdkv_proxy_requests_total":
-            requests += int(value)
-    status, recent, _ = _get(client, url.rstrip("/") + "/pdkv/requests?errors=1&limit=5", admin)
-    return ProxyFigures(url, in_flight, requests, errors, recent if status == 200 and isinstance(recent, list) else [])
+    in_flight = {k: int(v) for k, v in scrape.by_label("pdkv_proxy_outstanding_requests", "url").items()}
+    errors = {k: int(v) for k, v in scrape.by_label("pdkv_proxy_errors_total", "cause").items() if v}
+    try:
+        recent = proxy.requests(limit=5, errors=True)
+    except (UnreachableError, RemoteError):
+        recent = []
+    return ProxyFigures(proxy.url, in_flight, int(scrape.total("pdkv_proxy_requests_total")), errors, recent)

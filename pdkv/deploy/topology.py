@@ -26,13 +26,13 @@ from pdkv.deploy.engine import (
     http_url,
     joining,
     kv_events_endpoints,
-    routable_ip,
 )
 from pdkv.deploy.fleet import host_address
 from pdkv.deploy.machine import rdma_devices
 from pdkv.deploy.ports import EngineSlot, PortPlan, PortUse, allocate_ports, engine_slots
 from pdkv.deploy.restart import RestartMode
 from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
+from pdkv.peer_address import advertised_address
 from pdkv.tinymodel import tiny_model_path
 from pdkv.transport import TransportName
 
@@ -150,7 +150,7 @@ def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
 
 def _advertised(dep: Deployment) -> str:
     """The address bootstrap URLs carry on one host: they travel to D (through the proxy), so one D can reach."""
-    return dep.host_ip or (routable_ip() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
+    return dep.host_ip or (advertised_address() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
 
 
 def bootstrap_url_of(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> str | None:

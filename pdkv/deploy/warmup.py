@@ -15,7 +15,8 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdkv.errors import StartError
+from pdkv.errors import RemoteError, StartError, TimeoutError_, UnreachableError
+from pdkv.proxy_api import ProxyClient
 
 if TYPE_CHECKING:
     from pdkv.deploy.topology import Part
@@ -41,23 +42,20 @@ def warm_up(proxy_url: str, model: str, *, requests: int = 1, timeout: float = 6
     failed, and the proxy's answer) when one fails or `timeout` seconds
     pass for one of them.
     """
-    import httpx
-
     took: list[float] = []
     body = {"model": model, "prompt": WARMUP_PROMPT, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
-    with httpx.Client(timeout=timeout, trust_env=False) as client:
+    with ProxyClient(proxy_url) as proxy:
         for i in range(requests):
             t0 = time.perf_counter()
             try:
-                r = client.post(f"{proxy_url}/v1/completions", json=body, headers={"X-Request-Id": f"pdkv-warmup-{uuid.uuid4().hex[:12]}"})
-            except httpx.TimeoutException:
+                proxy.complete(body, request_id=f"pdkv-warmup-{uuid.uuid4().hex[:12]}", timeout=timeout)
+            except TimeoutError_:
                 raise StartError(f"warm-up request {i + 1} through {proxy_url} had no answer within {timeout:g} s",
                                  hint="read the prefill and decode logs") from None
-            except httpx.HTTPError as exc:
+            except UnreachableError as exc:
                 raise StartError(f"warm-up request {i + 1} through {proxy_url} failed: {exc}", hint="read the proxy's log") from None
-            if r.status_code != 200:
-                answer = " ".join(r.text.split())[:300]
-                raise StartError(f"warm-up request {i + 1} through {proxy_url} answered {r.status_code}: {answer}",
-                                 hint="read the proxy, prefill and decode logs")
+            except RemoteError as exc:
+                raise StartError(f"warm-up request {i + 1} through {proxy_url} answered {exc.status}: {exc.message.split(': ', 1)[1]}",
+                                 hint="read the proxy, prefill and decode logs") from None
             took.append((time.perf_counter() - t0) * 1000.0)
     return took

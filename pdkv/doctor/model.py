@@ -94,7 +94,7 @@ class Host(msgspec.Struct, frozen=True):
     root: SysRoot
     env: Mapping[str, str]
     gpus: Callable[[], GpuInventory]
-    net_addrs: Callable[[], dict[str, list[str]]]
+    net_addrs: Callable[[], dict[str, list[str]]]  # the interfaces that are up -> their addresses (pdkv.peer_address)
     dmabuf: Callable[[], DmabufProbe]
 
 

@@ -1,38 +1,13 @@
-"""VLLM_HOST_IP on hosts with several addresses: the address P and D advertise to each other."""
+"""VLLM_HOST_IP on hosts with several addresses: the address P and D advertise to each other.
+
+With VLLM_HOST_IP unset the check names the very address `pdkv up` advertises (pdkv.peer_address, the one rule).
+"""
 
 from __future__ import annotations
 
-import ipaddress
-import socket
-
 from pdkv.doctor.model import CheckResult, DoctorOptions, Host, Status
-
-
-def local_addresses() -> dict[str, list[str]]:
-    """Interface name -> its IPv4 and IPv6 addresses (without %scope), as psutil lists them."""
-    import psutil
-
-    return {
-        name: [a.address.split("%", 1)[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
-        for name, addrs in psutil.net_if_addrs().items()
-    }
-
-
-def advertised_candidates(addrs: dict[str, list[str]]) -> list[tuple[str, str]]:
-    """(interface, address) pairs vLLM could pick for itself: non-loopback IPv4, else global IPv6."""
-    parsed = [(iface, ipaddress.ip_address(a)) for iface, items in addrs.items() for a in items if _parses(a)]
-    v4 = [(i, str(ip)) for i, ip in parsed if ip.version == 4 and not ip.is_loopback]
-    if v4:
-        return v4
-    return [(i, str(ip)) for i, ip in parsed if ip.version == 6 and not ip.is_loopback and not ip.is_link_local]
-
-
-def _parses(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
+from pdkv.errors import StartError
+from pdkv.peer_address import advertised_candidates, choose_address, local_addresses, parse_ip
 
 
 def check_vllm_host_ip(host: Host, options: DoctorOptions) -> CheckResult:
@@ -45,10 +20,10 @@ def check_vllm_host_ip(host: Host, options: DoctorOptions) -> CheckResult:
     listed = ", ".join(f"{a} ({i})" for i, a in candidates) or "none"
     value = host.env.get("VLLM_HOST_IP", "").strip()
     if value:
-        if not _parses(value):
+        if parse_ip(value) is None:
             return CheckResult(name, Status.FAIL, f"VLLM_HOST_IP={value} is not an IP address", f"set VLLM_HOST_IP to one of: {listed}")
-        wanted = ipaddress.ip_address(value)
-        owner = next((i for i, items in addrs.items() for a in items if _parses(a) and ipaddress.ip_address(a) == wanted), None)
+        wanted = parse_ip(value)
+        owner = next((i for i, items in addrs.items() for a in items if parse_ip(a) == wanted), None)
         if owner is None:
             return CheckResult(
                 name,
@@ -57,14 +32,21 @@ def check_vllm_host_ip(host: Host, options: DoctorOptions) -> CheckResult:
                 f"set VLLM_HOST_IP to this host's address on the network P and D share: {listed}",
             )
         return CheckResult(name, Status.PASS, f"VLLM_HOST_IP={value} is on {owner}")
+    try:
+        chosen = choose_address(addrs)
+    except StartError as exc:
+        return CheckResult(name, Status.WARN, f"VLLM_HOST_IP unset and {exc.message}; `pdkv up` would stop there",
+                           "pass --host-ip (or host_ip in the deployment file) on a host whose peers are elsewhere")
+    where = next(i for i, a in candidates if a == chosen)
     if len(candidates) > 1:
         return CheckResult(
             name,
             Status.WARN,
-            f"VLLM_HOST_IP unset on a host with several addresses: {listed}; vLLM advertises the default route's",
-            "export VLLM_HOST_IP=<this host's address on the network P and D share> before starting vLLM",
+            f"VLLM_HOST_IP unset on a host with several addresses: {listed}; `pdkv up` advertises {chosen} ({where})",
+            "export VLLM_HOST_IP=<this host's address on the network P and D share> (or pass `pdkv up --host-ip`) "
+            "if that is not the one",
         )
-    return CheckResult(name, Status.PASS, f"VLLM_HOST_IP unset; one candidate address: {listed}")
+    return CheckResult(name, Status.PASS, f"VLLM_HOST_IP unset; `pdkv up` advertises {chosen} ({where}), the one candidate")
 
 
 def check_deployment_key(host: Host, options: DoctorOptions) -> CheckResult:
@@ -76,10 +58,11 @@ def check_deployment_key(host: Host, options: DoctorOptions) -> CheckResult:
         return CheckResult(name, Status.PASS, f"{TOKEN_ENV} is set: side-channel frames are sealed, bootstrap writes need it")
     value = host.env.get("VLLM_HOST_IP", "").strip()
     if value:
-        exposed = not (_parses(value) and ipaddress.ip_address(value).is_loopback)
+        exposed = not ((ip := parse_ip(value)) is not None and ip.is_loopback)
     else:  # vLLM advertises, and P's in-worker bootstrap listens on, the host's own addresses
         try:
-            exposed = bool(advertised_candidates(host.net_addrs()))
+            exposed = any((ip := parse_ip(a)) is not None and not (ip.is_loopback or ip.is_link_local)
+                          for a in local_addresses(host.net_addrs()))
         except Exception:  # noqa: BLE001 - no address list: assume the host is on a network
             exposed = True
     if exposed:

@@ -16,10 +16,11 @@ from pdkv.doctor.cma import check_cma
 from pdkv.doctor.gpu import check_gpu_nic_numa, check_gpudirect_rdma, check_gpus, cuda_dmabuf_probe, nvml_gpus, once
 from pdkv.doctor.host import check_alloc_conf, check_mc_env, check_memlock, check_ports
 from pdkv.doctor.model import STATUS_ORDER, Check, CheckResult, DoctorOptions, DoctorReport, Host, Status
-from pdkv.doctor.network import check_deployment_key, check_vllm_host_ip, local_addresses
+from pdkv.doctor.network import check_deployment_key, check_vllm_host_ip
 from pdkv.doctor.rdma import check_rdma_device, check_rdma_devices, check_roce_gid, check_uverbs
 from pdkv.doctor.software import check_mooncake, check_vllm
 from pdkv.doctor.sysroot import SysRoot
+from pdkv.peer_address import interface_addresses
 
 # In the order they are run and, within one status, listed.
 CHECKS: tuple[Check, ...] = (
@@ -108,7 +109,7 @@ def local_host(root: str | None = None, env: Mapping[str, str] | None = None) ->
         root=SysRoot(root if root is not None else environ.get("PDKV_SYS_ROOT", "/")),
         env=environ,
         gpus=once(nvml_gpus),
-        net_addrs=local_addresses,
+        net_addrs=interface_addresses,
         dmabuf=cuda_dmabuf_probe,
     )
 

@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 
 import msgspec
 
+from pdkv.engine_api import AsyncEngineClient, EngineMetrics
 from pdkv.errors import RemoteError, UnreachableError, UsageError
 from pdkv.planner.profile import (
     PROFILE_VERSION,
@@ -132,43 +133,40 @@ class Scrape(msgspec.Struct, frozen=True):
         return (self.engine_s - before.engine_s) * 1e3, self.engine_count - before.engine_count, self.steps - before.steps
 
 
-def parse_scrape(text: str) -> Scrape:
-    """The few vLLM series a profile needs, read with prometheus_client's own parser."""
-    from prometheus_client.parser import text_string_to_metric_families
+SCRAPE_NAMES = (
+    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:inter_token_latency_seconds_sum",
+    "vllm:inter_token_latency_seconds_count", "vllm:iteration_tokens_total_count", "vllm:generation_tokens_total",
+    "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count",
+    "vllm:cache_config_info",
+)
+METRICS_TIMEOUT_S = 30.0
 
-    running = usage = itl_sum = itl_count = steps = generated = engine = engine_count = 0.0
+
+def scrape_of(m: EngineMetrics) -> Scrape:
+    """The few vLLM series a profile needs, from one scrape of an engine's /metrics."""
     block_size = blocks = None
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:num_requests_running":
-                running += s.value
-            elif s.name == "vllm:kv_cache_usage_perc":
-                usage = max(usage, s.value)
-            elif s.name == "vllm:inter_token_latency_seconds_sum":
-                itl_sum += s.value
-            elif s.name == "vllm:inter_token_latency_seconds_count":
-                itl_count += s.value
-            elif s.name == "vllm:iteration_tokens_total_count":
-                steps += s.value
-            elif s.name == "vllm:generation_tokens_total":
-                generated += s.value
-            elif s.name in ("vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum"):
-                engine += s.value
-            elif s.name == "vllm:request_prefill_time_seconds_count":
-                engine_count += s.value
-            elif s.name == "vllm:cache_config_info":
-                if s.labels.get("block_size", "").isdigit():
-                    block_size = int(s.labels["block_size"])
-                if s.labels.get("num_gpu_blocks", "").isdigit():
-                    blocks = int(s.labels["num_gpu_blocks"])
-    return Scrape(running=running, kv_usage=usage, block_size=block_size, num_blocks=blocks, itl_sum_s=itl_sum, itl_count=itl_count,
-                  steps=steps, generated=generated, engine_s=engine, engine_count=engine_count)  # fmt: skip
+    for labels in m.labels("vllm:cache_config_info"):
+        if labels.get("block_size", "").isdigit():
+            block_size = int(labels["block_size"])
+        if labels.get("num_gpu_blocks", "").isdigit():
+            blocks = int(labels["num_gpu_blocks"])
+    return Scrape(running=m.total("vllm:num_requests_running"), kv_usage=m.highest("vllm:kv_cache_usage_perc"),
+                  block_size=block_size, num_blocks=blocks, itl_sum_s=m.total("vllm:inter_token_latency_seconds_sum"),
+                  itl_count=m.total("vllm:inter_token_latency_seconds_count"), steps=m.total("vllm:iteration_tokens_total_count"),
+                  generated=m.total("vllm:generation_tokens_total"),
+                  engine_s=m.total("vllm:request_queue_time_seconds_sum") + m.total("vllm:request_prefill_time_seconds_sum"),
+                  engine_count=m.total("vllm:request_prefill_time_seconds_count"))  # fmt: skip
+
+
+def parse_scrape(text: str) -> Scrape:
+    """The few vLLM series a profile needs, from an engine's /metrics text."""
+    return scrape_of(EngineMetrics.parse(text, SCRAPE_NAMES))
 
 
 async def scrape(client, url: str) -> Scrape:
-    r = await client.get(f"{url}/metrics")
-    r.raise_for_status()
-    return parse_scrape(r.text)
+    """One scrape of the engine at `url` through its client (over `client`'s connections)."""
+    engine = AsyncEngineClient(url, timeout=METRICS_TIMEOUT_S, http=client)
+    return scrape_of(await engine.metrics(SCRAPE_NAMES))
 
 
 async def _complete(client, url: str, model: str, prompt: list[int], timeout_s: float) -> float:
@@ -182,12 +180,10 @@ async def _complete(client, url: str, model: str, prompt: list[int], timeout_s: 
 
 async def prefill_burst(client, url: str, model: str, rng: random.Random, tokens: int, concurrency: int,
                         timeout_s: float) -> PrefillBurst:  # fmt: skip
-    import httpx
-
     prompts = [_prompt(rng, tokens) for _ in range(concurrency)]
     try:
         before: Scrape | None = await scrape(client, url)
-    except (httpx.HTTPError, ValueError):
+    except (UnreachableError, RemoteError):
         before = None
     t0 = time.perf_counter()
     latencies = await asyncio.gather(*(_complete(client, url, model, p, timeout_s) for p in prompts))
@@ -200,14 +196,12 @@ async def _engine_share(client, url: str, before: Scrape | None, requests: int) 
     """P's own time for the `requests` just answered and the forwards it took for them (PrefillBurst.engine_ms and
     engine_steps); None when its /metrics does not say. The engine records a request's times as its answer is made,
     so a scrape right after it may miss the last one: a few more are allowed for."""
-    import httpx
-
     if before is None:
         return None, None
     for _ in range(5):
         try:
             after = await scrape(client, url)
-        except (httpx.HTTPError, ValueError):
+        except (UnreachableError, RemoteError):
             return None, None
         own_ms, answered, forwards = after.since(before)
         if answered >= requests:
@@ -237,8 +231,6 @@ async def _stream(client, url: str, model: str, prompt: list[int], tokens: int, 
 
 async def decode_run(client, url: str, model: str, rng: random.Random, batch: int, context: int, output: int,
                      timeout_s: float) -> DecodeRun:  # fmt: skip
-    import httpx
-
     peak = [0.0, 0.0]  # running, kv usage; owned by the poll task until the run ends
     done = asyncio.Event()
 
@@ -247,7 +239,7 @@ async def decode_run(client, url: str, model: str, rng: random.Random, batch: in
             try:
                 s = await scrape(client, url)
                 peak[0], peak[1] = max(peak[0], s.running), max(peak[1], s.kv_usage)
-            except (httpx.HTTPError, ValueError):  # a missed scrape only leaves the peak lower
+            except (UnreachableError, RemoteError):  # a missed scrape only leaves the peak lower
                 pass
             try:
                 await asyncio.wait_for(done.wait(), METRICS_POLL_S)

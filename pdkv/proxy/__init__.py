@@ -7,8 +7,8 @@
   probes, members registries), `membership` reads the registries' records;
 - `router`: the one routing seam the request path asks (`Route`), round-robin and least-outstanding behind it;
   `kv` (a sub-package), `kv_router`, `kv_self_check`: the kv-aware policy, its parts and its Router;
-- `engine_loads`, `engine_tokens`: the proxy's one reader of the engines' /metrics (for the kv-aware policy and
-  the planner's `planner_loop`) and its client of their /tokenize;
+- `engine_loads`, `engine_tokens`: the engines' load from their /metrics (for the kv-aware policy and the planner's
+  `planner_loop`) and a request's token ids from their /tokenize, both through pdkv.engine_api over the proxy's pools;
 - `http`, `listener`, `exchanges`: the upstream client, the server protocol, one request's two exchanges;
 - `app`: the request handlers and their lifecycle; `server`: listening, serving, graceful shutdown;
 - `error_answers`, `prefill_channel`, `guard`, `metrics`: what a client is told when a request fails, what P's

@@ -1,4 +1,5 @@
-"""The proxy's own routes under /pdkv/ (behind the admin key when one is set: pdkv.proxy.guard).
+"""The proxy's own routes under /pdkv/ (behind the admin key when one is set: pdkv.proxy.guard); their messages
+are pdkv.proxy_api's, which its client decodes.
 
     GET  /pdkv/requests[?limit=N&errors=1]   recent per-request timings, newest first
     GET  /pdkv/requests/{request_id}         one request's timing (request or transfer id)
@@ -17,6 +18,7 @@ from pdkv.errors import ConfigError
 from pdkv.proxy.config import parse_decode
 from pdkv.proxy.error_answers import error_body
 from pdkv.proxy.listener import Request, ServerConnection
+from pdkv.proxy_api.messages import DRAIN_PATH, PLANNER_PATH, REQUESTS_PATH, DrainAnswer, DrainRequest
 
 if TYPE_CHECKING:
     from pdkv.proxy.backends import Backends
@@ -26,12 +28,7 @@ if TYPE_CHECKING:
 _encode = msgspec.json.Encoder().encode
 
 
-class DrainRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    url: str
-    draining: bool = True
-
-
-ROUTES = {"/pdkv/requests": "GET", "/pdkv/planner": "GET", "/pdkv/drain": "POST"}
+ROUTES = {REQUESTS_PATH: "GET", PLANNER_PATH: "GET", DRAIN_PATH: "POST"}
 
 
 class AdminRoutes:
@@ -42,20 +39,20 @@ class AdminRoutes:
 
     def handle(self, req: Request, conn: ServerConnection) -> None:
         path, method = req.path, req.method
-        want = "GET" if path.startswith("/pdkv/requests/") else ROUTES.get(path)
+        want = "GET" if path.startswith(REQUESTS_PATH + "/") else ROUTES.get(path)
         if want is None:
             conn.respond(404, error_body(404, f"no route {method} {path}", "bad_request"))
         elif method != want:
             conn.respond(405, error_body(405, f"{path} takes {want}", "bad_request"))
-        elif path == "/pdkv/requests":
+        elif path == REQUESTS_PATH:
             conn.respond(200, _encode(self.timings.query(req.query)))
-        elif path.startswith("/pdkv/requests/"):
-            timing = self.timings.get(path[len("/pdkv/requests/") :])
+        elif path.startswith(REQUESTS_PATH + "/"):
+            timing = self.timings.get(path[len(REQUESTS_PATH) + 1 :])
             if timing is None:
                 conn.respond(404, error_body(404, "no such request in the proxy's recent log", "bad_request"))
             else:
                 conn.respond(200, _encode(timing))
-        elif path == "/pdkv/planner":
+        elif path == PLANNER_PATH:
             if self.planner is None:
                 conn.respond(404, error_body(404, "the planner is off; start the proxy with --planner-profile and --slo", "bad_request"))
             else:
@@ -78,5 +75,4 @@ class AdminRoutes:
         if state is None:
             conn.respond(404, error_body(404, f"no backend at {ask.url}", "bad_request"))
             return
-        body = {"url": state.url, "role": state.role, "draining": state.draining, "in_flight": self.backends.busy(state)}
-        conn.respond(200, _encode(body))
+        conn.respond(200, _encode(DrainAnswer(state.url, state.role, state.draining, self.backends.busy(state))))

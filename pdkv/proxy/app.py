@@ -52,6 +52,7 @@ from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.planner_loop import PlannerLoop
 from pdkv.proxy.prefill_channel import release_at_prefill, transfer_fate
+from pdkv.proxy_api.messages import ProxyHealth
 from pdkv.proxy.rewrite import decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")
@@ -115,10 +116,9 @@ class ProxyApp:
             conn.respond(status, error_body(status, f"no route {method} {path}", "bad_request"))
         elif path == "/health":
             ready, reason = self.backends.readiness()
-            body = {"status": "ok" if ready else "unavailable", "reason": reason, "backends": self.backends.report(),
-                    "notes": self.backends.notes}
-            body.update(self.router.health())
-            conn.respond(200 if ready else 503, _json_encode(body))
+            health = ProxyHealth("ok" if ready else "unavailable", reason, self.backends.report(), self.backends.notes,
+                                 **self.router.health())
+            conn.respond(200 if ready else 503, _json_encode(health))
         elif path == "/metrics":
             conn.respond(200, self.metrics.render(self.backends.rows()).encode(), METRICS_CONTENT_TYPE)
         elif path == "/v1/models":

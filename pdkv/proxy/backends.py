@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from pdkv.proxy.config import ProxyConfig
 from pdkv.proxy.http import UpstreamPool
 from pdkv.proxy.membership import CompatKey, compatible, unmatched
 from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget
+from pdkv.proxy_api.messages import BackendHealth, BackendRoute
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -122,10 +122,9 @@ class Backends:
             return state.outstanding
         return sum(n for (u, _), n in self._target_load.items() if u == state.url)
 
-    def drain_report(self) -> list[dict[str, Any]]:
-        """Every backend's routing state and requests in flight, as GET /pdkv/planner and POST /pdkv/drain show them."""
-        return [{"role": b.role, "url": b.url, "up": b.up, "draining": b.draining, "in_flight": self.busy(b)}
-                for b in (*self.prefills, *self.decodes)]
+    def drain_report(self) -> list[BackendRoute]:
+        """Every backend's routing state and requests in flight, as GET /pdkv/planner shows them."""
+        return [BackendRoute(b.role, b.url, b.up, b.draining, self.busy(b)) for b in (*self.prefills, *self.decodes)]
 
     # --- request path
     def pair(self) -> tuple[Pairing, PrefillState, BackendState] | None:
@@ -187,14 +186,11 @@ class Backends:
             return False, f"no decode server is ready ({detail})"
         return True, "ok"
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self) -> list[BackendHealth]:
         """Every backend as /health lists it."""
-        out: list[dict[str, Any]] = []
-        for p in self.prefills:
-            out.append({"role": "prefill", "url": p.url, "up": p.up, "reason": p.reason, "bootstrap": p.bootstrap_url,
-                        "engines": {str(k): v for k, v in p.engines.items()}})
-        for d in self.decodes:
-            out.append({"role": "decode", "url": d.url, "up": d.up, "reason": d.reason})
+        out = [BackendHealth("prefill", p.url, p.up, p.reason, p.bootstrap_url, {str(k): v for k, v in p.engines.items()})
+               for p in self.prefills]
+        out.extend(BackendHealth("decode", d.url, d.up, d.reason) for d in self.decodes)
         return out
 
     def rows(self) -> list[tuple[str, str, bool, int]]:

@@ -1,6 +1,6 @@
 """The proxy's one reader of its engines' own `/metrics`: what each engine says of its load.
 
-One scrape function (`pdkv.proxy.kv.load.parse_engine_metrics`, the one parser) and one table of readings,
+One client (`pdkv.engine_api.AsyncEngineClient` over the backend's own pool) and one table of readings,
 fed by a loop over every live engine when the kv-aware policy wants them every `interval_s` (D's load and
 KV usage enter its cost), and read by the planner for P's queue: a planner round takes each prefill server's
 reading when it is younger than its bound, and scrapes only the servers whose reading is older (or when the
@@ -14,9 +14,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
+from pdkv.engine_api import AsyncEngineClient, EngineLoad
+from pdkv.errors import RemoteError, UnreachableError
 from pdkv.proxy.backends import Backends, BackendState
-from pdkv.proxy.http import UpstreamError, fetch
-from pdkv.proxy.kv import EngineLoad, parse_engine_metrics
+from pdkv.proxy.http import PoolTransport
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -47,9 +48,8 @@ class EngineLoads:
 
     async def _scrape(self, b: BackendState) -> None:
         try:
-            ex = await fetch(b.pool, "GET", "/metrics", timeout=self.timeout_s)
-            load = parse_engine_metrics(ex.body) if ex.status == 200 else None
-        except UpstreamError as exc:
+            load: EngineLoad | None = await AsyncEngineClient(b.url, timeout=self.timeout_s, transport=PoolTransport(b.pool)).load()
+        except (UnreachableError, RemoteError) as exc:
             log.debug("/metrics of %s: %s", b.url, exc)
             load = None
         if load is None:

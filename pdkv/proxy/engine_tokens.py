@@ -1,4 +1,4 @@
-"""The proxy's client of a vLLM engine's `/tokenize`: a request's prompt as the engine's token ids.
+"""A request's prompt as the engine's token ids, from its `/tokenize` (pdkv.engine_api over the backend's pool).
 
 The chat template is applied by the engine itself (the same code, the same tokenizer), so the ids are those its
 scheduler will hash into block keys. A batch of prompts, an answer that is not 200, or one without `tokens`
@@ -13,40 +13,31 @@ from typing import Any
 
 import msgspec
 
-from pdkv.proxy.http import UpstreamError, UpstreamPool, fetch
+from pdkv.engine_api import CHAT_FIELDS, AsyncEngineClient, ChatTokenize, CompletionTokenize
+from pdkv.errors import RemoteError, UnreachableError
+from pdkv.proxy.http import PoolTransport, UpstreamPool
 from pdkv.proxy.kv import LocalTokenizer, completion_prompt
 
 log = logging.getLogger("pdkv.proxy.kv")
-_json_decode = msgspec.json.Decoder().decode
-_json_encode = msgspec.json.Encoder().encode
-# Chat fields vLLM's /tokenize reads to render the prompt as /v1/chat/completions would.
-CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
-               "chat_template_kwargs", "tools", "documents")
 
 
 async def engine_token_ids(pool: UpstreamPool, body: dict[str, Any], endpoint: str, *, timeout: float) -> list[int] | None:
     """The token ids the engine behind `pool` gives the prompt of `body` (a request to `endpoint`), or None."""
+    req: ChatTokenize | CompletionTokenize
     if endpoint.endswith("/chat/completions"):
         if not isinstance(body.get("messages"), list):
             return None
-        req = {k: body[k] for k in CHAT_FIELDS if k in body}
+        req = ChatTokenize(**{k: body[k] for k in (*CHAT_FIELDS, "model") if k in body})
     else:
         prompt = completion_prompt(body)
         if not isinstance(prompt, str):
             return prompt
-        req = {"prompt": prompt, "add_special_tokens": body.get("add_special_tokens", True)}
-    if "model" in body:
-        req["model"] = body["model"]
+        req = CompletionTokenize(prompt, body.get("add_special_tokens", True), body.get("model", msgspec.UNSET))
     try:
-        ex = await fetch(pool, "POST", "/tokenize", body=_json_encode(req), timeout=timeout)
-        if ex.status != 200:
-            log.debug("/tokenize answered %d: %s", ex.status, ex.body[:200])
-            return None
-        tokens = _json_decode(ex.body).get("tokens")
-    except (UpstreamError, msgspec.DecodeError, AttributeError) as exc:
+        return (await AsyncEngineClient(pool.origin, timeout=timeout, transport=PoolTransport(pool)).tokenize(req)).tokens
+    except (UnreachableError, RemoteError) as exc:
         log.debug("/tokenize failed: %s", exc)
         return None
-    return tokens if isinstance(tokens, list) else None
 
 
 class PromptTokens:

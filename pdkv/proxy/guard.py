@@ -17,10 +17,7 @@ from typing import Any
 
 from pdkv.auth import bearer_ok
 from pdkv.errors import ConfigError
-
-API_KEY_ENV = "PDKV_API_KEY"
-ADMIN_KEY_ENV = "PDKV_ADMIN_KEY"
-ADMIN_PREFIXES = ("/pdkv/", "/metrics")
+from pdkv.proxy_api import ADMIN_KEY_ENV, ADMIN_PREFIXES, API_KEY_ENV
 
 
 @dataclass(frozen=True)
@@ -72,15 +69,3 @@ def server_ssl(certfile: Path | None, keyfile: Path | None) -> Any:
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(f"cannot load the TLS certificate {certfile}: {exc}") from None
     return ctx
-
-
-def admin_headers(admin_key: str | None = None) -> dict[str, str]:
-    """Headers pdkv's own tools send to a proxy's /pdkv/* and /metrics: the admin key from the flag or env."""
-    key = admin_key or os.environ.get(ADMIN_KEY_ENV)
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
-def api_headers(api_key: str | None = None) -> dict[str, str]:
-    """Headers pdkv's own tools send to a proxy's /v1/*: the key given, else the first of env PDKV_API_KEY."""
-    key = api_key or next((k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()), None)
-    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -28,9 +28,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pdkv.engine_api import AsyncEngineClient
 from pdkv.errors import PdkvError
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
-from pdkv.proxy.http import UpstreamError, connect_bounded, fetch
+from pdkv.proxy.http import PoolTransport, UpstreamError, connect_bounded
 from pdkv.proxy.membership import Membership, group
 
 log = logging.getLogger("pdkv.proxy")
@@ -70,11 +71,8 @@ class Health:
         self.rounds += 1
 
     async def _health(self, state: BackendState) -> str | None:
-        try:
-            ex = await fetch(state.pool, "GET", "/health", timeout=self.config.health_timeout)
-        except UpstreamError as exc:
-            return f"/health: {exc}"
-        return None if 200 <= ex.status < 300 else f"/health answered {ex.status}"
+        engine = AsyncEngineClient(state.url, timeout=self.config.health_timeout, transport=PoolTransport(state.pool))
+        return await engine.health_problem()
 
     async def _check_prefill(self, p: PrefillState) -> None:
         reason = await self._health(p)

@@ -285,3 +285,17 @@ async def fetch(pool: UpstreamPool, method: str, path: str, *, body: bytes | Non
     ex.set_deadline(timeout)
     pool.send(ex, pool.request_bytes(method, path, body, None))
     return await ex.future
+
+
+class PoolTransport:
+    """pdkv.engine_api's EngineTransport over one backend's pool: the proxy's clients of an engine's /metrics and
+    /tokenize ride its own upstream connections."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+
+    async def request(self, method: str, path: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        ex = await fetch(self.pool, method, path, body=body, timeout=timeout)
+        return ex.status, ex.body

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pdkv.engine_api import EngineLoad
 from pdkv.errors import ConfigError
 from pdkv.protocol import ProxyTiming
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
@@ -30,7 +31,6 @@ from pdkv.proxy.engine_tokens import PromptTokens
 from pdkv.proxy.kv import (
     BlockKey,
     DecodeCandidate,
-    EngineLoad,
     EventSource,
     KvConfig,
     KvEventSubscriber,

@@ -22,7 +22,6 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -32,6 +31,7 @@ from pdkv.protocol import ProxyTiming
 from pdkv.proxy.backends import Backends
 from pdkv.proxy.config import PlannerConfig
 from pdkv.proxy.engine_loads import EngineLoads
+from pdkv.proxy_api.messages import LatencyMs, PlannerObservation, PlannerView, RoleBounds, RoleCounts, TargetsMs
 
 log = logging.getLogger("pdkv.proxy")
 
@@ -89,7 +89,7 @@ class PlannerLoop:
         self.samples: collections.deque[RequestSample] = collections.deque(maxlen=MAX_SAMPLES)
         self.started = clock()
         self.rounds = 0
-        self._view: dict[str, Any] = {"desired": None, "rounds": 0}
+        self._view = PlannerView()
 
     def record(self, t: ProxyTiming, prefill_body: bytes, decode_body: bytes, events: int) -> None:
         sample = request_sample(t, prefill_body, decode_body, events, self.clock() - time.time())
@@ -108,7 +108,7 @@ class PlannerLoop:
         readings = await self.loads.fresh(servers, min(FRESH_S, self.config.interval_s))
         return float(sum(r.waiting for r in readings if r)), float(sum(r.running for r in readings if r))
 
-    def step(self, waiting: float, running: float = 0.0) -> dict[str, Any]:
+    def step(self, waiting: float, running: float = 0.0) -> PlannerView:
         """One round: observe, update the desired counts, publish the gauges; returns (and keeps) the view."""
         now = self.clock()
         p, d = self.current()
@@ -118,30 +118,29 @@ class PlannerLoop:
         self.gauges.publish(desired, p, d)
         self.rounds += 1
         prompts, outputs = obs.prompt_tokens, obs.output_tokens
-        self._view = {
-            "desired": {"prefill": desired.prefill, "decode": desired.decode},
-            "current": {"prefill": p, "decode": d},
-            "need": {"prefill": desired.need_prefill, "decode": desired.need_decode},
-            "keep": {"prefill": desired.keep_prefill, "decode": desired.keep_decode},
-            "binding": desired.binding,
-            "predicted_ms": {"ttft": _finite(desired.predicted_ttft_ms), "itl": _finite(desired.predicted_itl_ms)},
-            "targets_ms": {"ttft": self.slo.ttft_ms, "itl": self.slo.itl_ms, "quantile": self.slo.quantile},
-            "observation": {
-                "window_s": self.config.window_s, "rate": round(obs.rate, 4), "requests": len(prompts),
-                "mean_prompt_tokens": round(sum(prompts) / len(prompts), 1) if prompts else None,
-                "mean_output_tokens": round(sum(outputs) / len(outputs), 1) if outputs else None,
-                "prefill_waiting": waiting, "prefill_running": running, "ttft_ms": obs.ttft_ms, "itl_ms": obs.itl_ms,
-            },
-            "bounds": {"prefill": [self.policy.min_prefill, self.policy.max_prefill],
-                       "decode": [self.policy.min_decode, self.policy.max_decode]},
-            "rounds": self.rounds,
-            "at": time.time(),
-        }
+        self._view = PlannerView(
+            desired=RoleCounts(desired.prefill, desired.decode),
+            current=RoleCounts(p, d),
+            need=RoleCounts(desired.need_prefill, desired.need_decode),
+            keep=RoleCounts(desired.keep_prefill, desired.keep_decode),
+            binding=desired.binding,
+            predicted_ms=LatencyMs(_finite(desired.predicted_ttft_ms), _finite(desired.predicted_itl_ms)),
+            targets_ms=TargetsMs(self.slo.ttft_ms, self.slo.itl_ms, self.slo.quantile),
+            observation=PlannerObservation(
+                window_s=self.config.window_s, rate=round(obs.rate, 4), requests=len(prompts),
+                mean_prompt_tokens=round(sum(prompts) / len(prompts), 1) if prompts else None,
+                mean_output_tokens=round(sum(outputs) / len(outputs), 1) if outputs else None,
+                prefill_waiting=waiting, prefill_running=running, ttft_ms=obs.ttft_ms, itl_ms=obs.itl_ms,
+            ),
+            bounds=RoleBounds([self.policy.min_prefill, self.policy.max_prefill], [self.policy.min_decode, self.policy.max_decode]),
+            rounds=self.rounds,
+            at=time.time(),
+        )
         return self._view
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> PlannerView:
         """GET /pdkv/planner: the last round's view (desired None before the first round)."""
-        return {**self._view, "backends": self.backends.drain_report()}
+        return msgspec.structs.replace(self._view, backends=self.backends.drain_report())
 
     async def run(self) -> None:
         """A round every `interval_s` until cancelled; a round that fails is logged and the next one tries again."""

@@ -7,78 +7,49 @@ the planner's gauges. Nothing here writes or asks the proxy for more than a scra
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterable
 from typing import Any, Self
 
-from pdkv.deploy.status import parse_prometheus
+from pdkv.engine_api import EngineClient, EngineMetrics
+from pdkv.errors import RemoteError, UnreachableError
+from pdkv.metrics import Exposition
+from pdkv.proxy_api import BackendHealth, ProxyClient, ProxyHealth
 from pdkv.top.model import EngineReading, Histogram, Reading
 
-Sample = tuple[str, dict[str, str], float]
 
-
-def _buckets(samples: Iterable[Sample], name: str) -> Histogram:
-    by_le: dict[float, float] = {}
-    for n, labels, value in samples:
-        if n == name and "le" in labels:
-            le = math.inf if labels["le"] in ("+Inf", "inf") else float(labels["le"])
-            by_le[le] = by_le.get(le, 0.0) + value  # summed over label sets (engines, roles)
-    return Histogram(sorted(by_le.items()))
-
-
-def proxy_figures(text: str) -> dict[str, Any]:
+def proxy_figures(scrape: Exposition) -> dict[str, Any]:
     """The Reading fields the proxy's /metrics gives."""
-    samples = parse_prometheus(text)
-    out: dict[str, Any] = {"requests": 0.0, "errors": {}, "local_prefill": {}, "desired": {}, "current": {}}
-    for name, labels, value in samples:
-        if name == "pdkv_proxy_requests_total":
-            out["requests"] += value
-        elif name == "pdkv_proxy_errors_total":
-            out["errors"][labels.get("cause", "?")] = value
-        elif name == "pdkv_proxy_local_prefill_total":
-            out["local_prefill"][labels.get("reason", "?")] = value
-        elif name == "pdkv_planner_desired_engines":
-            out["desired"][labels.get("role", "?")] = value
-        elif name == "pdkv_planner_current_engines":
-            out["current"][labels.get("role", "?")] = value
-    out["ttft"] = _buckets(samples, "pdkv_proxy_ttfb_seconds_bucket")
-    return out
+    return {
+        "requests": scrape.total("pdkv_proxy_requests_total"),
+        "errors": scrape.by_label("pdkv_proxy_errors_total", "cause"),
+        "local_prefill": scrape.by_label("pdkv_proxy_local_prefill_total", "reason"),
+        "desired": scrape.by_label("pdkv_planner_desired_engines", "role"),
+        "current": scrape.by_label("pdkv_planner_current_engines", "role"),
+        "ttft": Histogram(scrape.buckets("pdkv_proxy_ttfb_seconds_bucket")),
+    }
 
 
-def engine_figures(text: str) -> dict[str, Any]:
+def engine_figures(scrape: EngineMetrics) -> dict[str, Any]:
     """The EngineReading fields an engine's /metrics gives (vLLM's gauges and histograms, pdkv's connector counters)."""
-    samples = parse_prometheus(text)
-    out: dict[str, Any] = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0, "waiting_for_kv": 0.0, "transfers": {}, "kv_bytes": 0.0}
-    for name, labels, value in samples:
-        if name == "vllm:num_requests_running":
-            out["running"] += value
-        elif name == "vllm:num_requests_waiting":
-            out["waiting"] += value
-        elif name == "vllm:kv_cache_usage_perc":
-            out["kv_usage"] = max(out["kv_usage"], value)
-        elif name == "vllm:num_requests_kv_fetch_by_stage":
-            out["waiting_for_kv"] += value
-        elif name == "pdkv_connector_transfers_total":
-            outcome = labels.get("outcome", "?")
-            out["transfers"][outcome] = out["transfers"].get(outcome, 0.0) + value
-        elif name == "pdkv_connector_bytes_total":
-            out["kv_bytes"] += value
-    out["itl"] = _buckets(samples, "vllm:inter_token_latency_seconds_bucket")
-    return out
+    return {
+        "running": scrape.total("vllm:num_requests_running"),
+        "waiting": scrape.total("vllm:num_requests_waiting"),
+        "kv_usage": scrape.highest("vllm:kv_cache_usage_perc"),
+        "waiting_for_kv": scrape.total("vllm:num_requests_kv_fetch_by_stage"),
+        "transfers": scrape.by_label("pdkv_connector_transfers_total", "outcome"),
+        "kv_bytes": scrape.total("pdkv_connector_bytes_total"),
+        "itl": Histogram(scrape.buckets("vllm:inter_token_latency_seconds_bucket")),
+    }
 
 
 class DeploymentReader:
     """Polls one deployment through its proxy. `read()` -> a Reading; use as a context manager (one HTTP client)."""
 
     def __init__(self, proxy_url: str, *, timeout: float = 2.0, admin_key: str | None = None) -> None:
-        import httpx
-
-        from pdkv.proxy.guard import admin_headers
-
-        self.proxy_url = proxy_url.rstrip("/")
-        self._admin = admin_headers(admin_key)
-        self._client = httpx.Client(timeout=timeout, trust_env=False)
+        self.proxy = ProxyClient(proxy_url, timeout=timeout, admin_key=admin_key)
+        self.proxy_url = self.proxy.url
+        self.timeout = timeout
+        self._engines: dict[str, EngineClient] = {}  # by URL, kept from poll to poll (their connections with them)
 
     def __enter__(self) -> Self:
         return self
@@ -87,42 +58,35 @@ class DeploymentReader:
         self.close()
 
     def close(self) -> None:
-        self._client.close()
-
-    def _get(self, url: str, headers: dict[str, str] | None = None) -> tuple[int | None, str, str]:
-        import httpx
-
-        try:
-            r = self._client.get(url, headers=headers)
-        except httpx.HTTPError as exc:
-            return None, "", f"unreachable ({type(exc).__name__})"
-        return r.status_code, r.text, ""
+        self.proxy.close()
+        for engine in self._engines.values():
+            engine.close()
 
     def read(self) -> Reading:
-        import msgspec
-
         at, wall = time.monotonic(), time.time()
-        status, body, err = self._get(f"{self.proxy_url}/health")
-        health: dict[str, Any] = {}
-        if status is not None:
-            try:
-                health = msgspec.json.decode(body) if body else {}
-            except msgspec.DecodeError:
-                health = {}
-        reason = err or ("" if status == 200 else str(health.get("reason") or f"answered {status}"))
+        health: ProxyHealth | None = None
+        try:
+            health = self.proxy.health()
+            reason = "" if health.status == "ok" else health.reason or "not ready"
+        except (UnreachableError, RemoteError) as exc:
+            reason = exc.message
         figures: dict[str, Any] = {}
-        if status is not None:
-            m_status, text, _ = self._get(f"{self.proxy_url}/metrics", self._admin)
-            figures = {**proxy_figures(text), "proxy_metrics": True} if m_status == 200 else {}
-        engines = [self._engine(b) for b in health.get("backends", []) if isinstance(b, dict)]
-        return Reading(at=at, wall=wall, proxy_url=self.proxy_url, proxy_up=status == 200, proxy_reason=reason, engines=engines,
-                       **figures)  # fmt: skip
+        if health is not None:
+            try:
+                figures = {**proxy_figures(self.proxy.metrics()), "proxy_metrics": True}
+            except (UnreachableError, RemoteError):
+                figures = {}
+        engines = [self._engine(b) for b in health.backends] if health is not None else []
+        return Reading(at=at, wall=wall, proxy_url=self.proxy_url, proxy_up=health is not None and health.status == "ok",
+                       proxy_reason=reason, engines=engines, **figures)  # fmt: skip
 
-    def _engine(self, backend: dict[str, Any]) -> EngineReading:
-        role, url = str(backend.get("role", "?")), str(backend.get("url", "")).rstrip("/")
-        up = bool(backend.get("up"))
-        reason = "" if up else str(backend.get("reason") or "down")
-        status, text, err = self._get(f"{url}/metrics")
-        if status != 200:
-            return EngineReading(role=role, url=url, up=False, reason=reason or err or f"/metrics answered {status}")
-        return EngineReading(role=role, url=url, up=up, reason=reason, **engine_figures(text))
+    def _engine(self, backend: BackendHealth) -> EngineReading:
+        role, url = backend.role, backend.url.rstrip("/")
+        reason = "" if backend.up else backend.reason or "down"
+        try:
+            if url not in self._engines:
+                self._engines[url] = EngineClient(url, timeout=self.timeout)
+            scrape = self._engines[url].metrics()
+        except (UnreachableError, RemoteError) as exc:
+            return EngineReading(role=role, url=url, up=False, reason=reason or exc.message)
+        return EngineReading(role=role, url=url, up=backend.up, reason=reason, **engine_figures(scrape))

@@ -14,7 +14,6 @@ model, prompt) for repeated requests. Records come from:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -22,10 +21,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import msgspec
-
-from pdkv.errors import PdkvError, RemoteError, TimeoutError_, UnreachableError, UsageError
+from pdkv.engine_api import CompletionTokenize, EngineClient
+from pdkv.errors import PdkvError, RemoteError, UnreachableError, UsageError
 from pdkv.protocol import ProxyTiming, StatsReply, TransferTrace
+from pdkv.proxy_api import BackendHealth, ProxyClient
 from pdkv.side_channel import query_stats
 from pdkv.trace.assemble import assemble, summarize
 from pdkv.trace.model import ClientTiming, Trace, TraceResult
@@ -78,10 +77,6 @@ class TraceSession:
     ) -> None:
         """`admin_key` (default: env PDKV_ADMIN_KEY) for the proxy's /pdkv/*; `api_key` (default: the first
         of env PDKV_API_KEY) for its /v1/*."""
-        import httpx
-
-        from pdkv.proxy.guard import admin_headers, api_headers
-
         if prompt is None and prompt_tokens < 1:
             raise UsageError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
         if max_tokens < 1:
@@ -92,8 +87,7 @@ class TraceSession:
         self.max_tokens, self.link_gbps, self.timeout = max_tokens, link_gbps, timeout
         self.connector_wait_s = connector_wait_s
         self.progress = progress or (lambda _msg: None)
-        self.client = httpx.Client(base_url=self.proxy_url, timeout=10.0, trust_env=False)
-        self._admin, self._api = admin_headers(admin_key), api_headers(api_key)
+        self.client = ProxyClient(self.proxy_url, timeout=10.0, admin_key=admin_key, api_key=api_key)
         try:
             self.prefills, self.decodes = self._backends()
             self.bootstrap_override = bootstrap_url
@@ -107,46 +101,29 @@ class TraceSession:
 
     # --- discovery ---------------------------------------------------------------
 
-    def _get(self, path: str, what: str) -> Any:
-        import httpx
-
-        headers = self._admin if path.startswith(("/pdkv/", "/metrics")) else self._api if path.startswith("/v1/") else None
-        try:
-            return self.client.get(path, headers=headers)
-        except httpx.HTTPError as exc:
-            raise UnreachableError(f"proxy {self.proxy_url} did not answer {what}: {exc}",
-                                   hint="is `pdkv proxy` (or `pdkv up`) running there?") from None
-
-    def _backends(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _backends(self) -> tuple[list[BackendHealth], list[BackendHealth]]:
         self.progress("asking the proxy for its backends")
-        r = self._get("/health", "GET /health")
-        try:
-            body = r.json()
-        except ValueError:
-            raise RemoteError(f"{self.proxy_url}/health is not pdkv's proxy (no JSON body)", status=r.status_code) from None
-        if r.status_code != 200:
-            raise RemoteError(f"the proxy is not ready: {body.get('reason', r.text[:200])}", status=r.status_code,
+        health = self.client.health()
+        if health.status != "ok":
+            raise RemoteError(f"the proxy is not ready: {health.reason}", status=503,
                               hint="wait until `pdkv status` shows every part ready")
-        backends = body.get("backends", [])
-        return [b for b in backends if b.get("role") == "prefill"], [b for b in backends if b.get("role") == "decode"]
+        return health.of_role("prefill"), health.of_role("decode")
 
     def _model(self) -> str:
-        r = self._get("/v1/models", "GET /v1/models")
-        if r.status_code != 200 or not r.json().get("data"):
-            raise RemoteError(f"the proxy's /v1/models answered {r.status_code}: {r.text[:200]}", status=r.status_code)
-        return str(r.json()["data"][0]["id"])
+        models = self.client.models()
+        if not models:
+            raise RemoteError(f"the proxy's /v1/models lists no model ({self.proxy_url})")
+        return models[0]
 
     def _count_tokens(self, text: str) -> int | None:
         """Tokens `text` makes for the served model: a backend's /tokenize, else a local tokenizer.json."""
-        import httpx
-
         for b in self.decodes + self.prefills:
             try:
-                r = httpx.post(f"{b['url']}/tokenize", json={"model": self.model, "prompt": text}, timeout=10, trust_env=False)
-            except httpx.HTTPError:
+                with EngineClient(b.url, timeout=10.0) as engine:
+                    answer = engine.tokenize(CompletionTokenize(text, model=self.model))
+            except (UnreachableError, RemoteError):
                 continue
-            if r.status_code == 200 and "count" in r.json():
-                return int(r.json()["count"])
+            return answer.count if answer.count is not None else len(answer.tokens)
         tok = Path(self.model) / "tokenizer.json"
         if tok.is_file():
             try:
@@ -176,33 +153,16 @@ class TraceSession:
     # --- one request ---------------------------------------------------------------
 
     def _send(self, request_id: str) -> ClientTiming:
-        import httpx
-
         body = {"model": self.model, "prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         sent, t0 = time.time(), time.perf_counter()
         first: float | None = None
         usage: dict[str, Any] = {}
-        try:
-            with self.client.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": request_id, **self._api},
-                                    timeout=self.timeout) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise RemoteError(f"the request failed with {r.status_code}: {r.text[:300]}", status=r.status_code)
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RemoteError(f"the request failed mid-stream: {event['error'].get('message', event['error'])}")
-                    if event.get("choices") and first is None:
-                        first = time.perf_counter()
-                    if event.get("usage"):
-                        usage = event["usage"]
-        except httpx.TimeoutException:
-            raise TimeoutError_(f"no answer through {self.proxy_url} within {self.timeout:g} s") from None
-        except httpx.HTTPError as exc:
-            raise UnreachableError(f"the request through {self.proxy_url} failed: {exc}") from None
+        for event in self.client.stream_completion(body, request_id=request_id, timeout=self.timeout):
+            if event.get("choices") and first is None:
+                first = time.perf_counter()
+            if event.get("usage"):
+                usage = event["usage"]
         done = time.perf_counter()
         return ClientTiming(sent=sent, first_token=sent + (first - t0) if first is not None else None, done=sent + (done - t0),
                             prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
@@ -210,13 +170,11 @@ class TraceSession:
     def _proxy_record(self, request_id: str) -> ProxyTiming:
         deadline = time.monotonic() + 5.0
         while True:
-            r = self._get(f"/pdkv/requests/{request_id}", "GET /pdkv/requests")
-            if r.status_code == 200:
-                timing = msgspec.json.decode(r.content, type=ProxyTiming)
-                if timing.last_byte is not None or time.monotonic() > deadline:
-                    return timing
-            elif time.monotonic() > deadline:
-                raise RemoteError(f"the proxy has no record of request {request_id} ({r.status_code})",
+            timing = self.client.request(request_id)
+            if timing is not None and (timing.last_byte is not None or time.monotonic() > deadline):
+                return timing
+            if timing is None and time.monotonic() > deadline:
+                raise RemoteError(f"the proxy has no record of request {request_id} (404)", status=404,
                                   hint="pdkv trace needs pdkv's proxy, which records per-request timings")
             time.sleep(0.05)
 
@@ -224,8 +182,8 @@ class TraceSession:
         if self.bootstrap_override:
             return self.bootstrap_override
         for b in self.prefills:
-            if b.get("url") == prefill_url and b.get("bootstrap"):
-                return str(b["bootstrap"])
+            if b.url == prefill_url and b.bootstrap:
+                return str(b.bootstrap)
         return None
 
     def _connector_records(self, timing: ProxyTiming) -> tuple[list[TransferTrace], str]:
@@ -277,7 +235,7 @@ class TraceSession:
         self.progress("collecting the proxy's and the connector's records")
         timing = self._proxy_record(request_id)
         records, why = self._connector_records(timing)
-        backend_urls = [timing.prefill_url, timing.decode_url] + [x.get("bootstrap", "") for x in self.prefills]
+        backend_urls = [timing.prefill_url, timing.decode_url] + [x.bootstrap or "" for x in self.prefills]
         return assemble(timing, records, client, link_gbps=self.link_gbps,
                         one_host=one_host(self.proxy_url, backend_urls), model=self.model,
                         requested_prompt_tokens=self.requested_tokens, connector_note=why)

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 from aiohttp import web
 
 from pdkv.bootstrap.client import BootstrapClient
@@ -15,6 +16,7 @@ from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.protocol import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
+from pdkv.proxy_api import DrainAnswer, DrainRequest, PlannerView, RoleCounts
 from pdkv.service import BackgroundService
 
 REQUEST = {"model": "m", "prompt": "hello", "max_tokens": 16, "stream": True, "stop": ["\n\n"], "stop_token_ids": [7]}
@@ -193,12 +195,14 @@ class PlannerStub:
         return self.service.url
 
     async def planner(self, request: web.Request) -> web.Response:
-        return web.json_response({"desired": dict(self.desired), "current": dict(self.desired)})
+        counts = RoleCounts(self.desired["prefill"], self.desired["decode"])
+        return web.Response(body=msgspec.json.encode(PlannerView(desired=counts, current=counts)), content_type="application/json")
 
     async def drain(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.drains.append((body["url"], body["draining"]))
-        return web.json_response({"url": body["url"], "draining": body["draining"], "in_flight": self.in_flight})
+        ask = msgspec.json.decode(await request.read(), type=DrainRequest)
+        self.drains.append((ask.url, ask.draining))
+        answer = DrainAnswer(ask.url, "prefill", ask.draining, self.in_flight)
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 
     def __enter__(self) -> PlannerStub:
         self.service.__enter__()

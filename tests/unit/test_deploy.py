@@ -11,7 +11,7 @@ import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
 from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems, shared_cores
-from pdkv.deploy.status import parse_prometheus
+from pdkv.metrics import read_samples
 from pdkv.deploy.loader import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
 
@@ -338,16 +338,16 @@ def test_problems_become_one_preflight_error_one_line_each(tmp_path: Path) -> No
     raise_problems([])  # no problems, no error
 
 
-def test_parse_prometheus_reads_the_proxys_metrics() -> None:
+def test_read_samples_reads_the_proxys_metrics() -> None:
     from pdkv.proxy.metrics import ProxyMetrics
 
     text = ProxyMetrics().render([("prefill", "http://127.0.0.1:8100", True, 3), ("decode", "http://127.0.0.1:8200", False, 0)])
-    samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in parse_prometheus(text)}
+    samples = {(n, msgspec.json.encode(sorted(lab.items())).decode()): v for n, lab, v in read_samples(text)}
     assert samples[("pdkv_proxy_outstanding_requests", '[["role","prefill"],["url","http://127.0.0.1:8100"]]')] == 3
     assert samples[("pdkv_proxy_backend_up", '[["role","decode"],["url","http://127.0.0.1:8200"]]')] == 0
 
 
-def test_parse_prometheus_reads_escaped_labels_and_stops_at_unreadable_text() -> None:
+def test_read_samples_reads_escaped_labels_and_skips_a_line_it_cannot_read() -> None:
     text = (
         '# TYPE pdkv_proxy_errors_total counter\n'
         'pdkv_proxy_errors_total{cause="said \\"no\\""} 2.0\n'
@@ -355,10 +355,10 @@ def test_parse_prometheus_reads_escaped_labels_and_stops_at_unreadable_text() ->
         'up 1\n'
         'this is not exposition text\n'
     )
-    samples = parse_prometheus(text)
+    samples = read_samples(text)
     assert ("pdkv_proxy_errors_total", {"cause": 'said "no"'}, 2.0) in samples
     assert not any(name == "this" for name, _, _ in samples)
-    assert parse_prometheus("") == []
+    assert read_samples("") == []
 
 
 def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows_them() -> None:

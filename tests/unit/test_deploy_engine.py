@@ -10,7 +10,6 @@ import sys
 import msgspec
 import pytest
 
-from pdkv.errors import StartError, UsageError
 from pdkv.deploy.engine import (
     API_SERVER_MODULE,
     EngineSpec,
@@ -21,9 +20,10 @@ from pdkv.deploy.engine import (
     http_url,
     kv_transfer_config,
     parse_cores,
-    routable_ip,
     vllm_console_script_works,
 )
+from pdkv.errors import StartError, UsageError
+from pdkv.peer_address import advertised_address
 
 
 def kv_config_of(argv: list[str]) -> dict:
@@ -140,7 +140,7 @@ def test_unreadable_core_list_is_a_usage_error() -> None:
 
 def test_advertised_address_is_never_loopback_unless_asked() -> None:
     try:
-        expected = routable_ip()
+        expected = advertised_address()
     except StartError:
         pytest.skip("this host has no routable address")
     assert not ipaddress.ip_address(expected).is_loopback

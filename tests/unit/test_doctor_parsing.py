@@ -7,9 +7,10 @@ import pytest
 from pdkv.doctor import DoctorOptions, Host, Status, SysRoot
 from pdkv.doctor.gpu import kernel_version, sysfs_bus_id
 from pdkv.doctor.host import check_alloc_conf, check_mc_env, deployment_ports, has_cap_ipc_lock, parse_alloc_conf, parse_memlock
-from pdkv.doctor.network import advertised_candidates, check_vllm_host_ip
+from pdkv.doctor.network import check_vllm_host_ip
 from pdkv.doctor.rdma import Gid, parse_numa, parse_rate, parse_state
 from pdkv.doctor.software import topology_hcas, version_tuple, vllm_verdict
+from pdkv.peer_address import advertised_candidates
 
 
 @pytest.mark.parametrize(
@@ -117,13 +118,17 @@ def test_vllm_host_ip_on_a_multi_homed_host():
     assert [a for _, a in advertised_candidates(MULTI)] == ["10.1.0.5", "192.168.50.5"]
     unset = check_vllm_host_ip(env_host({}, MULTI), DoctorOptions())
     assert unset.status is Status.WARN and "10.1.0.5 (eth0), 192.168.50.5 (ib0)" in unset.detail and "VLLM_HOST_IP" in unset.hint
+    assert "`pdkv up` advertises 10.1.0.5 (eth0)" in unset.detail  # the very address `pdkv up` picks
     here = check_vllm_host_ip(env_host({"VLLM_HOST_IP": "192.168.50.5"}, MULTI), DoctorOptions())
     assert here.status is Status.PASS and "ib0" in here.detail
     elsewhere = check_vllm_host_ip(env_host({"VLLM_HOST_IP": "10.9.9.9"}, MULTI), DoctorOptions())
     assert elsewhere.status is Status.FAIL and "not an address of this host" in elsewhere.detail
     assert check_vllm_host_ip(env_host({"VLLM_HOST_IP": "nonsense"}, MULTI), DoctorOptions()).status is Status.FAIL
     single = check_vllm_host_ip(env_host({}, {"lo": ["127.0.0.1"], "eth0": ["10.1.0.5", "fd00::5"]}), DoctorOptions())
-    assert single.status is Status.PASS
+    assert single.status is Status.PASS and "advertises 10.1.0.5 (eth0)" in single.detail
+    # a link-local or IPv6-only address is never one `pdkv up` advertises, so the doctor approves none of them
+    none = check_vllm_host_ip(env_host({}, {"lo": ["127.0.0.1"], "eth0": ["169.254.3.4", "2001:db8::5"]}), DoctorOptions())
+    assert none.status is Status.WARN and "no routable IPv4 address" in none.detail and "--host-ip" in none.hint
 
 
 def test_mc_env_reported_and_validated():

@@ -1,4 +1,4 @@
-"""Reading an engine's /metrics for the kv-aware policy (pdkv.proxy.kv.load), and D's cost from it."""
+"""Reading an engine's /metrics for its load (pdkv.engine_api), and the kv-aware policy's cost of D from it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdkv.proxy.kv.load import EngineLoad, counter_delta, parse_engine_metrics
+from pdkv.engine_api import EngineLoad
+from pdkv.engine_api import parse_engine_load as parse_engine_metrics
+from pdkv.proxy.kv.metrics import counter_delta
 from pdkv.proxy.kv.policy import DecodeCandidate, KvConfig, KvWeights, plan_route
 
 # The shape of vLLM 0.32's exposition: HELP/TYPE lines, one sample per engine core, _created samples, histograms.

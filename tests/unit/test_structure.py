@@ -7,7 +7,11 @@
 - no module under pdkv/ over 400 lines, but the known ones below;
 - lines fit in 140 columns (ruff's E501, configured in pyproject.toml);
 - every exception class lives in pdkv/errors.py, the one tree;
-- every package lists its public surface in its `__init__`'s `__all__`.
+- every package lists its public surface in its `__init__`'s `__all__`;
+- every outside HTTP surface pdkv calls has one typed client, and every caller uses it: only the modules of
+  SURFACE_HOMES name a route of a bootstrap server, a vLLM engine or the proxy (/health, /metrics, /tokenize,
+  /query, /register, /deregister, /pdkv/...) in a string, and only those of HTTP_CLIENT_HOMES import an HTTP
+  client library.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.import_graph import LAYERS, cycles, dot, import_graph, unit_of, upward_imports
+from support.import_graph import LAYERS, cycles, dot, import_graph, module_name, unit_of, upward_imports
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pdkv"
@@ -30,6 +35,64 @@ MAX_LINES = 400
 KNOWN_LONG = {
     "pdkv/protocol.py",  # four wires and the proxy's record: one module per wire is the next split
 }
+
+
+# Where a route of an outside HTTP surface may be named: its one client, the server that serves it, the manifests that
+# point probes and scrapers at it.
+SURFACE_HOMES = {
+    "pdkv.bootstrap.client": "the bootstrap server's client",
+    "pdkv.engine_api.client": "a vLLM engine's client (/health, /metrics, /tokenize)",
+    "pdkv.proxy_api.messages": "the proxy's routes, shared by its server and its client",
+    "pdkv.proxy_api.client": "the proxy's client",
+    "pdkv.bootstrap.server": "serves the bootstrap routes",
+    "pdkv.proxy.app": "serves the proxy's routes",
+    "pdkv.k8s.pods": "a pod's probe path",
+    "pdkv.k8s.monitors": "a scrape path in a PodMonitor",
+    "pdkv.deploy.engine": "a part's health path, which `pdkv up` probes while it starts (pdkv.deploy.process)",
+}
+SURFACE_ROUTE = re.compile(r"^/(health|metrics|tokenize|query|register|deregister)([/?]|$)|^/pdkv/")
+HTTP_CLIENT_LIBS = ("httpx", "requests", "urllib.request", "http.client", "aiohttp.client")
+HTTP_CLIENT_HOMES = {
+    "pdkv.bootstrap.client": "the bootstrap server's client",
+    "pdkv.engine_api.client": "a vLLM engine's client",
+    "pdkv.proxy_api.client": "the proxy's client",
+    "pdkv.deploy.process": "a started part's liveness at its health path, whatever the part",
+    "pdkv.planner.measure": "the profile's load on an engine's OpenAI API (its /metrics through pdkv.engine_api)",
+}
+
+
+def surface_calls(package: Path) -> list[str]:
+    """'module:line what' for every route of an outside surface named, or HTTP client library imported, outside
+    its homes."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = module_name(path, package.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (module not in SURFACE_HOMES and isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and SURFACE_ROUTE.match(node.value)):  # fmt: skip
+                found.append(f"{module}:{node.lineno} names {node.value!r}")
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if module not in HTTP_CLIENT_HOMES and any(n == lib or n.startswith(lib + ".") for n in names for lib in HTTP_CLIENT_LIBS):
+                found.append(f"{module}:{node.lineno} imports {', '.join(names)}")
+    return found
+
+
+def test_the_surface_rule_finds_a_raw_call_and_nothing_else(tmp_path: Path):
+    raw = _package(tmp_path / "r", {
+        "__init__.py": "",
+        "autoscale.py": "import httpx\n\ndef idle(url):\n    return httpx.get(f'{url}/metrics').text\n",
+        "drain.py": "def drain(client, url):\n    return client.post(url + '/pdkv/drain')\n",
+        "plain.py": "HELP = 'GET /health answers 503'\nLOG = '/metrics of %s: %s'\nPATH = '/healthz'\n",
+    })
+    assert surface_calls(raw) == ["syn.autoscale:1 imports httpx", "syn.autoscale:4 names '/metrics'",
+                                  "syn.drain:2 names '/pdkv/drain'"]
+
+
+def test_every_outside_http_surface_is_called_through_its_one_client():
+    assert surface_calls(PACKAGE) == []
+    modules = set(import_graph(PACKAGE))
+    assert set(SURFACE_HOMES) | set(HTTP_CLIENT_HOMES) <= modules, "a home that is gone: take it off the list"
 
 
 def test_the_cycle_finder_finds_a_cycle_and_nothing_else():

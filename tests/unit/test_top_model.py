@@ -7,6 +7,8 @@ import math
 import msgspec
 import pytest
 
+from pdkv.engine_api import EngineMetrics
+from pdkv.metrics import Exposition
 from pdkv.top.collect import engine_figures, proxy_figures
 from pdkv.top.model import EngineReading, Histogram, Reading, view
 
@@ -59,11 +61,11 @@ def test_one_reading_or_a_proxy_not_read_has_no_rates() -> None:
 
 
 def test_figures_are_read_from_the_exposition_text() -> None:
-    proxy = proxy_figures('pdkv_proxy_requests_total{status="200"} 5\npdkv_proxy_requests_total{status="502"} 1\n'
+    proxy = proxy_figures(Exposition.parse('pdkv_proxy_requests_total{status="200"} 5\npdkv_proxy_requests_total{status="502"} 1\n'
                           'pdkv_proxy_ttfb_seconds_bucket{le="0.1"} 4\npdkv_proxy_ttfb_seconds_bucket{le="+Inf"} 6\n'
-                          'pdkv_planner_desired_engines{role="prefill"} 2\n')  # fmt: skip
+                          'pdkv_planner_desired_engines{role="prefill"} 2\n'))  # fmt: skip
     assert proxy["requests"] == 6 and proxy["ttft"].buckets == [(0.1, 4.0), (INF, 6.0)] and proxy["desired"] == {"prefill": 2.0}
-    engine = engine_figures('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+    engine = engine_figures(EngineMetrics.parse('vllm:num_requests_running{engine="0"} 3\nvllm:kv_cache_usage_perc{engine="0"} 0.5\n'
                             'vllm:num_requests_kv_fetch_by_stage{stage="in_progress"} 2\n'
-                            'pdkv_connector_transfers_total{role="decode",outcome="failed"} 1\n')  # fmt: skip
+                            'pdkv_connector_transfers_total{role="decode",outcome="failed"} 1\n'))  # fmt: skip
     assert (engine["running"], engine["kv_usage"], engine["waiting_for_kv"], engine["transfers"]) == (3, 0.5, 2, {"failed": 1.0})

@@ -5,17 +5,16 @@
 - `prefix`: the proxy's own key space for cached blocks, a chained hash over token ids (pure);
 - `index`: which blocks each engine holds, reported and predicted (pure, clock passed in);
 - `tokenize`: a model's tokenizer and chat template in the proxy, no engine round trip;
-- `load`: an engine's own /metrics read for its load and prefix cache (pure);
 - `policy`: the cost model that picks D, P, or D alone (pure);
-- `metrics`: the policy's Prometheus metrics.
+- `metrics`: the policy's Prometheus metrics, and `counter_delta` for an engine's own counters (read through
+  pdkv.engine_api).
 
 This package imports nothing else of pdkv.proxy.
 """
 
 from pdkv.proxy.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch, decode_batch, parse_seq
 from pdkv.proxy.kv.index import Hits, KvIndex
-from pdkv.proxy.kv.load import EngineLoad, counter_delta, parse_engine_metrics
-from pdkv.proxy.kv.metrics import KvMetrics
+from pdkv.proxy.kv.metrics import KvMetrics, counter_delta
 from pdkv.proxy.kv.policy import (
     DecodeCandidate,
     KvConfig,
@@ -37,7 +36,6 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DecodeCandidate",
-    "EngineLoad",
     "Event",
     "EventBatch",
     "EventSource",
@@ -59,7 +57,6 @@ __all__ = [
     "counter_delta",
     "decode_batch",
     "hit_tokens",
-    "parse_engine_metrics",
     "parse_seq",
     "plan_route",
 ]

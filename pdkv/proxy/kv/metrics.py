@@ -79,3 +79,10 @@ class KvMetrics(StreamObserver):
 
     def decode_error(self, engine: str) -> None:
         self.decode_errors.labels(engine).inc()
+
+
+def counter_delta(before: float | None, after: float) -> float:
+    """How much a counter grew between two scrapes; a counter that went down was reset (the engine restarted)."""
+    if before is None:
+        return 0.0
+    return after - before if after >= before else after

@@ -1,0 +1,46 @@
+"""The proxy's own HTTP surface, shared by its server (pdkv.proxy) and every tool that reads or steers it
+(`pdkv up`'s autoscaler and warm-up, `pdkv status`, `pdkv top`, `pdkv trace`).
+
+- `messages`: the routes and their msgspec messages (`ProxyHealth`, `PlannerView`, `DrainRequest`, ...), pure;
+- `client`: `ProxyClient`, and the headers that carry the admin and API keys.
+
+Importing this package imports httpx and msgspec, not the proxy.
+"""
+
+from pdkv.proxy_api.client import ProxyClient, admin_headers, api_headers
+from pdkv.proxy_api.messages import (
+    ADMIN_KEY_ENV,
+    ADMIN_PREFIXES,
+    API_KEY_ENV,
+    BackendHealth,
+    BackendRoute,
+    DrainAnswer,
+    DrainRequest,
+    LatencyMs,
+    PlannerObservation,
+    PlannerView,
+    ProxyHealth,
+    RoleBounds,
+    RoleCounts,
+    TargetsMs,
+)
+
+__all__ = [
+    "ADMIN_KEY_ENV",
+    "ADMIN_PREFIXES",
+    "API_KEY_ENV",
+    "BackendHealth",
+    "BackendRoute",
+    "DrainAnswer",
+    "DrainRequest",
+    "LatencyMs",
+    "PlannerObservation",
+    "PlannerView",
+    "ProxyClient",
+    "ProxyHealth",
+    "RoleBounds",
+    "RoleCounts",
+    "TargetsMs",
+    "admin_headers",
+    "api_headers",
+]
