@@ -9,125 +9,24 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+from support.kv_pair import (
+    BLOCK_LEN,
+    ENGINE,
+    LAYERS,
+    assert_copied,
+    assert_untouched,
+    wait_freed,
+    wait_results,
+)
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import start_background
-from pdkv.connector.receiver import KVReceiver, PullSpec, Results
+from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import SendLimits
-from pdkv.protocol import RegisterRequest
-from pdkv.transport import open_transport
-from pdkv.transport.base import Region
 from pdkv.transport.planned import PlannedWrites
-
-LAYERS = 3
-BLOCKS = 16
-BLOCK_LEN = 512  # bytes of one block in one layer's region
-ENGINE = "engine-p"
-
-
-@dataclass
-class Side:
-    mem: np.ndarray  # LAYERS x BLOCKS x BLOCK_LEN bytes
-    transport: Any  # MooncakeTransport, or CmaTransport
-
-    @property
-    def regions(self) -> list[Region]:
-        base = self.mem.ctypes.data
-        return [Region(base + layer * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for layer in range(LAYERS)]
-
-    def block(self, layer: int, b: int) -> np.ndarray:
-        return self.mem[layer, b]
-
-
-def make_side(stack: ExitStack, fill: int | None, protocol: str = "tcp") -> Side:
-    rng = np.random.default_rng(fill)
-    shape = (LAYERS, BLOCKS, BLOCK_LEN)
-    mem = rng.integers(0, 255, size=shape, dtype=np.uint8) if fill is not None else np.zeros(shape, np.uint8)
-    t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
-    t.register([(mem.ctypes.data, mem.nbytes)])
-    return Side(mem, t)
-
-
-@dataclass
-class Pair:
-    p: Side
-    d: Side
-    sender: KVSender
-    receiver: KVReceiver
-    bootstrap_url: str
-
-    def spec(self, d_req: str, tid: str, blocks: list[int], first: int = 0) -> PullSpec:
-        return PullSpec(d_req, tid, self.bootstrap_url, ENGINE, blocks, first)
-
-
-def wait_results(receiver: KVReceiver, want: set[str], timeout: float = 10.0) -> Results:
-    got = Results()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = receiver.take_results()
-        got.finished |= r.finished
-        got.failed.update(r.failed)
-        got.failed_blocks.update(r.failed_blocks)
-        if want <= got.finished:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"pulls {want - got.finished} did not conclude within {timeout} s")
-
-
-def wait_freed(sender: KVSender, want: set[str], timeout: float = 10.0) -> float:
-    got: set[str] = set()
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        got |= sender.take_finished()
-        if want <= got:
-            return time.monotonic() - start
-        time.sleep(0.01)
-    raise AssertionError(f"P requests {want - got} were not freed within {timeout} s")
-
-
-@pytest.fixture
-def make_pair() -> Iterator[Callable[..., Pair]]:
-    with ExitStack() as stack:
-        bs = start_background("127.0.0.1", 0)
-        stack.callback(bs.stop)
-
-        def make(
-            limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp",
-            d_protocol: str | None = None
-        ) -> Pair:
-            p = make_side(stack, fill=1, protocol=protocol)
-            d = make_side(stack, fill=None, protocol=d_protocol or protocol)
-            sender = stack.enter_context(
-                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2,
-                         wait_write_s=wait_write_s)
-            )
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
-            receiver = stack.enter_context(KVReceiver(d.transport.session_address, d.regions, liveness_s=liveness_s))
-            return Pair(p, d, sender, receiver, bs.url)
-
-        yield make
-
-
-def assert_copied(pair: Pair, p_blocks: list[int], d_blocks: list[int]) -> None:
-    for layer in range(LAYERS):
-        for pb, db in zip(p_blocks, d_blocks, strict=True):
-            assert np.array_equal(pair.p.block(layer, pb), pair.d.block(layer, db)), f"layer {layer} block {pb}->{db}"
-
-
-def assert_untouched(pair: Pair, d_blocks: list[int]) -> None:
-    for layer in range(LAYERS):
-        for b in range(BLOCKS):
-            if b not in d_blocks:
-                assert not pair.d.block(layer, b).any(), f"layer {layer} block {b} was written"
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "cma"])
@@ -354,51 +253,36 @@ def test_decode_abort_releases_ps_blocks(make_pair):
     assert_untouched(pair, [])
 
 
-def test_equal_tp_each_rank_pulls_from_its_own_prefill_rank():
+def test_equal_tp_each_rank_pulls_from_its_own_prefill_rank(kv):
     # TP 2 on both sides: each D worker pulls the same blocks from the P worker of its rank, whose memory
     # holds its own share of the heads; the bootstrap lists both P ranks under one engine id.
-    with ExitStack() as stack:
-        bs = start_background("127.0.0.1", 0)
-        stack.callback(bs.stop)
-        ps = [make_side(stack, fill=10 + rank) for rank in range(2)]
-        ds = [make_side(stack, fill=None) for _ in range(2)]
-        senders = []
-        for rank, p in enumerate(ps):
-            sender = stack.enter_context(
-                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id="engine-tp", tp_rank=rank, tp_size=2, heartbeat_s=0.2)
-            )
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id="engine-tp", dp_rank=0, tp_rank=rank, pp_rank=0, addr=sender.address))
-            senders.append(sender)
-        receivers = [
-            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=rank, tp_size=2, liveness_s=2.0))
-            for rank, d in enumerate(ds)
-        ]
-        spec = PullSpec("d1", "x-tp", bs.url, "engine-tp", [5, 6, 7])
-        for rx in receivers:  # the scheduler's metadata reaches every worker alike
-            rx.apply_step(pulls=[spec])
-        for sender in senders:
-            sender.apply_step(registered={"p1": "x-tp"}, ready={"p1": ("x-tp", [1, 2, 3])})
-        for rank, rx in enumerate(receivers):
-            assert wait_results(rx, {"d1"}).failed == {}
-            for layer in range(LAYERS):
-                for pb, db in zip([1, 2, 3], [5, 6, 7], strict=True):
-                    assert np.array_equal(ps[rank].block(layer, pb), ds[rank].block(layer, db)), f"rank {rank} layer {layer}"
-        assert not np.array_equal(ds[0].mem, ds[1].mem)  # each rank got its own P rank's bytes
-        for sender in senders:
-            wait_freed(sender, {"p1"})
+    ps = [kv.side(fill=10 + rank) for rank in range(2)]
+    ds = [kv.side(fill=None) for _ in range(2)]
+    senders = [kv.sender(p, engine_id="engine-tp", tp_rank=rank, tp_size=2) for rank, p in enumerate(ps)]
+    receivers = [kv.receiver(d, tp_rank=rank, tp_size=2) for rank, d in enumerate(ds)]
+    spec = PullSpec("d1", "x-tp", kv.bootstrap_url, "engine-tp", [5, 6, 7])
+    for rx in receivers:  # the scheduler's metadata reaches every worker alike
+        rx.apply_step(pulls=[spec])
+    for sender in senders:
+        sender.apply_step(registered={"p1": "x-tp"}, ready={"p1": ("x-tp", [1, 2, 3])})
+    for rank, rx in enumerate(receivers):
+        assert wait_results(rx, {"d1"}).failed == {}
+        for layer in range(LAYERS):
+            for pb, db in zip([1, 2, 3], [5, 6, 7], strict=True):
+                assert np.array_equal(ps[rank].block(layer, pb), ds[rank].block(layer, db)), f"rank {rank} layer {layer}"
+    assert not np.array_equal(ds[0].mem, ds[1].mem)  # each rank got its own P rank's bytes
+    for sender in senders:
+        wait_freed(sender, {"p1"})
 
 
-def test_unequal_tp_fails_the_pull_at_once_with_the_reason(make_pair):
+def test_unequal_tp_fails_the_pull_at_once_with_the_reason(kv, make_pair):
     pair = make_pair()  # P registered TP 1
-    d = make_side(ExitStack(), fill=None)
-    with KVReceiver(d.transport.session_address, d.regions, tp_rank=0, tp_size=2, liveness_s=5.0) as rx:
-        start = time.monotonic()
-        rx.apply_step(pulls=[pair.spec("d1", "x1", [1])])
-        res = wait_results(rx, {"d1"}, timeout=5.0)
-        assert time.monotonic() - start < 3.0
-        assert "unequal TP" in res.failed["d1"]
-    d.transport.close()
+    rx = kv.receiver(kv.side(fill=None), tp_rank=0, tp_size=2, liveness_s=5.0)
+    start = time.monotonic()
+    rx.apply_step(pulls=[pair.spec("d1", "x1", [1])])
+    res = wait_results(rx, {"d1"}, timeout=5.0)
+    assert time.monotonic() - start < 3.0
+    assert "unequal TP" in res.failed["d1"]
 
 
 class _HalfThenStall(PlannedWrites):
