@@ -19,13 +19,17 @@ from support.kv_pair import (
     LAYERS,
     assert_copied,
     assert_untouched,
+    settle,
     wait_freed,
+    wait_parked,
+    wait_phase,
     wait_results,
 )
+from support.waiting import LogWatch, wait_for
 
 from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
-from pdkv.connector.send_table import SendLimits
+from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.transport.planned import PlannedWrites
 
 
@@ -35,7 +39,7 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
     pair.sender.apply_step(registered={"p1": "x1"})
     computed = time.time()
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])}, ready_at={"p1": computed})
-    time.sleep(0.05)
+    wait_phase(pair.sender, "x1", Phase.READY)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6, 7, 12])])
     res = wait_results(pair.receiver, {"d1"})
     assert res.failed == {}
@@ -56,7 +60,7 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     pair = make_pair(wait_write_s=wait_write_s, protocol=protocol)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     pair.sender.apply_step(registered={"p1": "x1"})
-    time.sleep(0.2)  # D's pull is parked at P
+    wait_parked(pair.sender, "x1")
     pair.sender.prompt_done({"p1": ("x1", [2, 3])})  # the forward that completed P's prompt just ran
     if wait_write_s:
         # The model runner's thread stepped aside until the write was done and D told.
@@ -64,7 +68,8 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     res = wait_results(pair.receiver, {"d1"})
     assert res.failed == {}
     assert_copied(pair, [2, 3], [5, 6])
-    time.sleep(0.2)
+    wait_for(lambda: pair.sender.trace.get("x1").status == "sent", 5, "P to conclude the send")
+    settle(pair.sender)  # and to have done all it does when a send ends
     assert pair.sender.take_finished() == set()  # P's scheduler has not finished the request: not ours to free
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
     wait_freed(pair.sender, {"p1"})
@@ -93,7 +98,7 @@ def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):
     assert time.monotonic() - start < 0.1
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5])])
     pair.sender.apply_step(registered={"p1": "x1"})
-    time.sleep(0.2)
+    wait_parked(pair.sender, "x1")
     start = time.monotonic()
     threading.Timer(0.3, pair.sender.prompt_done, args=({"p1": ("x1", [1])},)).start()
     pair.receiver.wait_results(5.0)
@@ -110,7 +115,7 @@ def test_p_holding_blocks_waits_in_an_idle_step_until_the_send_concludes(make_pa
     assert not pair.sender.wait_finished(5.0)  # nothing held: nothing could come, no wait
     assert time.monotonic() - start < 0.1
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [3])})
-    time.sleep(0.2)
+    wait_phase(pair.sender, "x1", Phase.READY)
     start = time.monotonic()
     assert pair.sender.wait_finished(0.3)  # held, no pull: the whole bound, then the step goes on
     assert 0.25 < time.monotonic() - start < 1.0
@@ -138,7 +143,10 @@ def test_d_request_that_never_pulls_releases_ps_blocks_at_once(make_pair):
 def test_pull_before_p_finished_waits_then_arrives(make_pair):
     pair = make_pair()
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0, 1])])  # D first, P has not even registered
-    time.sleep(0.5)  # longer than a heartbeat: D must stay waiting, not fail
+    wait_parked(pair.sender, "x1")
+    asked = pair.receiver.tracker.entries["d1"].deadline
+    # A heartbeat from P (the transfer unknown there yet) keeps D waiting: its liveness deadline moves on.
+    wait_for(lambda: pair.receiver.tracker.entries["d1"].deadline > asked, 5, "a heartbeat from P to reach D")
     assert pair.receiver.take_results().finished == set()
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [10, 11])})
     res = wait_results(pair.receiver, {"d1"})
@@ -159,7 +167,7 @@ def test_cancelled_prefill_fails_the_waiting_pull_at_once(make_pair):
     pair = make_pair(liveness_s=5.0)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.2)
+    wait_parked(pair.sender, "x1")
     t0 = time.monotonic()
     pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ABORTED"})
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
@@ -171,7 +179,7 @@ def test_cancelled_prefill_fails_the_waiting_pull_at_once(make_pair):
 def test_pull_after_the_cancel_is_answered_at_once(make_pair):
     pair = make_pair(liveness_s=5.0)
     pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ERROR"})
-    time.sleep(0.05)
+    wait_phase(pair.sender, "x1", Phase.CLOSED)
     t0 = time.monotonic()
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
@@ -200,7 +208,7 @@ def test_p_closing_its_side_channel_fails_the_pull_at_once(make_pair):
     pair = make_pair(liveness_s=30.0)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.sender.close()  # P's worker is gone: its socket closes, as a killed process's does
     t0 = time.monotonic()
     res = wait_results(pair.receiver, {"d1"}, timeout=5)
@@ -211,7 +219,7 @@ def test_p_closing_its_side_channel_fails_the_pull_at_once(make_pair):
 def test_a_p_that_stops_answering_fails_the_pull_within_the_liveness_bound(make_pair):
     pair = make_pair(liveness_s=1.0)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.sender._ticker.cancel()  # P's loop lives (its socket stays open) but it sends no heartbeat
     t0 = time.monotonic()
     res = wait_results(pair.receiver, {"d1"}, timeout=5)
@@ -231,7 +239,7 @@ def test_d_dying_before_the_write_frees_ps_blocks_and_reports(make_pair):
     pair = make_pair()
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.d.transport.close()  # D's memory and transfer engine are gone
     pair.sender.apply_step(ready={"p1": ("x1", [3])})
     waited = wait_freed(pair.sender, {"p1"}, timeout=8)
@@ -244,7 +252,7 @@ def test_decode_abort_releases_ps_blocks(make_pair):
     pair = make_pair()
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.receiver.apply_step(aborts=["d1"])
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
     assert "d1" in res.failed
@@ -323,8 +331,9 @@ def test_a_pull_to_a_prefill_whose_side_channel_is_gone_fails_at_once(make_pair)
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [0])})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
     assert wait_results(pair.receiver, {"d1"}).failed == {}
-    pair.sender.close()
-    time.sleep(0.3)  # the connection's end reaches D
+    with LogWatch("pdkv.connector") as logs:
+        pair.sender.close()
+        logs.wait(f"connection to {pair.sender.address} lost", timeout=5)  # D saw the connection end
     t0 = time.monotonic()
     pair.receiver.apply_step(pulls=[pair.spec("d2", "x2", [1])])
     res = wait_results(pair.receiver, {"d2"}, timeout=5)
