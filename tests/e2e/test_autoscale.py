@@ -40,7 +40,7 @@ from pdkv.deploy.loader import load_deployment
 from pdkv.deploy.ports import allocate_ports
 from pdkv.planner.profile import load_profile
 from support.loadclient import Case, closed_loop, one, prompts, same_greedy_answer
-from support.ports import free_port
+from support.tiny_deployment import write_tiny_deployment
 
 pytestmark = pytest.mark.e2e
 
@@ -112,46 +112,17 @@ def up(profile_file: Path, tiny_model: Path, tmp_path_factory) -> Up:
     burst_ms = prof.prefill_fit.step_ms(8 * 1700, 8 * 1700 * 1700, 8)
     target_ms = max(150.0, round(burst_ms / 4))
     tmp = tmp_path_factory.mktemp("autoscale")
-    boot = free_port(pair=True)  # written as a user writes it; the allocator gives the added P's bootstrap the next port
     deploy = tmp / "deploy.toml"
-    deploy.write_text(f"""
-model = "{tiny_model}"
-served_model_name = "tiny"
-protocol = "cma"
-platform = "cpu"
-host = "127.0.0.1"
-host_ip = "127.0.0.1"
-block_size = 32
-max_model_len = 2048
-restart = "no"
-extra_args = ["--no-enable-prefix-caching"]
-[bootstrap]
-port = {boot}
-[[prefill]]
-port = {free_port(pair=True)}
-omp_bind = "0"
-[[decode]]
-port = {free_port()}
-omp_bind = "1"
-[proxy]
-port = {free_port()}
-extra_args = ["--planner-window", "8", "--health-interval", "1", "--policy", "least-outstanding"]
-[autoscale]
-profile = "{profile_file}"
-ttft_ms = {target_ms}
-itl_ms = 10000
-interval_s = 2
-up_after_s = 4
-down_after_s = 10
-drain_timeout_s = 60
-[autoscale.prefill]
-min = 1
-max = 2
-omp_bind = ["1"]
-[autoscale.decode]
-min = 1
-max = 1
-""")
+    write_tiny_deployment(
+        deploy, tiny_model, restart="no", extra_args=["--no-enable-prefix-caching"],
+        proxy={"extra_args": ["--planner-window", "8", "--health-interval", "1", "--policy", "least-outstanding"]},
+        tables={
+            "autoscale": {"profile": profile_file, "ttft_ms": target_ms, "itl_ms": 10000, "interval_s": 2, "up_after_s": 4,
+                          "down_after_s": 10, "drain_timeout_s": 60},
+            "autoscale.prefill": {"min": 1, "max": 2, "omp_bind": ["1"]},
+            "autoscale.decode": {"min": 1, "max": 1},
+        },
+    )
     logs = tmp / "logs"
     stderr = tmp / "up.stderr"
     with stderr.open("w") as err:

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from support.ports import free_port
+from support.tiny_deployment import write_tiny_deployment
 from support.up_events import UpEvents
 from support.waiting import waited_for
 
@@ -48,29 +48,8 @@ class Place:
 
     def __init__(self, root: Path, model: Path) -> None:
         self.root, self.logs = root, root / "logs"
-        self.ports = {"bootstrap": free_port(), "prefill": free_port(), "decode": free_port(), "proxy": free_port()}
         self.file = root / "deploy.toml"
-        self.file.write_text(f"""
-model = "{model}"
-served_model_name = "tiny"
-protocol = "cma"
-platform = "cpu"
-host = "127.0.0.1"
-host_ip = "127.0.0.1"
-block_size = 32
-max_model_len = 1024
-restart = "no"
-[bootstrap]
-port = {self.ports['bootstrap']}
-[[prefill]]
-port = {self.ports['prefill']}
-omp_bind = "0"
-[[decode]]
-port = {self.ports['decode']}
-omp_bind = "1"
-[proxy]
-port = {self.ports['proxy']}
-""")
+        self.ports = write_tiny_deployment(self.file, model, restart="no", max_model_len=1024)
         self.started: list[subprocess.Popen[str]] = []
         self.readers: list[UpEvents] = []
         self.seen: set[int] = set()  # every process of every deployment, for the clean-up of a failed test

@@ -33,6 +33,7 @@ import yaml
 from support.loadclient import closed_loop, mixed_cases
 from support.planner_profiles import write_profile
 from support.ports import free_port
+from support.tiny_deployment import write_tiny_deployment
 from support.waiting import wait_for, waited_for
 
 pytestmark = [
@@ -101,41 +102,15 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         pytest.skip("needs tmux (scripts/setup.sh)")
     tmp = tmp_path_factory.mktemp("operator")
     profile = write_profile(tmp / "tiny.profile.json")
-    ports = {"bootstrap": free_port(pair=True), "prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     deploy = tmp / "deploy.toml"
-    deploy.write_text(f"""
-model = "{tiny_model}"
-served_model_name = "tiny"
-protocol = "cma"
-platform = "cpu"
-host = "127.0.0.1"
-host_ip = "127.0.0.1"
-block_size = 32
-max_model_len = 2048
-kv_events = false
-[bootstrap]
-port = {ports["bootstrap"]}
-[[prefill]]
-port = {ports["prefill"]}
-omp_bind = "0"
-[[decode]]
-port = {ports["decode"]}
-omp_bind = "1"
-[proxy]
-port = {ports["proxy"]}
-extra_args = ["--health-interval", "1"]
-[autoscale]
-profile = "{profile}"
-ttft_ms = 2000
-itl_ms = 10000
-interval_s = 1
-[autoscale.prefill]
-min = 1
-max = 1
-[autoscale.decode]
-min = 1
-max = 1
-""")
+    ports = write_tiny_deployment(
+        deploy, tiny_model, kv_events=False, proxy={"extra_args": ["--health-interval", "1"]},
+        tables={
+            "autoscale": {"profile": profile, "ttft_ms": 2000, "itl_ms": 10000, "interval_s": 1},
+            "autoscale.prefill": {"min": 1, "max": 1},
+            "autoscale.decode": {"min": 1, "max": 1},
+        },
+    )
     logs = tmp / "logs"
     socket = f"pdkv-test-{ports['proxy']}"  # a server of its own: it takes this process's environment
     # The pane's size is the terminal's: COLUMNS and LINES (which pytest's environment may hold) would override it.

@@ -6,7 +6,6 @@ No vLLM: the scheduler's news is applied by hand, as the connector's hooks would
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
 
@@ -18,6 +17,7 @@ ENGINE = "engine-p"
 
 def _decode(conn, bootstrap_url: str) -> None:
     import torch
+    from support.kv_pair import wait_results
 
     from pdkv.connector.receiver import KVReceiver, PullSpec
     from pdkv.transport.base import Region
@@ -34,12 +34,7 @@ def _decode(conn, bootstrap_url: str) -> None:
             while (job := conn.recv()) is not None:  # (d_req_id, transfer_id, blocks), one pull at a time
                 d_req, tid, blocks = job
                 rx.apply_step(pulls=[PullSpec(d_req, tid, bootstrap_url, ENGINE, blocks)])
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    res = rx.take_results()
-                    if d_req in res.finished:
-                        break
-                    time.sleep(0.01)
+                res = wait_results(rx, {d_req}, timeout=30)
                 torch.cuda.synchronize(device)
                 conn.send((dict(res.failed), mem.cpu().numpy()))
 
@@ -47,11 +42,11 @@ def _decode(conn, bootstrap_url: str) -> None:
 @pytest.mark.parametrize("when", ["finished", "computed"])
 def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
     import torch
+    from support.kv_pair import register, settle, wait_freed, wait_parked
+    from support.waiting import wait_for
 
-    from pdkv.bootstrap.client import BootstrapClient
     from pdkv.bootstrap.server import start_background
     from pdkv.connector.sender import KVSender
-    from pdkv.protocol import RegisterRequest
     from pdkv.transport.base import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
@@ -64,8 +59,7 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
         t.register([(base, src.numel())])
         regions = [Region(base + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(LAYERS)]
         with KVSender(t, regions, host="127.0.0.1", engine_id=ENGINE, heartbeat_s=0.2) as sender:
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
+            register(bs.url, sender, ENGINE)
             ctx = mp.get_context("spawn")
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_decode, args=(child, bs.url), daemon=True)
@@ -77,17 +71,14 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
                 sender.apply_step(registered={"p0": "x0"}, ready={"p0": ("x0", p_blocks)})
                 parent.send(("d0", "x0", d_blocks))
                 assert parent.poll(60) and parent.recv()[0] == {}
-                deadline = time.monotonic() + 10
-                while "p0" not in sender.take_finished():
-                    assert time.monotonic() < deadline, "the warm-up transfer's blocks were not freed"
-                    time.sleep(0.01)
+                wait_freed(sender, {"p0"})  # the warm-up transfer's blocks
                 sender.apply_step(registered={"p1": "x1"})
                 parent.send(("d1", "x1", d_blocks))
                 if when == "finished":
                     sender.apply_step(ready={"p1": ("x1", p_blocks)})
                 else:
                     # A "forward" still running on the GPU writes the prompt's KV: the write must wait for it.
-                    time.sleep(0.5)  # D's pull is parked at P
+                    wait_parked(sender, "x1", timeout=30)
                     src.zero_()
                     torch.cuda.synchronize()
                     forward = torch.cuda.Stream()  # as vLLM's, not the stream the copy is issued on
@@ -97,7 +88,8 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
                         fence = torch.cuda.Event()
                         fence.record()
                     sender.prompt_done({"p1": ("x1", p_blocks)}, fence)
-                    time.sleep(0.5)
+                    wait_for(lambda: sender.trace.get("x1").status == "sent", 30, "P to conclude the write after the fence")
+                    settle(sender)
                     assert "p1" not in sender.take_finished()  # not freed before P's request finishes
                     sender.apply_step(ready={"p1": ("x1", p_blocks)})
                 assert parent.poll(60)

@@ -9,20 +9,13 @@ it asked for, and nothing else. No vLLM: the scheduler's news is applied by hand
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pytest
+from support.kv_pair import KVHarness, Side, wait_freed, wait_results
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import start_background
-from pdkv.connector.receiver import KVReceiver, PullSpec, Results
-from pdkv.connector.sender import KVSender
-from pdkv.protocol import RegisterRequest
-from pdkv.transport import open_transport
-from pdkv.transport.base import Region
+from pdkv.connector.receiver import PullSpec, Results
 from pdkv.tp_heads import rank_heads
 
 HEADS = 4  # the model's KV heads
@@ -34,69 +27,29 @@ ENGINE = "engine-tp"
 
 @dataclass
 class Rank:
-    mem: np.ndarray  # LAYERS x BLOCKS x heads x UNIT bytes
-    transport: Any
+    side: Side  # mem: LAYERS x BLOCKS x heads x UNIT bytes
     first_head: int
 
     @property
-    def regions(self) -> list[Region]:
-        base, per_layer = self.mem.ctypes.data, BLOCKS * self.mem.shape[2] * UNIT
-        return [Region(base + layer * per_layer, self.mem.shape[2] * UNIT, BLOCKS) for layer in range(LAYERS)]
+    def mem(self) -> np.ndarray:
+        return self.side.mem
 
 
-def make_rank(stack: ExitStack, tp: int, rank: int, protocol: str, fill: bool, heads: int = HEADS) -> Rank:
+def make_rank(kv: KVHarness, tp: int, rank: int, protocol: str, fill: bool, heads: int = HEADS) -> Rank:
     first, count = rank_heads(heads, tp, rank)
-    shape = (LAYERS, BLOCKS, count, UNIT)
-    mem = np.random.default_rng(rank).integers(1, 255, size=shape, dtype=np.uint8) if fill else np.zeros(shape, np.uint8)
-    t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
-    t.register([(mem.ctypes.data, mem.nbytes)])
-    return Rank(mem, t, first)
-
-
-def wait_all(receivers: list[KVReceiver], rid: str, timeout: float = 10.0) -> list[Results]:
-    out = [Results() for _ in receivers]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for got, rx in zip(out, receivers, strict=True):
-            r = rx.take_results()
-            got.finished |= r.finished
-            got.failed.update(r.failed)
-        if all(rid in got.finished for got in out):
-            return out
-        time.sleep(0.01)
-    raise AssertionError(f"pull {rid} did not conclude on every D rank within {timeout} s")
-
-
-def wait_freed(sender: KVSender, want: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if want in sender.take_finished():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"P request {want} was not freed within {timeout} s")
+    return Rank(kv.side(fill=rank if fill else None, protocol=protocol, shape=(LAYERS, BLOCKS, count, UNIT)), first)
 
 
 class Deployment:
     """P of TP p and D of TP d, every rank registered as the connector's workers do."""
 
-    def __init__(self, stack: ExitStack, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None) -> None:
-        bs = start_background("127.0.0.1", 0)
-        stack.callback(bs.stop)
-        self.bootstrap = bs.url
-        self.ps = [make_rank(stack, p_tp, r, protocol, fill=True, heads=heads) for r in range(p_tp)]
-        self.ds = [make_rank(stack, d_tp, r, protocol, fill=False, heads=heads) for r in range(d_tp)]
-        self.senders = []
-        for r, p in enumerate(self.ps):
-            sender = stack.enter_context(KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, tp_rank=r,
-                                                  tp_size=p_tp, kv_heads=heads, heartbeat_s=0.2))
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=r, pp_rank=0, addr=sender.address))
-            self.senders.append(sender)
-        self.receivers = [
-            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=r, tp_size=d_tp,
-                                           kv_heads=heads if d_kv_heads is None else d_kv_heads, liveness_s=3.0))
-            for r, d in enumerate(self.ds)
-        ]
+    def __init__(self, kv: KVHarness, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None) -> None:
+        self.bootstrap = kv.bootstrap_url
+        self.ps = [make_rank(kv, p_tp, r, protocol, fill=True, heads=heads) for r in range(p_tp)]
+        self.ds = [make_rank(kv, d_tp, r, protocol, fill=False, heads=heads) for r in range(d_tp)]
+        self.senders = [kv.sender(p.side, engine_id=ENGINE, tp_rank=r, tp_size=p_tp, kv_heads=heads) for r, p in enumerate(self.ps)]
+        self.receivers = [kv.receiver(d.side, tp_rank=r, tp_size=d_tp, kv_heads=heads if d_kv_heads is None else d_kv_heads,
+                                      liveness_s=3.0) for r, d in enumerate(self.ds)]
 
     def transfer(self, tid: str, p_blocks: list[int], d_blocks: list[int]) -> list[Results]:
         spec = PullSpec("d1", tid, self.bootstrap, ENGINE, d_blocks)
@@ -104,7 +57,7 @@ class Deployment:
             rx.apply_step(pulls=[spec])
         for sender in self.senders:
             sender.apply_step(registered={"p1": tid}, ready={"p1": (tid, p_blocks)})
-        return wait_all(self.receivers, "d1")
+        return [wait_results(rx, {"d1"}) for rx in self.receivers]
 
     def head(self, global_head: int) -> tuple[Rank, int]:
         """The first P rank holding `global_head`, and the head's index in its blocks."""
@@ -116,22 +69,21 @@ CASES = [(1, 2, "tcp"), (2, 1, "tcp"), (1, 2, "cma"), (2, 1, "cma"), (4, 2, "tcp
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "protocol"), CASES, ids=[f"p{p}-d{d}-{t}" for p, d, t in CASES])
-def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(p_tp, d_tp, protocol):
+def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(kv, p_tp, d_tp, protocol):
     p_blocks, d_blocks = [2, 3, 4, 9, 11], [5, 6, 7, 12, 0]  # a run, a jump, a block going back on D's side
-    with ExitStack() as stack:
-        dep = Deployment(stack, p_tp, d_tp, protocol)
-        for res in dep.transfer("x-tp", p_blocks, d_blocks):
-            assert res.failed == {}
-        assert_heads(dep, p_blocks, d_blocks)
-        for sender in dep.senders:
-            if sender.trace.get("x-tp") is not None and sender.trace.get("x-tp").bytes:
-                wait_freed(sender, "p1")
-        # Each P rank's record says what it moved; together they are the whole prompt's KV, once.
-        records = [s.trace.get("x-tp") for s in dep.senders]
-        moved = sum(t.bytes for t in records if t is not None)
-        assert moved == len(p_blocks) * LAYERS * HEADS * UNIT
-        if d_tp > p_tp:
-            assert all(len(t.d_rank_bytes) == d_tp // p_tp for t in records)
+    dep = Deployment(kv, p_tp, d_tp, protocol)
+    for res in dep.transfer("x-tp", p_blocks, d_blocks):
+        assert res.failed == {}
+    assert_heads(dep, p_blocks, d_blocks)
+    for sender in dep.senders:
+        if sender.trace.get("x-tp") is not None and sender.trace.get("x-tp").bytes:
+            wait_freed(sender, {"p1"})
+    # Each P rank's record says what it moved; together they are the whole prompt's KV, once.
+    records = [s.trace.get("x-tp") for s in dep.senders]
+    moved = sum(t.bytes for t in records if t is not None)
+    assert moved == len(p_blocks) * LAYERS * HEADS * UNIT
+    if d_tp > p_tp:
+        assert all(len(t.d_rank_bytes) == d_tp // p_tp for t in records)
 
 
 def assert_heads(dep: Deployment, p_blocks: list[int], d_blocks: list[int]) -> None:
@@ -149,32 +101,29 @@ def assert_heads(dep: Deployment, p_blocks: list[int], d_blocks: list[int]) -> N
                     assert np.array_equal(got, want), f"layer {layer} block {b} head {d.first_head + h}"
 
 
-def test_p_ranks_holding_replicated_heads_nobody_pulls_are_released_at_once():
+def test_p_ranks_holding_replicated_heads_nobody_pulls_are_released_at_once(kv):
     # 2 KV heads over P TP 4: ranks 0-1 hold head 0, ranks 2-3 head 1. D TP 1 pulls ranks 0 and 2 and releases 1
     # and 3, whose blocks are freed now rather than at expiry (120 s).
-    with ExitStack() as stack:
-        dep = Deployment(stack, 4, 1, "cma", heads=2)
-        assert all(res.failed == {} for res in dep.transfer("x-4-1", [1, 2], [3, 4]))
-        assert_heads(dep, [1, 2], [3, 4])
-        for sender in dep.senders:
-            wait_freed(sender, "p1", timeout=5.0)
-        assert [s.trace.get("x-4-1").bytes for s in dep.senders] == [2 * LAYERS * UNIT, 0, 2 * LAYERS * UNIT, 0]
+    dep = Deployment(kv, 4, 1, "cma", heads=2)
+    assert all(res.failed == {} for res in dep.transfer("x-4-1", [1, 2], [3, 4]))
+    assert_heads(dep, [1, 2], [3, 4])
+    for sender in dep.senders:
+        wait_freed(sender, {"p1"}, timeout=5.0)
+    assert [s.trace.get("x-4-1").bytes for s in dep.senders] == [2 * LAYERS * UNIT, 0, 2 * LAYERS * UNIT, 0]
 
 
-def test_a_d_whose_model_has_other_heads_is_refused_at_once():
-    with ExitStack() as stack:
-        dep = Deployment(stack, 1, 2, "tcp", d_kv_heads=8)
-        start = time.monotonic()
-        results = dep.transfer("x-bad", [1], [2])
-        assert time.monotonic() - start < 3.0
-        for res in results:
-            assert "decode's model has 8 KV heads, prefill's 4" in res.failed["d1"], res.failed
-        for d in dep.ds:
-            assert not d.mem.any()
+def test_a_d_whose_model_has_other_heads_is_refused_at_once(kv):
+    dep = Deployment(kv, 1, 2, "tcp", d_kv_heads=8)
+    start = time.monotonic()
+    results = dep.transfer("x-bad", [1], [2])
+    assert time.monotonic() - start < 3.0
+    for res in results:
+        assert "decode's model has 8 KV heads, prefill's 4" in res.failed["d1"], res.failed
+    for d in dep.ds:
+        assert not d.mem.any()
 
 
-def test_a_d_of_another_tp_size_that_does_not_know_the_head_count_fails_with_the_reason():
-    with ExitStack() as stack:
-        dep = Deployment(stack, 1, 2, "tcp", d_kv_heads=0)
-        for res in dep.transfer("x-unknown", [1], [2]):
-            assert "unequal TP needs the model's KV head count" in res.failed["d1"], res.failed
+def test_a_d_of_another_tp_size_that_does_not_know_the_head_count_fails_with_the_reason(kv):
+    dep = Deployment(kv, 1, 2, "tcp", d_kv_heads=0)
+    for res in dep.transfer("x-unknown", [1], [2]):
+        assert "unequal TP needs the model's KV head count" in res.failed["d1"], res.failed

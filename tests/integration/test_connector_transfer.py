@@ -9,125 +9,28 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
+from support.kv_pair import (
+    BLOCK_LEN,
+    ENGINE,
+    LAYERS,
+    assert_copied,
+    assert_untouched,
+    settle,
+    wait_freed,
+    wait_parked,
+    wait_phase,
+    wait_results,
+)
+from support.waiting import LogWatch, wait_for
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import start_background
-from pdkv.connector.receiver import KVReceiver, PullSpec, Results
+from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
-from pdkv.connector.send_table import SendLimits
-from pdkv.protocol import RegisterRequest
-from pdkv.transport import open_transport
-from pdkv.transport.base import Region
+from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.transport.planned import PlannedWrites
-
-LAYERS = 3
-BLOCKS = 16
-BLOCK_LEN = 512  # bytes of one block in one layer's region
-ENGINE = "engine-p"
-
-
-@dataclass
-class Side:
-    mem: np.ndarray  # LAYERS x BLOCKS x BLOCK_LEN bytes
-    transport: Any  # MooncakeTransport, or CmaTransport
-
-    @property
-    def regions(self) -> list[Region]:
-        base = self.mem.ctypes.data
-        return [Region(base + layer * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for layer in range(LAYERS)]
-
-    def block(self, layer: int, b: int) -> np.ndarray:
-        return self.mem[layer, b]
-
-
-def make_side(stack: ExitStack, fill: int | None, protocol: str = "tcp") -> Side:
-    rng = np.random.default_rng(fill)
-    shape = (LAYERS, BLOCKS, BLOCK_LEN)
-    mem = rng.integers(0, 255, size=shape, dtype=np.uint8) if fill is not None else np.zeros(shape, np.uint8)
-    t = stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
-    t.register([(mem.ctypes.data, mem.nbytes)])
-    return Side(mem, t)
-
-
-@dataclass
-class Pair:
-    p: Side
-    d: Side
-    sender: KVSender
-    receiver: KVReceiver
-    bootstrap_url: str
-
-    def spec(self, d_req: str, tid: str, blocks: list[int], first: int = 0) -> PullSpec:
-        return PullSpec(d_req, tid, self.bootstrap_url, ENGINE, blocks, first)
-
-
-def wait_results(receiver: KVReceiver, want: set[str], timeout: float = 10.0) -> Results:
-    got = Results()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = receiver.take_results()
-        got.finished |= r.finished
-        got.failed.update(r.failed)
-        got.failed_blocks.update(r.failed_blocks)
-        if want <= got.finished:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"pulls {want - got.finished} did not conclude within {timeout} s")
-
-
-def wait_freed(sender: KVSender, want: set[str], timeout: float = 10.0) -> float:
-    got: set[str] = set()
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        got |= sender.take_finished()
-        if want <= got:
-            return time.monotonic() - start
-        time.sleep(0.01)
-    raise AssertionError(f"P requests {want - got} were not freed within {timeout} s")
-
-
-@pytest.fixture
-def make_pair() -> Iterator[Callable[..., Pair]]:
-    with ExitStack() as stack:
-        bs = start_background("127.0.0.1", 0)
-        stack.callback(bs.stop)
-
-        def make(
-            limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp",
-            d_protocol: str | None = None
-        ) -> Pair:
-            p = make_side(stack, fill=1, protocol=protocol)
-            d = make_side(stack, fill=None, protocol=d_protocol or protocol)
-            sender = stack.enter_context(
-                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id=ENGINE, limits=limits, heartbeat_s=0.2,
-                         wait_write_s=wait_write_s)
-            )
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id=ENGINE, dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
-            receiver = stack.enter_context(KVReceiver(d.transport.session_address, d.regions, liveness_s=liveness_s))
-            return Pair(p, d, sender, receiver, bs.url)
-
-        yield make
-
-
-def assert_copied(pair: Pair, p_blocks: list[int], d_blocks: list[int]) -> None:
-    for layer in range(LAYERS):
-        for pb, db in zip(p_blocks, d_blocks, strict=True):
-            assert np.array_equal(pair.p.block(layer, pb), pair.d.block(layer, db)), f"layer {layer} block {pb}->{db}"
-
-
-def assert_untouched(pair: Pair, d_blocks: list[int]) -> None:
-    for layer in range(LAYERS):
-        for b in range(BLOCKS):
-            if b not in d_blocks:
-                assert not pair.d.block(layer, b).any(), f"layer {layer} block {b} was written"
 
 
 @pytest.mark.parametrize("protocol", ["tcp", "cma"])
@@ -136,7 +39,7 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
     pair.sender.apply_step(registered={"p1": "x1"})
     computed = time.time()
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])}, ready_at={"p1": computed})
-    time.sleep(0.05)
+    wait_phase(pair.sender, "x1", Phase.READY)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6, 7, 12])])
     res = wait_results(pair.receiver, {"d1"})
     assert res.failed == {}
@@ -157,7 +60,7 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     pair = make_pair(wait_write_s=wait_write_s, protocol=protocol)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     pair.sender.apply_step(registered={"p1": "x1"})
-    time.sleep(0.2)  # D's pull is parked at P
+    wait_parked(pair.sender, "x1")
     pair.sender.prompt_done({"p1": ("x1", [2, 3])})  # the forward that completed P's prompt just ran
     if wait_write_s:
         # The model runner's thread stepped aside until the write was done and D told.
@@ -165,7 +68,8 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     res = wait_results(pair.receiver, {"d1"})
     assert res.failed == {}
     assert_copied(pair, [2, 3], [5, 6])
-    time.sleep(0.2)
+    wait_for(lambda: pair.sender.trace.get("x1").status == "sent", 5, "P to conclude the send")
+    settle(pair.sender)  # and to have done all it does when a send ends
     assert pair.sender.take_finished() == set()  # P's scheduler has not finished the request: not ours to free
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
     wait_freed(pair.sender, {"p1"})
@@ -194,7 +98,7 @@ def test_idle_step_wait_returns_when_the_pull_concludes(make_pair):
     assert time.monotonic() - start < 0.1
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5])])
     pair.sender.apply_step(registered={"p1": "x1"})
-    time.sleep(0.2)
+    wait_parked(pair.sender, "x1")
     start = time.monotonic()
     threading.Timer(0.3, pair.sender.prompt_done, args=({"p1": ("x1", [1])},)).start()
     pair.receiver.wait_results(5.0)
@@ -211,7 +115,7 @@ def test_p_holding_blocks_waits_in_an_idle_step_until_the_send_concludes(make_pa
     assert not pair.sender.wait_finished(5.0)  # nothing held: nothing could come, no wait
     assert time.monotonic() - start < 0.1
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [3])})
-    time.sleep(0.2)
+    wait_phase(pair.sender, "x1", Phase.READY)
     start = time.monotonic()
     assert pair.sender.wait_finished(0.3)  # held, no pull: the whole bound, then the step goes on
     assert 0.25 < time.monotonic() - start < 1.0
@@ -239,7 +143,10 @@ def test_d_request_that_never_pulls_releases_ps_blocks_at_once(make_pair):
 def test_pull_before_p_finished_waits_then_arrives(make_pair):
     pair = make_pair()
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0, 1])])  # D first, P has not even registered
-    time.sleep(0.5)  # longer than a heartbeat: D must stay waiting, not fail
+    wait_parked(pair.sender, "x1")
+    asked = pair.receiver.tracker.entries["d1"].deadline
+    # A heartbeat from P (the transfer unknown there yet) keeps D waiting: its liveness deadline moves on.
+    wait_for(lambda: pair.receiver.tracker.entries["d1"].deadline > asked, 5, "a heartbeat from P to reach D")
     assert pair.receiver.take_results().finished == set()
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [10, 11])})
     res = wait_results(pair.receiver, {"d1"})
@@ -260,7 +167,7 @@ def test_cancelled_prefill_fails_the_waiting_pull_at_once(make_pair):
     pair = make_pair(liveness_s=5.0)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.2)
+    wait_parked(pair.sender, "x1")
     t0 = time.monotonic()
     pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ABORTED"})
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
@@ -272,7 +179,7 @@ def test_cancelled_prefill_fails_the_waiting_pull_at_once(make_pair):
 def test_pull_after_the_cancel_is_answered_at_once(make_pair):
     pair = make_pair(liveness_s=5.0)
     pair.sender.apply_step(cancelled={"x1": "prefill request p1 finished as FINISHED_ERROR"})
-    time.sleep(0.05)
+    wait_phase(pair.sender, "x1", Phase.CLOSED)
     t0 = time.monotonic()
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
@@ -301,7 +208,7 @@ def test_p_closing_its_side_channel_fails_the_pull_at_once(make_pair):
     pair = make_pair(liveness_s=30.0)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.sender.close()  # P's worker is gone: its socket closes, as a killed process's does
     t0 = time.monotonic()
     res = wait_results(pair.receiver, {"d1"}, timeout=5)
@@ -312,7 +219,7 @@ def test_p_closing_its_side_channel_fails_the_pull_at_once(make_pair):
 def test_a_p_that_stops_answering_fails_the_pull_within_the_liveness_bound(make_pair):
     pair = make_pair(liveness_s=1.0)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.sender._ticker.cancel()  # P's loop lives (its socket stays open) but it sends no heartbeat
     t0 = time.monotonic()
     res = wait_results(pair.receiver, {"d1"}, timeout=5)
@@ -332,7 +239,7 @@ def test_d_dying_before_the_write_frees_ps_blocks_and_reports(make_pair):
     pair = make_pair()
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.d.transport.close()  # D's memory and transfer engine are gone
     pair.sender.apply_step(ready={"p1": ("x1", [3])})
     waited = wait_freed(pair.sender, {"p1"}, timeout=8)
@@ -345,7 +252,7 @@ def test_decode_abort_releases_ps_blocks(make_pair):
     pair = make_pair()
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
-    time.sleep(0.3)
+    wait_parked(pair.sender, "x1")
     pair.receiver.apply_step(aborts=["d1"])
     res = wait_results(pair.receiver, {"d1"}, timeout=3)
     assert "d1" in res.failed
@@ -354,51 +261,36 @@ def test_decode_abort_releases_ps_blocks(make_pair):
     assert_untouched(pair, [])
 
 
-def test_equal_tp_each_rank_pulls_from_its_own_prefill_rank():
+def test_equal_tp_each_rank_pulls_from_its_own_prefill_rank(kv):
     # TP 2 on both sides: each D worker pulls the same blocks from the P worker of its rank, whose memory
     # holds its own share of the heads; the bootstrap lists both P ranks under one engine id.
-    with ExitStack() as stack:
-        bs = start_background("127.0.0.1", 0)
-        stack.callback(bs.stop)
-        ps = [make_side(stack, fill=10 + rank) for rank in range(2)]
-        ds = [make_side(stack, fill=None) for _ in range(2)]
-        senders = []
-        for rank, p in enumerate(ps):
-            sender = stack.enter_context(
-                KVSender(p.transport, p.regions, host="127.0.0.1", engine_id="engine-tp", tp_rank=rank, tp_size=2, heartbeat_s=0.2)
-            )
-            with BootstrapClient(bs.url) as c:
-                c.register(RegisterRequest(engine_id="engine-tp", dp_rank=0, tp_rank=rank, pp_rank=0, addr=sender.address))
-            senders.append(sender)
-        receivers = [
-            stack.enter_context(KVReceiver(d.transport.session_address, d.regions, tp_rank=rank, tp_size=2, liveness_s=2.0))
-            for rank, d in enumerate(ds)
-        ]
-        spec = PullSpec("d1", "x-tp", bs.url, "engine-tp", [5, 6, 7])
-        for rx in receivers:  # the scheduler's metadata reaches every worker alike
-            rx.apply_step(pulls=[spec])
-        for sender in senders:
-            sender.apply_step(registered={"p1": "x-tp"}, ready={"p1": ("x-tp", [1, 2, 3])})
-        for rank, rx in enumerate(receivers):
-            assert wait_results(rx, {"d1"}).failed == {}
-            for layer in range(LAYERS):
-                for pb, db in zip([1, 2, 3], [5, 6, 7], strict=True):
-                    assert np.array_equal(ps[rank].block(layer, pb), ds[rank].block(layer, db)), f"rank {rank} layer {layer}"
-        assert not np.array_equal(ds[0].mem, ds[1].mem)  # each rank got its own P rank's bytes
-        for sender in senders:
-            wait_freed(sender, {"p1"})
+    ps = [kv.side(fill=10 + rank) for rank in range(2)]
+    ds = [kv.side(fill=None) for _ in range(2)]
+    senders = [kv.sender(p, engine_id="engine-tp", tp_rank=rank, tp_size=2) for rank, p in enumerate(ps)]
+    receivers = [kv.receiver(d, tp_rank=rank, tp_size=2) for rank, d in enumerate(ds)]
+    spec = PullSpec("d1", "x-tp", kv.bootstrap_url, "engine-tp", [5, 6, 7])
+    for rx in receivers:  # the scheduler's metadata reaches every worker alike
+        rx.apply_step(pulls=[spec])
+    for sender in senders:
+        sender.apply_step(registered={"p1": "x-tp"}, ready={"p1": ("x-tp", [1, 2, 3])})
+    for rank, rx in enumerate(receivers):
+        assert wait_results(rx, {"d1"}).failed == {}
+        for layer in range(LAYERS):
+            for pb, db in zip([1, 2, 3], [5, 6, 7], strict=True):
+                assert np.array_equal(ps[rank].block(layer, pb), ds[rank].block(layer, db)), f"rank {rank} layer {layer}"
+    assert not np.array_equal(ds[0].mem, ds[1].mem)  # each rank got its own P rank's bytes
+    for sender in senders:
+        wait_freed(sender, {"p1"})
 
 
-def test_unequal_tp_fails_the_pull_at_once_with_the_reason(make_pair):
+def test_unequal_tp_fails_the_pull_at_once_with_the_reason(kv, make_pair):
     pair = make_pair()  # P registered TP 1
-    d = make_side(ExitStack(), fill=None)
-    with KVReceiver(d.transport.session_address, d.regions, tp_rank=0, tp_size=2, liveness_s=5.0) as rx:
-        start = time.monotonic()
-        rx.apply_step(pulls=[pair.spec("d1", "x1", [1])])
-        res = wait_results(rx, {"d1"}, timeout=5.0)
-        assert time.monotonic() - start < 3.0
-        assert "unequal TP" in res.failed["d1"]
-    d.transport.close()
+    rx = kv.receiver(kv.side(fill=None), tp_rank=0, tp_size=2, liveness_s=5.0)
+    start = time.monotonic()
+    rx.apply_step(pulls=[pair.spec("d1", "x1", [1])])
+    res = wait_results(rx, {"d1"}, timeout=5.0)
+    assert time.monotonic() - start < 3.0
+    assert "unequal TP" in res.failed["d1"]
 
 
 class _HalfThenStall(PlannedWrites):
@@ -439,8 +331,9 @@ def test_a_pull_to_a_prefill_whose_side_channel_is_gone_fails_at_once(make_pair)
     pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [0])})
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [0])])
     assert wait_results(pair.receiver, {"d1"}).failed == {}
-    pair.sender.close()
-    time.sleep(0.3)  # the connection's end reaches D
+    with LogWatch("pdkv.connector") as logs:
+        pair.sender.close()
+        logs.wait(f"connection to {pair.sender.address} lost", timeout=5)  # D saw the connection end
     t0 = time.monotonic()
     pair.receiver.apply_step(pulls=[pair.spec("d2", "x2", [1])])
     res = wait_results(pair.receiver, {"d2"}, timeout=5)

@@ -21,20 +21,20 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from support.kv_pair import KVHarness, wait_phase, wait_results
 from support.proxy_stubs import REQUEST, Deployment
 
 from pdkv.auth import FrameSealer, new_binding
 from pdkv.bench.control import BenchTarget, Checksum, Refill, Setup, TargetClient
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.connector.receiver import KVReceiver, PullSpec
-from pdkv.connector.sender import KVSender
+from pdkv.connector.receiver import PullSpec
+from pdkv.connector.send_table import Phase
 from pdkv.side_channel import decode_reply, encode
 from pdkv.protocol import (
     Announce,
     PullReply,
     PullRequest,
-    Region,
     RegisterRequest,
     Release,
     StatsQuery,
@@ -42,7 +42,6 @@ from pdkv.protocol import (
     TraceReport,
 )
 from pdkv.proxy.guard import HttpGuard
-from pdkv.transport import open_transport
 
 N = 10_000
 SEED = 20261202
@@ -121,93 +120,74 @@ def _raw_msgpack(value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("keyed", [True, False], ids=["key", "no-key"])
-def test_side_channel_survives_fuzz_and_the_transfer_in_flight_is_untouched(keyed: bool):
+def test_side_channel_survives_fuzz_and_the_transfer_in_flight_is_untouched(kv: KVHarness, keyed: bool):
     rng = random.Random(SEED)
-    p_mem = np.random.default_rng(1).integers(1, 255, size=(LAYERS, BLOCKS, BLOCK_LEN), dtype=np.uint8)
     # D's registered blocks sit between two canaries: nothing may ever be written there.
     d_buf = np.zeros((LAYERS * BLOCKS + 2) * BLOCK_LEN, np.uint8)
-    d_mem = d_buf[BLOCK_LEN:-BLOCK_LEN].reshape(LAYERS, BLOCKS, BLOCK_LEN)
-    with open_transport("tcp", "127.0.0.1", write_timeout_s=3.0) as pt, open_transport("tcp", "127.0.0.1", write_timeout_s=3.0) as dt:
-        pt.register([(p_mem.ctypes.data, p_mem.nbytes)])
-        dt.register([(d_mem.ctypes.data, d_mem.nbytes)])
-        p_regions = [Region(p_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(LAYERS)]
-        d_regions = [Region(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(LAYERS)]
-        sealer = FrameSealer(KEY) if keyed else None
-        bs = start_background("127.0.0.1", 0)
-        try:
-            with KVSender(pt, p_regions, host="127.0.0.1", engine_id="e", heartbeat_s=0.2, sealer=sealer) as sender:
-                secret, commitment = new_binding()
-                sender.apply_step(registered={"p1": "xfer-live"}, bindings={"xfer-live": commitment})
-                sender.apply_step(ready={"p1": ("xfer-live", [1, 2, 3])})
-                time.sleep(0.1)
-                before = (sender.table.entries["xfer-live"].phase, list(sender.table.entries["xfer-live"].blocks or []))
-                session = dt.session_address
-                valid = [
-                    Announce(session=session, tp_rank=0, tp_size=1, regions=d_regions),
-                    # Pulls and releases for the live transfer, with any secret but its own.
-                    PullRequest(transfer_id="xfer-live", d_req_id="f", session=session, tp_rank=0, tp_size=1, block_ids=[0, 1, 2],
-                                binding=new_binding()[0]),
-                    Release(transfer_id="xfer-live", d_req_id="f", binding=new_binding()[0]),
-                    Release(transfer_id="xfer-live", d_req_id=""),
-                    TraceReport(transfer_id="xfer-live", events={"a": 1.0}),
-                    StatsQuery(since=0.0),
-                ]
-                # Keyed: the field-mutated third is sealed with the key (a key holder sending garbage reaches decoding);
-                # the byte-mutated third breaks its seal, and random bytes have none.
-                enc = (lambda raw: sealer.seal(_raw_msgpack(raw), b"q")) if sealer is not None else _raw_msgpack
-                ctx = zmq.Context()
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.SNDHWM, 0)
-                sock.connect(sender.address)
-                start = time.monotonic()
-                for frame in messages(rng, valid, enc):
-                    sock.send(frame)
-                # Still answering, and done with every fuzz frame: a pull for an id no mutation makes (its answer comes
-                # after every earlier frame's), then a stats query; both sealed when keyed.
-                probes = [PullRequest(transfer_id="xfer-probe", d_req_id="probe", session="127.0.0.1:9", tp_rank=0, tp_size=1,
-                                      block_ids=[0]), StatsQuery(since=time.time())]
-                for probe in map(encode, probes):
-                    sock.send(sealer.seal(probe, b"q") if sealer else probe)
-                deadline = time.monotonic() + 60
-                probed, got = False, None
-                while time.monotonic() < deadline and got is None:
-                    if sock.poll(200):
-                        frame = sock.recv()
-                        body = sealer.open(frame, b"r")[0] if sealer else frame
-                        msg = decode_reply(body) if body is not None else None
-                        if isinstance(msg, PullReply) and msg.transfer_id == "xfer-probe":
-                            probed = True
-                        elif probed and isinstance(msg, StatsReply):
-                            got = msg
-                elapsed = time.monotonic() - start
-                sock.close()
-                ctx.term()
-                assert got is not None, "the side channel stopped answering"
-                if keyed:
-                    assert sender.trace.auth_refused_total("unauthenticated") >= 2 * N // 3 - 5  # dropped before decoding
-                e = sender.table.entries["xfer-live"]
-                assert (e.phase, list(e.blocks or [])) == before and e.served == 0 and not e.sending
-                assert not d_buf.any(), "memory was written"
-                # The right D still gets exactly its KV.
-                with BootstrapClient(bs.url) as c:
-                    c.register(RegisterRequest(engine_id="e", dp_rank=0, tp_rank=0, pp_rank=0, addr=sender.address))
-                with KVReceiver(session, d_regions, liveness_s=5.0, sealer=FrameSealer(KEY) if keyed else None) as receiver:
-                    receiver.apply_step(pulls=[PullSpec("d1", "xfer-live", bs.url, "e", [5, 6, 7], binding=secret)])
-                    deadline = time.monotonic() + 10
-                    while time.monotonic() < deadline:
-                        r = receiver.take_results()
-                        if "d1" in r.finished:
-                            assert r.failed == {}
-                            break
-                        time.sleep(0.01)
-                    else:
-                        raise AssertionError("the real pull did not conclude")
-                assert np.array_equal(d_mem[:, 5:8], p_mem[:, 1:4])
-                assert not d_mem[:, :5].any() and not d_buf[:BLOCK_LEN].any() and not d_buf[-BLOCK_LEN:].any()
-                assert elapsed < 60
-        finally:
-            bs.stop()
+    p = kv.side(fill=1, shape=(LAYERS, BLOCKS, BLOCK_LEN))
+    d = kv.side(fill=None, mem=d_buf[BLOCK_LEN:-BLOCK_LEN].reshape(LAYERS, BLOCKS, BLOCK_LEN))
+    sealer = FrameSealer(KEY) if keyed else None
+    sender = kv.sender(p, engine_id="e", sealer=sealer)
+    secret, commitment = new_binding()
+    sender.apply_step(registered={"p1": "xfer-live"}, bindings={"xfer-live": commitment})
+    sender.apply_step(ready={"p1": ("xfer-live", [1, 2, 3])})
+    wait_phase(sender, "xfer-live", Phase.READY)
+    before = (sender.table.entries["xfer-live"].phase, list(sender.table.entries["xfer-live"].blocks or []))
+    session = d.transport.session_address
+    valid = [
+        Announce(session=session, tp_rank=0, tp_size=1, regions=d.regions),
+        # Pulls and releases for the live transfer, with any secret but its own.
+        PullRequest(transfer_id="xfer-live", d_req_id="f", session=session, tp_rank=0, tp_size=1, block_ids=[0, 1, 2],
+                    binding=new_binding()[0]),
+        Release(transfer_id="xfer-live", d_req_id="f", binding=new_binding()[0]),
+        Release(transfer_id="xfer-live", d_req_id=""),
+        TraceReport(transfer_id="xfer-live", events={"a": 1.0}),
+        StatsQuery(since=0.0),
+    ]
+    # Keyed: the field-mutated third is sealed with the key (a key holder sending garbage reaches decoding);
+    # the byte-mutated third breaks its seal, and random bytes have none.
+    enc = (lambda raw: sealer.seal(_raw_msgpack(raw), b"q")) if sealer is not None else _raw_msgpack
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(sender.address)
+    start = time.monotonic()
+    for frame in messages(rng, valid, enc):
+        sock.send(frame)
+    # Still answering, and done with every fuzz frame: a pull for an id no mutation makes (its answer comes
+    # after every earlier frame's), then a stats query; both sealed when keyed.
+    probes = [PullRequest(transfer_id="xfer-probe", d_req_id="probe", session="127.0.0.1:9", tp_rank=0, tp_size=1,
+                          block_ids=[0]), StatsQuery(since=time.time())]
+    for probe in map(encode, probes):
+        sock.send(sealer.seal(probe, b"q") if sealer else probe)
+    deadline = time.monotonic() + 60
+    probed, got = False, None
+    while time.monotonic() < deadline and got is None:
+        if sock.poll(200):
+            frame = sock.recv()
+            body = sealer.open(frame, b"r")[0] if sealer else frame
+            msg = decode_reply(body) if body is not None else None
+            if isinstance(msg, PullReply) and msg.transfer_id == "xfer-probe":
+                probed = True
+            elif probed and isinstance(msg, StatsReply):
+                got = msg
+    elapsed = time.monotonic() - start
+    sock.close()
+    ctx.term()
+    assert got is not None, "the side channel stopped answering"
+    if keyed:
+        assert sender.trace.auth_refused_total("unauthenticated") >= 2 * N // 3 - 5  # dropped before decoding
+    e = sender.table.entries["xfer-live"]
+    assert (e.phase, list(e.blocks or [])) == before and e.served == 0 and not e.sending
+    assert not d_buf.any(), "memory was written"
+    # The right D still gets exactly its KV.
+    receiver = kv.receiver(d, liveness_s=5.0, sealer=FrameSealer(KEY) if keyed else None)
+    receiver.apply_step(pulls=[PullSpec("d1", "xfer-live", kv.bootstrap_url, "e", [5, 6, 7], binding=secret)])
+    assert wait_results(receiver, {"d1"}).failed == {}
+    assert np.array_equal(d.mem[:, 5:8], p.mem[:, 1:4])
+    assert not d.mem[:, :5].any() and not d_buf[:BLOCK_LEN].any() and not d_buf[-BLOCK_LEN:].any()
+    assert elapsed < 60
 
 
 # --- the bootstrap ------------------------------------------------------------------

@@ -6,44 +6,37 @@ keeps serving, and no byte of D's memory outside the named blocks changes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import msgspec
-import numpy as np
 import pytest
 import zmq
+from support.kv_pair import KVHarness, wait_freed
 
-from pdkv.connector.sender import KVSender
-from pdkv.side_channel import decode_reply, encode
 from pdkv.connector.send_table import SendLimits
 from pdkv.protocol import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
-from pdkv.transport.mooncake import MooncakeTransport
+from pdkv.side_channel import decode_reply, encode
 
 BLOCKS, BLOCK_LEN = 8, 256
 
 
 @pytest.fixture
-def world() -> Iterator[dict]:
-    p_mem = np.arange(2 * BLOCKS * BLOCK_LEN, dtype=np.uint32).astype(np.uint8).reshape(2, BLOCKS, BLOCK_LEN)
-    d_mem = np.zeros((2, BLOCKS, BLOCK_LEN), np.uint8)
-    with MooncakeTransport("127.0.0.1", "tcp", write_timeout_s=3) as pt, MooncakeTransport("127.0.0.1", "tcp", write_timeout_s=3) as dt:
-        pt.register([(p_mem.ctypes.data, p_mem.nbytes)])
-        dt.register([(d_mem.ctypes.data, d_mem.nbytes)])
-        p_regions = [Region(p_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
-        d_regions = [Region(d_mem.ctypes.data + i * BLOCKS * BLOCK_LEN, BLOCK_LEN, BLOCKS) for i in range(2)]
-        with KVSender(pt, p_regions, host="127.0.0.1", engine_id="e", limits=SendLimits(unknown_wait_s=0.5), heartbeat_s=0.1) as sender:
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVTIMEO, 3000)
-            sock.connect(sender.address)
-            sock.send(encode(Announce(session=dt.session_address, tp_rank=0, tp_size=1, regions=d_regions)))
-            try:
-                yield {"sender": sender, "sock": sock, "d_mem": d_mem, "d_regions": d_regions, "session": dt.session_address}
-            finally:
-                sock.close()
-                ctx.term()
+def world(kv: KVHarness) -> Iterator[dict]:
+    p = kv.side(fill=1, shape=(2, BLOCKS, BLOCK_LEN))
+    d = kv.side(fill=None, shape=(2, BLOCKS, BLOCK_LEN))
+    sender = kv.sender(p, engine_id="e", limits=SendLimits(unknown_wait_s=0.5), heartbeat_s=0.1)
+    session = d.transport.session_address
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    sock.connect(sender.address)
+    sock.send(encode(Announce(session=session, tp_rank=0, tp_size=1, regions=d.regions)))
+    try:
+        yield {"sender": sender, "sock": sock, "d_mem": d.mem, "d_regions": d.regions, "session": session}
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def pull(w: dict, tid: str, blocks: list[int], **kw) -> PullRequest:
@@ -128,12 +121,7 @@ def test_more_blocks_than_p_holds_is_an_error(world):
     reply = recv_final(world["sock"])
     assert reply.status == PullStatus.ERROR and "holds in 2" in reply.error
     assert not world["d_mem"].any()
-    freed: set[str] = set()
-    deadline = time.monotonic() + 2
-    while "p1" not in freed and time.monotonic() < deadline:
-        freed |= world["sender"].take_finished()
-        time.sleep(0.01)
-    assert "p1" in freed  # a failed send still frees P's blocks
+    wait_freed(world["sender"], {"p1"}, timeout=2)  # a failed send still frees P's blocks
 
 
 def test_unknown_transfer_id_is_answered_after_the_wait_bound(world):
