@@ -6,7 +6,15 @@ pull asks several P ranks (`expect`): it succeeds once every one of them is done
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
+
+def write_key(transfer_id: str, d_req_id: str) -> str:
+    """The name P's writes of one pull carry and D's transport grants them under (Transport.expect): the pull's
+    transfer id and D's request id, hashed to a fixed length."""
+    return hashlib.sha256(f"{transfer_id}\0{d_req_id}".encode()).hexdigest()[:32]
+
 
 @dataclass(frozen=True)
 class PullSpec:

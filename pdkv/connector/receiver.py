@@ -18,11 +18,13 @@ from typing import Any
 
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
-from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker
+from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker, write_key
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 from pdkv.tp_heads import head_shares, pullers
+from pdkv.transport.base import Transport
+from pdkv.transport.planner import block_spans
 
 log = logging.getLogger("pdkv.connector")
 
@@ -51,11 +53,14 @@ class KVReceiver:
         bootstrap_timeout: float = 2.0,
         ipc: IpcExport | None = None,
         sealer: FrameSealer | None = None,
+        transport: Transport | None = None,
     ) -> None:
         """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed.
+        `transport`: D's, told which blocks each pull lets P write (Transport.expect) and when it concluded.
         `kv_heads`: the model's KV heads, all ranks together (0: unknown; then only a P of this TP size serves it)."""
         self.session = session
         self.sealer = sealer
+        self.transport = transport
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
         # Sent on each connection to a P before its first pull: P writes only inside these regions.
@@ -121,6 +126,12 @@ class KVReceiver:
             self.tracker.started(spec.d_req_id, spec.transfer_id, now, tuple(spec.block_ids))
             if spec.binding:
                 self._binding[spec.d_req_id] = spec.binding
+            if spec.error is None and self.transport is not None:
+                try:
+                    self.transport.expect(write_key(spec.transfer_id, spec.d_req_id), block_spans(spec.block_ids, self.regions))
+                except TransferError as exc:
+                    spec = PullSpec(spec.d_req_id, spec.transfer_id, spec.bootstrap_addr, spec.engine_id, spec.block_ids,
+                                    error=f"cannot expect the KV write: {exc}")
             if spec.error is not None:
                 self._conclude(self.tracker.finished(spec.d_req_id, spec.error))
                 continue
@@ -298,6 +309,8 @@ class KVReceiver:
     def _conclude(self, outcome: PullOutcome | None) -> None:
         if outcome is None:
             return
+        if self.transport is not None:
+            self.transport.forget(write_key(outcome.transfer_id, outcome.d_req_id))
         self._binding.pop(outcome.d_req_id, None)
         if outcome.error is None:
             self._done_tid[outcome.d_req_id] = outcome.transfer_id
