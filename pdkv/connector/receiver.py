@@ -203,10 +203,7 @@ class KVReceiver:
         try:
             pulled, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
             for addr in pulled + idle:
-                await self._peer(addr).send(Release(
-                    transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding,
-                    tp_rank=self.tp_rank, tp_size=self.tp_size,
-                ))
+                await self._peer(addr).send(self._release_of(spec, "decode will not pull"))
         except Exception as exc:  # noqa: BLE001 - P's expiry frees the blocks anyway
             log.warning("pdkv: could not release transfer %s at the prefill side: %s", spec.transfer_id, exc)
 
@@ -234,9 +231,13 @@ class KVReceiver:
             return
         entry = self.tracker.entries.get(spec.d_req_id)
         if entry is None:
-            return  # concluded while resolving
+            # Concluded while P's side channel was being found (out of time, or aborted): P never heard of this
+            # pull, and would hold its blocks for this rank until they expire. Tell it this rank will not pull.
+            for addr in addrs + idle:
+                await self._peer(addr).send(self._release_of(spec, "decode stopped waiting before it asked"))
+            return
         self._peer_of[spec.d_req_id] = addrs
-        self.tracker.expect(spec.d_req_id, addrs)
+        self.tracker.expect(spec.d_req_id, addrs, time.time())
         peers = [self._peer(addr) for addr in addrs]
         for addr, peer in zip(addrs, peers, strict=True):
             if peer.lost:  # P died or closed its side channel, and has not come back
@@ -245,8 +246,7 @@ class KVReceiver:
                     spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost {since:.1f} s ago, not made again since)"))
                 return
         if entry.aborted:
-            release = Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
-                              binding=spec.binding, tp_rank=self.tp_rank, tp_size=self.tp_size)
+            release = self._release_of(spec, "decode request ended")
             for peer in [*peers, *map(self._peer, idle)]:
                 await peer.send(release)
             return
@@ -268,9 +268,12 @@ class KVReceiver:
         for peer in peers:
             await peer.send(req)
         for addr in idle:  # P ranks holding only heads other P ranks give: nothing to wait for there
-            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, binding=spec.binding,
-                                                reason="decode takes no heads from this rank", tp_rank=self.tp_rank,
-                                                tp_size=self.tp_size))
+            await self._peer(addr).send(self._release_of(spec, "decode takes no heads from this rank"))
+
+    def _release_of(self, spec: PullSpec, reason: str) -> Release:
+        """This rank's word to P that it will not pull `spec`'s KV (P frees the blocks once no rank will)."""
+        return Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason=reason, binding=spec.binding,
+                       tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def _on_reply(self, msg: Any, addr: str = "") -> None:
         """A reply from the P rank at `addr`."""
