@@ -256,3 +256,50 @@ def test_a_connection_cut_mid_transfer_fails_that_transfer_at_once(source):
             assert outcome["at"] - killed < 3
     finally:
         d.close()
+
+
+def test_many_small_ranges_land_whole_however_the_bytes_arrive():
+    # D receives scattered blocks with one recvmsg_into per up to IOV_MAX ranges: the bytes come in pieces that end
+    # anywhere inside a range, and more ranges than one call takes.
+    from pdkv.transport.sockets.streams import IOV_MAX, recv_views
+
+    rng = np.random.default_rng(7)
+    sizes = [int(n) for n in rng.integers(1, 300, size=IOV_MAX + 500)]
+    payload = rng.integers(0, 255, size=sum(sizes), dtype=np.uint8).tobytes()
+    dst = np.zeros(sum(sizes) + 2 * len(sizes), dtype=np.uint8)  # one byte of gap before and after each range
+    views, off = [], 0
+    for n in sizes:
+        views.append(memoryview(dst)[off + 1 : off + 1 + n])
+        off += n + 2
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(10)
+
+        def send() -> None:
+            pos = 0
+            while pos < len(payload):
+                step = int(rng.integers(1, 5000))
+                a.sendall(payload[pos : pos + step])
+                pos += step
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        recv_views(b, views)
+        sender.join()
+    assert b"".join(bytes(v) for v in views) == payload
+    gaps = np.ones(len(dst), dtype=bool)
+    for v, start in zip(views, np.cumsum([0] + [n + 2 for n in sizes[:-1]]), strict=True):
+        gaps[start + 1 : start + 1 + len(v)] = False
+    assert not dst[gaps].any()
+
+
+def test_a_peer_that_closes_mid_range_fails_the_receive():
+    from pdkv.transport.sockets.streams import recv_views
+
+    a, b = socket.socketpair()
+    with b:
+        b.settimeout(10)
+        a.sendall(b"x" * 100)
+        a.close()
+        with pytest.raises(TransferError, match="closed after 100 of 150 bytes"):
+            recv_views(b, [memoryview(bytearray(50)), memoryview(bytearray(100))])

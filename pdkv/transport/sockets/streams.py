@@ -2,7 +2,7 @@
 pinned host buffers of the transport's own, double-buffered on a CUDA stream of its own.
 
 Host memory: P sends memoryviews of its KV (sendmsg, no copy in Python) and D receives into memoryviews of its KV
-(recv_into): the kernel's copies are the only ones. GPU memory: each range is cut into chunks of `chunk_bytes`; P
+(recvmsg_into), each call up to IOV_MAX ranges: the kernel's copies are the only ones. GPU memory: each range is cut into chunks of `chunk_bytes`; P
 copies chunk k+1 out of the GPU while chunk k is on the wire, D copies chunk k into the GPU while chunk k+1 arrives.
 torch is imported only when a transport stages GPU memory.
 """
@@ -41,18 +41,41 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def _advance(pending: list[memoryview], i: int, done: int) -> int:
+    """Mark `done` more bytes of `pending` from view `i` on as moved: the index of the first view not yet whole (a
+    view moved in part is replaced by its rest)."""
+    while done and i < len(pending):
+        n = len(pending[i])
+        if done >= n:
+            done -= n
+            i += 1
+        else:
+            pending[i] = pending[i][done:]
+            done = 0
+    return i
+
+
 def send_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     """Send every view in order with as few system calls as the kernel allows (sendmsg of up to IOV_MAX buffers)."""
     pending = [v for v in views if len(v)]
-    while pending:
-        sent = sock.sendmsg(pending[:IOV_MAX])
-        while sent and pending:
-            if sent >= len(pending[0]):
-                sent -= len(pending[0])
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][sent:]
-                sent = 0
+    i = 0
+    while i < len(pending):
+        i = _advance(pending, i, sock.sendmsg(pending[i : i + IOV_MAX]))
+
+
+def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view in order with as few system calls as the kernel allows (recvmsg_into up to IOV_MAX buffers):
+    many small ranges (scattered blocks) land with one call rather than one each. TransferError when the peer
+    closes first; the socket's timeout bounds each wait."""
+    pending = [v for v in views if len(v)]
+    total, i = sum(len(v) for v in pending), 0
+    got = 0
+    while i < len(pending):
+        k = sock.recvmsg_into(pending[i : i + IOV_MAX])[0]
+        if k == 0:
+            raise TransferError(f"the connection closed after {got} of {total} bytes")
+        got += k
+        i = _advance(pending, i, k)
 
 
 def chunked(ranges: Sequence[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
@@ -71,8 +94,7 @@ class HostMemory:
         send_views(sock, [host_view(a, n) for a, n in ranges])
 
     def receive(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        for addr, length in ranges:
-            recv_exact_into(sock, host_view(addr, length))
+        recv_views(sock, [host_view(a, n) for a, n in ranges])
 
     def close(self) -> None:
         pass
