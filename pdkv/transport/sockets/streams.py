@@ -2,8 +2,9 @@
 pinned host buffers of the transport's own, double-buffered on a CUDA stream of its own.
 
 Host memory: P sends memoryviews of its KV (sendmsg, no copy in Python) and D receives into memoryviews of its KV
-(recvmsg_into), each call up to IOV_MAX ranges: the kernel's copies are the only ones. GPU memory: each range is cut into chunks of `chunk_bytes`; P
-copies chunk k+1 out of the GPU while chunk k is on the wire, D copies chunk k into the GPU while chunk k+1 arrives.
+(recvmsg_into), up to IOV_MAX ranges a call: the kernel's copies are the only ones. GPU memory: each range is cut
+into chunks of `chunk_bytes`; P copies chunk k+1 out of the GPU while chunk k is on the wire, D copies chunk k into
+the GPU while chunk k+1 arrives.
 torch is imported only when a transport stages GPU memory.
 """
 
