@@ -10,6 +10,7 @@ key, or a Kubernetes Secret mounted into that env var. Its uses:
   an HMAC-SHA256 over the direction, nonce, clock and bytes. The receiver
   drops a frame whose tag is wrong, whose clock is more than MAX_AGE_S away
   from its own, or whose nonce it has seen (`NonceCache`);
+- the socket transport's handshake proves both ends hold it (`derive_key`, pdkv.transport.sockets.wire);
 - per-transfer binding (`new_binding`, `binding_matches`): the proxy gives D
   a random secret and P only its SHA-256, so that P can tell the D the
   proxy chose from any other peer (docs/security.md).
@@ -122,7 +123,8 @@ class NonceCache:
             return True
 
 
-def _derive(token: str, use: bytes) -> bytes:
+def derive_key(token: str, use: bytes) -> bytes:
+    """A key for one use (b"side-channel/v1", b"socket/v1") derived from the deployment key: one use's key says nothing of another's."""
     return hmac.new(token.encode(), b"pdkv/" + use, hashlib.sha256).digest()
 
 
@@ -136,7 +138,7 @@ class FrameSealer:
     """
 
     def __init__(self, token: str, *, max_age_s: float = MAX_AGE_S, capacity: int = NONCE_CAPACITY) -> None:
-        self._key = _derive(token, b"side-channel/v1")
+        self._key = derive_key(token, b"side-channel/v1")
         self.max_age_ns = int(max_age_s * 1e9)
         self.nonces = NonceCache(capacity, max_age_s)
 
@@ -170,8 +172,9 @@ class RefusalLog:
 
     MAX_PEERS = 4096
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, note: str = "the deployment key is set") -> None:
         self.where = where
+        self.note = note
         self.counts: dict[str, int] = {}
         self._last: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -186,8 +189,8 @@ class RefusalLog:
             if len(self._last) >= self.MAX_PEERS:
                 self._last.clear()
             self._last[peer] = now
-        log.warning("%s: dropped a frame from %s: %s (the deployment key is set; logged once a minute per peer)",
-                    self.where, peer or "an unknown peer", reason)
+        log.warning("%s: dropped a frame from %s: %s (%s; logged once a minute per peer)",
+                    self.where, peer or "an unknown peer", reason, self.note)
 
 
 def sealer_from_env() -> FrameSealer | None:

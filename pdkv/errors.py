@@ -12,6 +12,7 @@
     ├── UnreachableError                           a peer did not answer within its bound
     │   └── UpstreamError                          a proxied exchange ended without an HTTP answer
     ├── TransferError                              a KV transfer failed or arrived corrupted
+    │   └── FrameError                             a frame of the socket transport's wire broke its format
     ├── EventDecodeError                           an engine's KV cache event could not be read
     ├── TimeoutError_                              a bounded wait ran out
     ├── ParamsError (also a ValueError)            kv_transfer_params a connector cannot serve
@@ -89,6 +90,10 @@ class UnreachableError(PdkvError):
 
 
 class TransferError(PdkvError):
+    pass
+
+
+class FrameError(TransferError):
     pass
 
 

@@ -1,5 +1,5 @@
 """Baselines for `pdkv bench --baseline`: bare TransferEngine calls and Mooncake's own transfer_engine_bench (tcp, rdma),
-plain copy_ calls (ipc).
+plain copy_ calls (ipc), plain memmove calls (cma), Mooncake tcp between the same memory (socket).
 
 The bare loop calls `batch_transfer_sync_write` on the same engine with the
 same descriptors as pdkv (cut into the same calls of at most max_batch), with
@@ -110,6 +110,47 @@ class MemmoveBaseline:
     def close(self) -> None:
         self.triples = []
         self.scratch.close()
+
+
+def baseline_writer(spec: Any, transport: Any, peer: str, descriptors: list, memory: Any, ready: Any) -> tuple[Any, Any]:
+    """The baseline write for this transport and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
+    (cma) plain memmove calls, or (socket) Mooncake tcp's writes of the same descriptors between the same memory."""
+    remote_regions = ready.regions
+    if spec.transport == "socket":
+        tcp = MooncakeTcpBaseline(spec, memory, descriptors, ready.baseline_session)
+        return tcp.write_ms, tcp.close
+    if spec.transport == "ipc":
+        copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
+        return copier.write_ms, copier.close
+    if spec.transport == "cma":
+        mover = MemmoveBaseline(memory, descriptors, remote_regions)
+        return mover.write_ms, mover.close
+    engine = transport.engine
+    srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
+    return (lambda: bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)), None
+
+
+class MooncakeTcpBaseline:
+    """The socket baseline: Mooncake tcp's writes of the same descriptors into the target's Mooncake session on the
+    same memory (`session`, from the target's Ready), so both transports meet the same bytes in the same run."""
+
+    def __init__(self, spec: Any, memory: Any, descriptors: list, session: str) -> None:
+        from pdkv.transport import open_transport
+
+        if not session:
+            raise TransferError("the bench target runs no Mooncake tcp beside the socket transport",
+                                hint="install Mooncake, or drop --baseline")
+        self.session, self.descriptors = session, descriptors
+        self.mooncake = open_transport("tcp", spec.hostname, settings=spec.settings)
+        self.mooncake.register(memory.spans)
+
+    def write_ms(self) -> float:
+        t0 = time.perf_counter()
+        self.mooncake.write(self.session, self.descriptors)
+        return (time.perf_counter() - t0) * 1e3
+
+    def close(self) -> None:
+        self.mooncake.close()
 
 
 class TebResult(msgspec.Struct, frozen=True):

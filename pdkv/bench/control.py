@@ -20,6 +20,7 @@ from pdkv.protocol import Address, BlockCount, IpcExport, Length, check_span
 from pdkv.transport.base import Region
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
+BENCH_TRANSFER = "bench"  # the one transfer a target expects writes under (Transport.expect): its whole KV memory
 MAX_LAYERS = 4096  # KV regions per model; the deepest models have a few hundred layers
 
 # Seeds feed numpy's and torch's generators (torch's after scaling by 100_003, inside 64 bits).
@@ -58,6 +59,8 @@ class Ready(msgspec.Struct, tag="ready", tag_field="op", frozen=True):
     device: str
     transport: str = msgspec.field(name="protocol")  # the wire name, which older peers read
     ipc: IpcExport | None = None  # transport ipc: the CUDA IPC handles of `regions`
+    # transport socket: a Mooncake tcp session on the same memory, the baseline's ("": Mooncake not installed)
+    baseline_session: str = ""
 
 
 class Digest(msgspec.Struct, tag="digest", tag_field="op", frozen=True):
@@ -126,6 +129,12 @@ class BenchTarget:
         self.address = f"{self.advertise}:{bound}"
         gpu = int(self.dst[5:]) if self.dst.startswith("cuda:") else None
         self.transport = open_transport(transport, self.advertise, device_name, gpu=gpu, settings=settings)
+        self.baseline: Any = None  # transport socket: Mooncake tcp beside it, for the baseline in the same run
+        if transport == "socket":
+            try:
+                self.baseline = open_transport("tcp", self.advertise, gpu=gpu, settings=settings)
+            except PdkvError:
+                self.baseline = None
         self.memory: Any = None
         self.requests = 0
         self.max_bytes = max_bytes if max_bytes is not None else (_available_bytes() // 2 if self.dst == "cpu" else None)
@@ -143,8 +152,12 @@ class BenchTarget:
                 self.memory = KVMemory(self.dst, req.layers, req.block_len, req.num_blocks)
                 self.memory.fill(req.seed)
                 self.transport.register(self.memory.spans)
+                self.transport.expect(BENCH_TRANSFER, self.memory.spans)
+                if self.baseline is not None:
+                    self.baseline.register(self.memory.spans)
                 export = self.transport.hello()
-                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.transport_name, export)
+                return Ready(self.transport.session_address, self.memory.regions, self.dst, self.transport_name, export,
+                             self.baseline.session_address if self.baseline is not None else "")
             if self.memory is None:
                 return Failed("no Setup received yet")
             if isinstance(req, Refill):
@@ -182,13 +195,18 @@ class BenchTarget:
 
     def _free(self) -> None:
         if self.memory is not None:
+            self.transport.forget(BENCH_TRANSFER)
             self.transport.unregister(self.memory.spans)
+            if self.baseline is not None:
+                self.baseline.unregister(self.memory.spans)
             self.memory.close()
             self.memory = None
 
     def close(self) -> None:
         self._free()
         self.transport.close()
+        if self.baseline is not None:
+            self.baseline.close()
         self._sock.close()
         self._ctx.term()
 

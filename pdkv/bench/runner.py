@@ -126,6 +126,8 @@ def check_spec(spec: BenchSpec) -> None:
         if not (src.startswith("cuda:") and dst.startswith("cuda:")):
             raise UsageError("--transport ipc moves KV between GPUs", hint="pass --src cuda:N --dst cuda:M")
         return
+    if spec.transport == "socket":
+        return
     if spec.transport == "cma":
         if (src, dst) != ("cpu", "cpu"):
             raise UsageError(
@@ -225,6 +227,7 @@ def run_bench(spec: BenchSpec, on_progress: Progress | None = None) -> BenchRepo
 
 
 def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_progress: Progress | None, stack) -> BenchReport:
+    from pdkv.bench.baseline import baseline_writer
     from pdkv.bench.control import Bye, Refill, TargetClient
     from pdkv.bench.memory import KVMemory
     from pdkv.transport import open_transport
@@ -268,7 +271,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         verify_transfer(client, memory, descriptors, f"{label}, cold")
         if on_progress:
             on_progress(label, 1, total)
-        bare_write, closer = _bare_writer(spec, transport, peer, descriptors, memory, ready.regions) if spec.baseline else (None, None)
+        bare_write, closer = baseline_writer(spec, transport, peer, descriptors, memory, ready) if spec.baseline else (None, None)
         try:
             samples, bare = _timed_loop(spec, write, bare_write, label, total, on_progress)
         finally:
@@ -307,27 +310,10 @@ def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesc
 
 def _writer(transport, peer: str, local_ids, remote_ids, local_regions, remote_regions, heads=(None,)) -> Callable[[], object]:
     """How the connector writes: write_blocks from block ids and both sides' regions, once per share in `heads` (None: whole)."""
-    return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h) for h in heads]
+    from pdkv.bench.control import BENCH_TRANSFER
 
-
-def _bare_writer(spec: BenchSpec, transport, peer: str, descriptors, memory, remote_regions):
-    """The baseline write for this transport and what closes it: bare TransferEngine calls, (ipc) plain copy_ calls,
-    or (cma) plain memmove calls."""
-    if spec.transport == "ipc":
-        from pdkv.bench.baseline import CopyBaseline
-
-        copier = CopyBaseline(memory, spec.dst, descriptors, remote_regions)
-        return copier.write_ms, copier.close
-    if spec.transport == "cma":
-        from pdkv.bench.baseline import MemmoveBaseline
-
-        mover = MemmoveBaseline(memory, descriptors, remote_regions)
-        return mover.write_ms, mover.close
-    from pdkv.bench.baseline import bare_write_ms
-
-    engine = transport.engine
-    srcs, dsts, lens = [d.src for d in descriptors], [d.dst for d in descriptors], [d.length for d in descriptors]
-    return (lambda: bare_write_ms(engine, peer, srcs, dsts, lens, transport.max_batch)), None
+    return lambda: [transport.write_blocks(peer, local_ids, remote_ids, local_regions, remote_regions, h, transfer=BENCH_TRANSFER)
+                    for h in heads]
 
 
 def _timed_loop(spec: BenchSpec, write, bare_write, label: str, total: int, on_progress):
@@ -365,6 +351,8 @@ def _baseline(
         note = "baseline: plain copy_ calls, one per descriptor, inside one process"
     elif spec.transport == "cma":
         note = "baseline: plain memmove calls, one per descriptor, inside one process"
+    elif spec.transport == "socket":
+        note = "baseline: Mooncake tcp, the same descriptors between the same memory"
     elif not spec.transfer_engine_bench:
         note = "not asked for"
     elif spec.target is not None:

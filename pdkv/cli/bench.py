@@ -53,7 +53,8 @@ Examples:
   pdkv bench serve --host 10.0.0.2 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0 --json
 """
 
-PROTOCOL_HELP = "tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), or cma (host memory between processes of this host)."
+PROTOCOL_HELP = ("tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), cma (host memory between processes of this host), "
+                 "or socket (pdkv's own TCP; with --baseline, Mooncake tcp in the same run).")
 
 bench_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
 
@@ -142,7 +143,7 @@ def _render(report) -> None:
         ("layout", "blocks", "min", "p50", "p90", "p99", "max"),
     )
     rate = _table(f"rate (link {report.link_gbps:g} Gb/s)", ("layout", "blocks", "GB/s at p50", "GB/s over the run", "% of link at p50"))
-    bare_name = {"ipc": "copy_ p50", "cma": "memmove p50"}.get(report.transport, "bare p50")
+    bare_name = {"ipc": "copy_ p50", "cma": "memmove p50", "socket": "Mooncake tcp p50"}.get(report.transport, "bare p50")
     base = _table("baseline (same descriptors)", ("layout", "blocks", "pdkv p50", bare_name, "pdkv/baseline", "teb GB/s", "pdkv/teb"))
     for c in report.cases:
         t, key = c.timing, (c.layout, str(c.blocks))
@@ -163,7 +164,7 @@ def _render(report) -> None:
         console.print(base)
         notes = sorted({f"{c.layout}: {c.baseline.teb_note}" for c in report.cases if c.baseline and c.baseline.teb_note})
         for note in notes:
-            console.print(f"[dim]{note}[/]" if report.transport in ("ipc", "cma") else f"[dim]transfer_engine_bench {note}[/]")
+            console.print(f"[dim]{note}[/]" if report.transport in ("ipc", "cma", "socket") else f"[dim]transfer_engine_bench {note}[/]")
     for c in (c for c in report.cases if c.rank_bytes):
         shares = ", ".join(f"P{p} {n:,} B" for p, n in sorted(c.rank_bytes.items(), key=lambda kv: int(kv[0])))
         console.print(f"{c.layout}, {c.blocks} blocks: D rank 0 takes {shares} ({c.bytes:,} B, one write per P rank)")

@@ -26,6 +26,8 @@ Examples:
 
   pdkv doctor --transport cma
 
+  pdkv doctor --transport socket
+
   pdkv doctor --device mlx5_0 --port 8000 --port 8998 --port 8100 --port 8200 --json
 """
 
@@ -36,6 +38,7 @@ class ProtocolName(StrEnum):
     rdma = "rdma"
     tcp = "tcp"
     cma = "cma"
+    socket = "socket"
 
 
 DeviceOpt = Annotated[
@@ -46,7 +49,8 @@ TransportOpt = Annotated[
     ProtocolName,
     typer.Option(
         "--transport", "-p",
-        help="KV transport: rdma or tcp (Mooncake), or cma (P and D on one CPU host); tcp and cma skip the RDMA-only checks.",
+        help="KV transport: rdma or tcp (Mooncake), cma (P and D on one CPU host) or socket (pdkv's TCP); "
+        "tcp, cma and socket skip the RDMA-only checks.",
     ),
 ]
 PortOpt = Annotated[

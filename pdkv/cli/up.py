@@ -247,7 +247,8 @@ def up(
     connector: Annotated[str, typer.Option("--connector", help="KV connector: pdkv or mooncake (vLLM's own).")] = "pdkv",
     transport: Annotated[str | None, typer.Option("--transport",
         help="How the KV moves: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
-        "(host memory between processes of this host, CPU). Local 1P1D on CPU: cma.")] = None,
+        "(host memory between processes of this host, CPU); socket (pdkv's own TCP, any hosts, CPU or GPU). "
+        "Local 1P1D on CPU: cma.")] = None,
     protocol: Annotated[str | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,

@@ -19,6 +19,7 @@ from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.protocol import DecodeParams, PrefillParams
 from pdkv.transport import TRANSPORTS, TransportName
+from pdkv.transport.sockets import MAX_CONNECTIONS
 
 # kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
 TRANSPORT_KEYS = ("mooncake_protocol", "transport")
@@ -28,7 +29,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     """kv_connector_extra_config, typed. Unknown keys are ignored (vLLM's own keys may be present)."""
 
     # tcp/rdma over Mooncake; ipc: CUDA IPC between GPUs of one host; cma: process_vm_writev between
-    # processes of one host, KV in host memory (ipc and cma are pdkv's own; vLLM's connector has neither).
+    # processes of one host, KV in host memory; socket: pdkv's own TCP connections, any hosts, host or GPU memory
+    # (ipc, cma and socket are pdkv's own; vLLM's connector has none of them).
     # Read from `mooncake_protocol` (vLLM's key) or `transport` (load_config).
     transport: TransportName = "tcp"
     # ipc on vLLM 0.34+: how D shares its KV memory with P. "fd": the extensible KV cache, each segment one CUDA
@@ -64,6 +66,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: the side channel's port: TP rank r of DP rank d binds side_channel_port + d * tp_size + r (a pod declares them;
     # `pdkv up` gives each prefill its own, pdkv.deploy.ports); 0: a free port.
     side_channel_port: int = 0
+    # D, transport socket: the port its listener binds, TP rank r on socket_port + r (a pod declares them); 0: a free port.
+    socket_port: int = 0
+    # P, transport socket: TCP connections to each D, every transfer split over them (docs/socket.md); 0: as many
+    # as the worker's cores, at most 4.
+    socket_connections: int = 0
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -92,6 +99,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 raise ConfigError(f"kv_connector_extra_config.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.side_channel_port <= 65535 - 1024:
             raise ConfigError(f"kv_connector_extra_config.side_channel_port must be 0..64511, got {self.side_channel_port}")
+        if not 0 <= self.socket_port <= 65535 - 1024:
+            raise ConfigError(f"kv_connector_extra_config.socket_port must be 0..64511, got {self.socket_port}")
+        if not 0 <= self.socket_connections <= MAX_CONNECTIONS:
+            raise ConfigError(
+                f"kv_connector_extra_config.socket_connections must be 0..{MAX_CONNECTIONS}, got {self.socket_connections}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:
@@ -147,7 +159,8 @@ def kv_cache_access(config: ConnectorConfig) -> tuple[str, ...]:
     tcp/rdma: Mooncake registers the KV memory, each segment must be one allocation (REGISTERS, as vLLM's own
     MooncakeConnector declares). ipc: P maps D's memory, through exported file descriptors (EXPORTS_FD, the
     extensible KV cache kept) or legacy CUDA IPC handles (LEGACY_IPC, the extensible cache off). Anything else
-    (cma: host memory) touches the KV only inside its own process: none (IN_PROCESS).
+    touches the KV only inside its own process (cma: host memory; socket: its own copies through pinned
+    buffers): none (IN_PROCESS).
     """
     if config.transport in ("tcp", "rdma"):
         return ("REGISTERS",)

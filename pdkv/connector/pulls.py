@@ -1,12 +1,22 @@
 """D's side of the per-transfer state, pure as P's (pdkv.connector.send_table): what D's scheduler asks its
 workers to pull (`PullSpec`), and the pulls in flight (`PullTracker`, keyed by D's request id). A pull is
-live while P keeps answering; silence longer than `liveness_s` fails it. Where P's TP is larger than D's, one
-pull asks several P ranks (`expect`): it succeeds once every one of them is done, and fails with the first error.
+live while P keeps answering; silence longer than `liveness_s` fails it, counted from when P was asked
+(`expect`), and before that from when the pull started (finding P's side channel takes that long at most).
+Where P's TP is larger than D's, one pull asks several P ranks (`expect`): it succeeds once every one of them
+is done, and fails with the first error.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
+
+def write_key(transfer_id: str, d_req_id: str) -> str:
+    """The name P's writes of one pull carry and D's transport grants them under (Transport.expect): the pull's
+    transfer id and D's request id, hashed to a fixed length."""
+    return hashlib.sha256(f"{transfer_id}\0{d_req_id}".encode()).hexdigest()[:32]
+
 
 @dataclass(frozen=True)
 class PullSpec:
@@ -30,6 +40,7 @@ class PullEntry:
     aborted: bool = False
     blocks: tuple[int, ...] = ()  # D's blocks P writes into
     waiting: set[str] = field(default_factory=set)  # the P ranks (side-channel addresses) still to answer DONE
+    asked: bool = False  # the P ranks are known and about to be asked (`expect`); before: finding them
     bytes: int = 0  # what the P ranks done so far wrote
     descriptors: int = 0
 
@@ -60,11 +71,12 @@ class PullTracker:
         if e is not None:
             e.deadline = now + self.liveness_s
 
-    def expect(self, d_req_id: str, sources: list[str]) -> None:
-        """The pull asks every one of `sources` (P ranks) for its share; it succeeds once each is done."""
+    def expect(self, d_req_id: str, sources: list[str], now: float) -> None:
+        """The pull asks every one of `sources` (P ranks) for its share now; it succeeds once each is done. P's
+        silence is counted from here: the time spent finding P was not P's."""
         e = self.entries.get(d_req_id)
         if e is not None:
-            e.waiting = set(sources)
+            e.waiting, e.asked, e.deadline = set(sources), True, now + self.liveness_s
 
     def part_done(self, d_req_id: str, source: str, nbytes: int = 0, descriptors: int = 0) -> PullOutcome | None:
         """P rank `source` wrote its share: the pull's outcome once no other rank is awaited, else None."""
@@ -95,6 +107,7 @@ class PullTracker:
         for rid, e in list(self.entries.items()):
             if e.deadline <= now:
                 del self.entries[rid]
-                out.append(PullOutcome(rid, e.transfer_id, f"prefill side silent for {self.liveness_s:g} s",
-                                       () if e.aborted else e.blocks))
+                why = (f"prefill side silent for {self.liveness_s:g} s" if e.asked else
+                       f"prefill side not reached within {self.liveness_s:g} s (its side channel not found in time)")
+                out.append(PullOutcome(rid, e.transfer_id, why, () if e.aborted else e.blocks))
         return out

@@ -18,11 +18,13 @@ from typing import Any
 
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
-from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker
+from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker, write_key
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 from pdkv.tp_heads import head_shares, pullers
+from pdkv.transport.base import Transport
+from pdkv.transport.planner import block_spans
 
 log = logging.getLogger("pdkv.connector")
 
@@ -51,11 +53,14 @@ class KVReceiver:
         bootstrap_timeout: float = 2.0,
         ipc: IpcExport | None = None,
         sealer: FrameSealer | None = None,
+        transport: Transport | None = None,
     ) -> None:
         """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed.
+        `transport`: D's, told which blocks each pull lets P write (Transport.expect) and when it concluded.
         `kv_heads`: the model's KV heads, all ranks together (0: unknown; then only a P of this TP size serves it)."""
         self.session = session
         self.sealer = sealer
+        self.transport = transport
         self.regions = list(regions)
         self.tp_rank, self.tp_size, self.kv_heads = tp_rank, tp_size, kv_heads
         # Sent on each connection to a P before its first pull: P writes only inside these regions.
@@ -121,6 +126,12 @@ class KVReceiver:
             self.tracker.started(spec.d_req_id, spec.transfer_id, now, tuple(spec.block_ids))
             if spec.binding:
                 self._binding[spec.d_req_id] = spec.binding
+            if spec.error is None and self.transport is not None:
+                try:
+                    self.transport.expect(write_key(spec.transfer_id, spec.d_req_id), block_spans(spec.block_ids, self.regions))
+                except TransferError as exc:
+                    spec = PullSpec(spec.d_req_id, spec.transfer_id, spec.bootstrap_addr, spec.engine_id, spec.block_ids,
+                                    error=f"cannot expect the KV write: {exc}")
             if spec.error is not None:
                 self._conclude(self.tracker.finished(spec.d_req_id, spec.error))
                 continue
@@ -192,10 +203,7 @@ class KVReceiver:
         try:
             pulled, idle = await self._resolve(spec.bootstrap_addr, spec.engine_id)
             for addr in pulled + idle:
-                await self._peer(addr).send(Release(
-                    transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode will not pull", binding=spec.binding,
-                    tp_rank=self.tp_rank, tp_size=self.tp_size,
-                ))
+                await self._peer(addr).send(self._release_of(spec, "decode will not pull"))
         except Exception as exc:  # noqa: BLE001 - P's expiry frees the blocks anyway
             log.warning("pdkv: could not release transfer %s at the prefill side: %s", spec.transfer_id, exc)
 
@@ -223,9 +231,13 @@ class KVReceiver:
             return
         entry = self.tracker.entries.get(spec.d_req_id)
         if entry is None:
-            return  # concluded while resolving
+            # Concluded while P's side channel was being found (out of time, or aborted): P never heard of this
+            # pull, and would hold its blocks for this rank until they expire. Tell it this rank will not pull.
+            for addr in addrs + idle:
+                await self._peer(addr).send(self._release_of(spec, "decode stopped waiting before it asked"))
+            return
         self._peer_of[spec.d_req_id] = addrs
-        self.tracker.expect(spec.d_req_id, addrs)
+        self.tracker.expect(spec.d_req_id, addrs, time.time())
         peers = [self._peer(addr) for addr in addrs]
         for addr, peer in zip(addrs, peers, strict=True):
             if peer.lost:  # P died or closed its side channel, and has not come back
@@ -234,8 +246,7 @@ class KVReceiver:
                     spec.d_req_id, f"the prefill side channel {addr} is gone (connection lost {since:.1f} s ago, not made again since)"))
                 return
         if entry.aborted:
-            release = Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason="decode request ended",
-                              binding=spec.binding, tp_rank=self.tp_rank, tp_size=self.tp_size)
+            release = self._release_of(spec, "decode request ended")
             for peer in [*peers, *map(self._peer, idle)]:
                 await peer.send(release)
             return
@@ -257,9 +268,12 @@ class KVReceiver:
         for peer in peers:
             await peer.send(req)
         for addr in idle:  # P ranks holding only heads other P ranks give: nothing to wait for there
-            await self._peer(addr).send(Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, binding=spec.binding,
-                                                reason="decode takes no heads from this rank", tp_rank=self.tp_rank,
-                                                tp_size=self.tp_size))
+            await self._peer(addr).send(self._release_of(spec, "decode takes no heads from this rank"))
+
+    def _release_of(self, spec: PullSpec, reason: str) -> Release:
+        """This rank's word to P that it will not pull `spec`'s KV (P frees the blocks once no rank will)."""
+        return Release(transfer_id=spec.transfer_id, d_req_id=spec.d_req_id, reason=reason, binding=spec.binding,
+                       tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def _on_reply(self, msg: Any, addr: str = "") -> None:
         """A reply from the P rank at `addr`."""
@@ -298,6 +312,8 @@ class KVReceiver:
     def _conclude(self, outcome: PullOutcome | None) -> None:
         if outcome is None:
             return
+        if self.transport is not None:
+            self.transport.forget(write_key(outcome.transfer_id, outcome.d_req_id))
         self._binding.pop(outcome.d_req_id, None)
         if outcome.error is None:
             self._done_tid[outcome.d_req_id] = outcome.transfer_id

@@ -101,6 +101,7 @@ class ConnectorWorker:
         self.transport = open_transport(
             self.config.transport, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
             writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
+            port=self.config.socket_port + self.tp_rank if self.config.socket_port else 0, connections=self.config.socket_connections,
         )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"
@@ -109,7 +110,7 @@ class ConnectorWorker:
             self.receiver = KVReceiver(
                 self.transport.session_address, regions, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
                 liveness_s=self.config.liveness_s, trace=trace,
-                ipc=self.transport.hello(), sealer=sealer_from_env(),
+                ipc=self.transport.hello(), sealer=sealer_from_env(), transport=self.transport,
             )
             self._join_members()
             return

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pdkv.connector.pulls import write_key
 from pdkv.connector.send_table import StartSend
 from pdkv.errors import TransferError
 from pdkv.protocol import Announce, PullRequest
@@ -70,6 +71,7 @@ def write_transfer(
         fence.synchronize()
         event("kv_ready")
     transport.connect(req.session, announced.ipc)
-    out = transport.write_blocks(req.session, local, req.block_ids, regions, announced.regions, heads)
+    out = transport.write_blocks(req.session, local, req.block_ids, regions, announced.regions, heads,
+                                 transfer=write_key(req.transfer_id, req.d_req_id))
     event("transfer_end")
     return out

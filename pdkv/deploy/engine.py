@@ -139,7 +139,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     if spec.role == "none":
         return None
     transport = spec.transport
-    if transport in ("ipc", "cma") and spec.connector != "pdkv":
+    if transport in ("ipc", "cma", "socket") and spec.connector != "pdkv":
         raise UsageError(
             f"protocol {transport} is pdkv's own transport",
             hint="use --connector pdkv, or --transport tcp/rdma with vLLM's MooncakeConnector",

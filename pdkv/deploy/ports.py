@@ -9,14 +9,15 @@ which setting to change (pdkv.deploy.preflight.check_ports).
 
 Ports written in the file are taken as written: each engine table's `port`,
 `[proxy] port`, `[bootstrap] port` (the first prefill's bootstrap) and a
-table's own `kv_events_port`. Every other port is derived, in this order, as
+table's own `kv_events_port` and (protocol socket) a decode table's `socket_port`. Every other port is derived, in this order, as
 the first ports from where it would start that no other part of its host has:
 
 - the bootstrap of prefill k (k > 0): from the one before it, + 1;
 - the HTTP port of an engine `[autoscale]` may add: from the role's highest listed port, + 1;
 - KV events (vLLM's publisher and replay socket, two per DP rank): from `kv_events_port`,
   the listed engines (prefills, then decodes) first, then the ones `[autoscale]` may add;
-- pdkv's side channel of each prefill (one per TP rank of each DP rank): after the KV events.
+- pdkv's side channel of each prefill (one per TP rank of each DP rank): after the KV events;
+- protocol socket, the KV listener of each decode without its own `socket_port` (one per TP rank): after those.
 
 A port written twice is left as written: pre-flight names both parts. vLLM's
 own MooncakeConnector binds its side channel to a port the system picks.
@@ -60,6 +61,7 @@ class SlotPorts(msgspec.Struct, frozen=True):
     bootstrap: int | None = None  # a prefill's standalone or in-worker bootstrap server
     kv_events: int | None = None  # the first of its KV events ports (pdkv.deploy.engine.kv_events_config)
     side_channel: int | None = None  # pdkv's connector on a prefill: TP rank r of DP rank d binds + d * tp + r
+    socket: int | None = None  # protocol socket, a decode's KV listener: TP rank r binds + r
 
 
 class PortPlan(msgspec.Struct, frozen=True):
@@ -154,6 +156,8 @@ def allocate_ports(dep: Deployment) -> PortPlan:
     boot: dict[str, int] = {}
     events: dict[str, int] = {}
     side: dict[str, int] = {}
+    sock: dict[str, int] = {}
+    socket = dep.connector == "pdkv" and dep.transport == "socket"
 
     def use(part: str, what: str, bind: str, port: int, setting: str, host: str | None) -> None:
         uses.append(PortUse(part, what, bind, port, setting, host))
@@ -165,6 +169,9 @@ def allocate_ports(dep: Deployment) -> PortPlan:
         if dep.kv_events and s.entry.kv_events_port is not None:
             events[s.name] = s.entry.kv_events_port
             taken.take(s.entry.host, range(s.entry.kv_events_port, s.entry.kv_events_port + 2 * dp_size(dep, s.entry)))
+        if socket and s.role == "decode" and s.entry.socket_port is not None:
+            sock[s.name] = s.entry.socket_port
+            taken.take(s.entry.host, range(s.entry.socket_port, s.entry.socket_port + s.entry.tp))
     if dep.proxy is not None:
         taken.take(dep.proxy.host, range(dep.proxy.port, dep.proxy.port + 1))
     prefills = [s for s in slots if _runs_bootstrap(dep, s)]
@@ -191,6 +198,10 @@ def allocate_ports(dep: Deployment) -> PortPlan:
             n = s.entry.tp * dp_size(dep, s.entry)
             side[s.name] = taken.first_free(s.entry.host, cursor, n, f"{s.name}'s side channel")
             cursor = side[s.name] + n
+    if socket:
+        for s in (s for s in in_order if s.role == "decode" and s.name not in sock):
+            sock[s.name] = taken.first_free(s.entry.host, cursor, s.entry.tp, f"{s.name}'s KV listener")
+            cursor = sock[s.name] + s.entry.tp
 
     for s in slots:
         host = s.entry.host
@@ -214,9 +225,16 @@ def allocate_ports(dep: Deployment) -> PortPlan:
             for r in range(n):
                 use(s.name, f"side channel (rank {r})" if n > 1 else "side channel", ANY_ADDRESS, side[s.name] + r,
                     "kv_events_port (the ports after the KV events)", host)
+        if s.name in sock:
+            own = s.entry.socket_port is not None and not s.added
+            setting = f"{s.label} socket_port" if own else "kv_events_port (the ports after the KV events)"
+            for r in range(s.entry.tp):
+                use(s.name, f"KV listener (TP rank {r})" if s.entry.tp > 1 else "KV listener", ANY_ADDRESS, sock[s.name] + r,
+                    setting, host)
     if dep.proxy is not None:
         use("proxy", "HTTP", dep.host, dep.proxy.port, "[proxy] port", dep.proxy.host)
-    slot_ports = {s.name: SlotPorts(http[s.name], boot.get(s.name), events.get(s.name), side.get(s.name)) for s in slots}
+    slot_ports = {s.name: SlotPorts(http[s.name], boot.get(s.name), events.get(s.name), side.get(s.name), sock.get(s.name))
+                  for s in slots}
     standalone = dep.bootstrap.mode == "standalone"
     added = frozenset(n for s in slots if s.added for n in (s.name, f"bootstrap-{s.index}" if s.name in boot and standalone else s.name))
     return PortPlan(slots=slot_ports, uses=uses, added=added)

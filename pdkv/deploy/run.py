@@ -47,6 +47,7 @@ from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
 from pdkv.doctor.software import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, version_tuple
 from pdkv.errors import PdkvError, UsageError
 from pdkv.tinymodel import tiny_model_path
+from pdkv.transport import TRANSPORTS
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal `pdkv up` ran in was closed
 
@@ -98,7 +99,7 @@ class UpPlan(msgspec.Struct, kw_only=True):
 
 def _check_options(o: UpOptions, gpus: int) -> None:
     for value, allowed, flag in ((o.connector, ("pdkv", "mooncake"), "--connector"),
-                                 (o.transport, ("rdma", "tcp", "ipc", "cma", None), "--transport"),
+                                 (o.transport, (*TRANSPORTS, None), "--transport"),
                                  (o.platform, ("gpu", "cpu", None), "--platform"), (o.restart, ("on-failure", "no", None), "--restart")):
         if value not in allowed:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(a for a in allowed if a)}")

@@ -116,6 +116,7 @@ def _pdkv_argv(*args: str) -> list[str]:
 def engine_spec(
     dep: Deployment, entry: EngineEntry, role: Literal["prefill", "decode"], bootstrap_url: str | None, bootstrap_port: int | None,
     host_ip: str | None = None, kv_events_port: int | None = None, side_channel_port: int | None = None,
+    socket_port: int | None = None,
 ) -> EngineSpec:
     return EngineSpec(
         model=entry.model or dep.model,
@@ -139,8 +140,19 @@ def engine_spec(
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
         kv_events_port=kv_events_port,
-        connector_extra={"side_channel_port": side_channel_port} if side_channel_port is not None else {},
+        connector_extra={**({"side_channel_port": side_channel_port} if side_channel_port is not None else {}),
+                         **socket_settings(dep, role, socket_port)},
     )
+
+
+def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_port: int | None) -> dict[str, int]:
+    """The socket transport's kv_connector_extra_config keys for an engine (none for other transports): a decode's
+    KV listener port (`socket_port`, from the allocator, or the file's in k8s), a prefill's connections per D."""
+    if dep.transport != "socket":
+        return {}
+    if role == "decode":
+        return {"socket_port": socket_port} if socket_port else {}
+    return {"socket_connections": dep.socket_connections} if dep.socket_connections else {}
 
 
 def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
@@ -196,7 +208,8 @@ def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> list[Part]
         registers_with = plan.name if dep.connector == "mooncake" else None
     # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
     spec = engine_spec(dep, entry, slot.role, None if in_worker else url, given.bootstrap if in_worker else None, host_ip=at,
-                       kv_events_port=given.kv_events, side_channel_port=given.side_channel)
+                       kv_events_port=given.kv_events, side_channel_port=given.side_channel,
+                       socket_port=given.socket)
     plan = _reached_at(engine_plan(spec, name=slot.name), at, given.http)
     members = members_url(dep, ports)
     if members:

@@ -18,7 +18,7 @@ from pdkv.bootstrap import DEFAULT_PORT
 from pdkv.doctor.sysroot import SysRoot
 from pdkv.errors import GpuLookupError  # noqa: F401 - exported here, where the doctor finds its types
 
-TransferProtocol = Literal["rdma", "tcp", "cma"]
+TransferProtocol = Literal["rdma", "tcp", "cma", "socket"]
 
 # Proxy, bootstrap, and the P and D HTTP ports of docs/timeline.md's example.
 DEFAULT_PORTS: tuple[int, ...] = (8000, DEFAULT_PORT, 8010, 8020)

@@ -125,6 +125,8 @@ def skip_for_tcp(name: str, options: DoctorOptions) -> CheckResult | None:
         return CheckResult(name, Status.SKIP, "protocol tcp moves KV over sockets: no RDMA NIC involved")
     if options.protocol == "cma":
         return CheckResult(name, Status.SKIP, "protocol cma moves KV between processes of this host: no RDMA NIC involved")
+    if options.protocol == "socket":
+        return CheckResult(name, Status.SKIP, "protocol socket moves KV over pdkv's TCP connections: no RDMA NIC involved")
     return None
 
 

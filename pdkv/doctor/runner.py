@@ -18,6 +18,7 @@ from pdkv.doctor.host import check_alloc_conf, check_mc_env, check_memlock, chec
 from pdkv.doctor.model import STATUS_ORDER, Check, CheckResult, DoctorOptions, DoctorReport, Host, Status
 from pdkv.doctor.network import check_deployment_key, check_vllm_host_ip
 from pdkv.doctor.rdma import check_rdma_device, check_rdma_devices, check_roce_gid, check_uverbs
+from pdkv.doctor.socket_probe import check_socket
 from pdkv.doctor.software import check_mooncake, check_vllm
 from pdkv.doctor.sysroot import SysRoot
 from pdkv.peer_address import interface_addresses
@@ -38,6 +39,7 @@ CHECKS: tuple[Check, ...] = (
     check_mc_env,
     check_mooncake,
     check_cma,
+    check_socket,
     check_vllm,
     check_ports,
 )

@@ -68,8 +68,8 @@ def check_mooncake(host: Host, options: DoctorOptions) -> CheckResult:
     name = "mooncake"
     if options.skip_mooncake:
         return CheckResult(name, Status.SKIP, "--skip-mooncake given")
-    if options.protocol == "cma":
-        return CheckResult(name, Status.SKIP, "protocol cma moves KV without Mooncake")
+    if options.protocol in ("cma", "socket"):
+        return CheckResult(name, Status.SKIP, f"protocol {options.protocol} moves KV without Mooncake")
     install = "pip install mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda (CPU hosts)"
     if importlib.util.find_spec("mooncake") is None:
         return CheckResult(name, Status.FAIL, "Mooncake is not installed (no module mooncake)", install)

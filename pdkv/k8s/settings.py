@@ -76,7 +76,8 @@ def check_kubernetes(k: KubernetesEntry, *, source: str) -> None:
                             ("proxy_replicas", k.proxy_replicas, 0), ("grace_period_s", k.grace_period_s, 0)):
         if value < low:
             raise ConfigError(f"{source}: [kubernetes] {key} must be at least {low}, got {value}")
-    for key, port in (("mooncake_port", k.mooncake_port), ("master_port", k.master_port), ("side_channel_port", k.side_channel_port)):
+    for key, port in (("mooncake_port", k.mooncake_port), ("master_port", k.master_port), ("side_channel_port", k.side_channel_port),
+                      ("socket_port", k.socket_port)):
         if not 0 < port < 65536 - 64:
             raise ConfigError(f"{source}: [kubernetes] {key} {port} is out of range", hint="pick a port below 65000")
     if not k.image.strip() or (k.service_image is not None and not k.service_image.strip()):

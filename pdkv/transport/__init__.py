@@ -5,7 +5,8 @@ region types; `planner` turns block ids into descriptors (pure), and
 `planned` is the seam's shared part for descriptor transports; `mooncake` implements the protocol over
 Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between
 GPUs of one host through CUDA IPC (ipc); `cma` moves KV in host memory
-between processes of one host with process_vm_writev (cma).
+between processes of one host with process_vm_writev (cma); `sockets` moves
+KV over TCP connections of pdkv's own, host or GPU memory, across hosts (socket).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Any, Literal, get_args
 from pdkv.errors import StartError
 from pdkv.transport.base import Transport
 
-# How KV moves: "tcp"/"rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (process_vm_writev). The connector reads it
-# from kv_connector_extra_config's `mooncake_protocol` (vLLM's key) or `transport`.
-TransportName = Literal["tcp", "rdma", "ipc", "cma"]
+# How KV moves: "tcp"/"rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (process_vm_writev), "socket" (pdkv's own TCP).
+# The connector reads it from kv_connector_extra_config's `mooncake_protocol` (vLLM's key) or `transport`.
+TransportName = Literal["tcp", "rdma", "ipc", "cma", "socket"]
 TRANSPORTS: tuple[TransportName, ...] = get_args(TransportName)
 
 __all__ = ["TRANSPORTS", "Transport", "TransportName", "open_transport"]
@@ -25,16 +26,23 @@ __all__ = ["TRANSPORTS", "Transport", "TransportName", "open_transport"]
 
 def open_transport(
     transport: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,
-    **options: Any,
+    port: int = 0, connections: int | None = None, **options: Any,
 ) -> Transport:
     """The one place a transport is chosen: "tcp" or "rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (host memory
-    of processes on this host), for KV on CUDA device `gpu` (None: in host memory).
+    of processes on this host), "socket" (pdkv's TCP, host or GPU memory), for KV on CUDA device `gpu` (None: in
+    host memory).
 
     Raises StartError for a transport that cannot move KV where it lives (ipc needs GPU memory, cma host
-    memory). `writable`: peers will write into this process (cma's D; P passes False). `options` go to
-    MooncakeTransport (settings, write_timeout_s). Mooncake, torch and Triton are imported here, not when
-    pdkv.transport is imported.
+    memory). `writable`: peers will write into this process (cma's and socket's D; P passes False). `port` (where
+    socket's D listens; 0: a free port) and `connections` (socket's, to each D) are socket's; `options` go to
+    MooncakeTransport (settings, write_timeout_s), and write_timeout_s to SocketTransport too.
+    Mooncake, torch and Triton are imported here, not when pdkv.transport is imported.
     """
+    if transport == "socket":
+        from pdkv.transport.sockets import SocketTransport
+
+        timeout = {"write_timeout_s": options["write_timeout_s"]} if "write_timeout_s" in options else {}
+        return SocketTransport(hostname, gpu=gpu, writable=writable, port=port, connections=connections or 0, **timeout)
     if transport == "ipc":
         if gpu is None:
             raise StartError("the ipc transport moves KV between GPUs, and this KV cache is in host memory",

@@ -8,7 +8,7 @@ import msgspec
 
 from pdkv.protocol import Region
 
-__all__ = ["Descriptor", "Region", "Transport", "Written"]
+__all__ = ["Descriptor", "Region", "Transport", "UncheckedWrites", "Written"]
 
 if TYPE_CHECKING:
     from pdkv.protocol import IpcExport
@@ -28,6 +28,17 @@ class Written(NamedTuple):
 
     bytes: int
     descriptors: int
+
+
+class UncheckedWrites:
+    """`expect` and `forget` of a transport whose writes land in D's memory without D's part (Mooncake, cma, ipc):
+    D has nothing to check them with. The socket transport, whose D receives every byte, checks."""
+
+    def expect(self, transfer: str, ranges: list[tuple[int, int]]) -> None:
+        pass
+
+    def forget(self, transfer: str) -> None:
+        pass
 
 
 @runtime_checkable
@@ -66,17 +77,28 @@ class Transport(Protocol):
         use different transports."""
         ...
 
-    def write(self, peer: str, descriptors: list[Descriptor]) -> None:
-        """Write every descriptor to `peer` and return once all bytes have landed; raise TransferError otherwise."""
+    def expect(self, transfer: str, ranges: list[tuple[int, int]]) -> None:
+        """D: peers may write these (address, length) ranges of this process's registered memory under `transfer`
+        until `forget(transfer)`. A transport whose writes D can check (socket) refuses any other write before a
+        byte lands; the others write into D's memory without D's part (Mooncake, cma, ipc) and ignore it."""
+        ...
+
+    def forget(self, transfer: str) -> None:
+        """D: no more writes under `transfer` (its pull concluded)."""
+        ...
+
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:
+        """Write every descriptor to `peer` (under `transfer`, what D expects) and return once all bytes have landed;
+        raise TransferError otherwise."""
         ...
 
     def write_blocks(
         self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region],
-        heads: HeadShare | None = None,
+        heads: HeadShare | None = None, *, transfer: str = "",
     ) -> Written:
         """Copy `local_blocks` of every local region into `remote_blocks` of its remote twin, every block id
-        bounds-checked first; with `heads` (P and D of different TP sizes) only that share of each block.
-        Return once all bytes have landed, else raise TransferError."""
+        bounds-checked first; with `heads` (P and D of different TP sizes) only that share of each block; under
+        `transfer` (what D expects, see `expect`). Return once all bytes have landed, else raise TransferError."""
         ...
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdkv.errors import StartError, TransferError
-from pdkv.transport.base import Descriptor
+from pdkv.transport.base import Descriptor, UncheckedWrites
 from pdkv.transport.host import PeerProcess, process_start_time, read_boot_id
 from pdkv.transport.planned import PlannedWrites
 
@@ -112,7 +112,7 @@ class CmaPeer:
         self._process.close()
 
 
-class CmaTransport(PlannedWrites):
+class CmaTransport(PlannedWrites, UncheckedWrites):
     """The Transport protocol over process_vm_writev, for KV in host memory of processes on one host.
 
     `write` copies on the calling thread and returns when every byte has
@@ -168,7 +168,7 @@ class CmaTransport(PlannedWrites):
         with self._lock:
             self._set_spans([s for s in self._index[0] if s not in gone])
 
-    def write(self, peer: str, descriptors: Sequence[Descriptor]) -> None:
+    def write(self, peer: str, descriptors: Sequence[Descriptor], *, transfer: str = "") -> None:
         """Copy every descriptor into `peer`'s memory; return once all bytes have landed, else raise TransferError."""
         if self._closed:
             raise TransferError("the cma transport is closed")

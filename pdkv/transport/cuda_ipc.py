@@ -26,7 +26,7 @@ import msgspec
 
 from pdkv.errors import StartError, TransferError
 from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
-from pdkv.transport.base import Descriptor, Region, Written
+from pdkv.transport.base import Descriptor, Region, UncheckedWrites, Written
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session
 from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
@@ -69,7 +69,7 @@ class _Peer(msgspec.Struct):
     last: tuple | None = None  # (local list, remote list, layout) of the previous write
 
 
-class CudaIpcTransport:
+class CudaIpcTransport(UncheckedWrites):
     """Transport for P and D on one host: `hello()` (its `export()`) on D, `connect()` then `write_blocks()` on P.
 
     `device` is this process's GPU. With `pull` (the default) the copy kernel
@@ -265,7 +265,7 @@ class CudaIpcTransport:
         words = self.chunk_bytes // 8
         self._run(device, lambda: kernel[(1,)](bases, bases + 128, blocks, blocks, 1, 1, 128, CHUNK_WORDS=words, BLOCK=1024, num_warps=4))
 
-    def write(self, peer: str, descriptors: list[Descriptor]) -> None:
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:
         with self._watched.holding(self._lock, peer, self._disconnect):
             self._write(peer, descriptors)
 
@@ -278,7 +278,7 @@ class CudaIpcTransport:
             self._watched.check(peer, self._disconnect)  # bytes that reached a dead D reached no one
         return Written(sum(d.length for d in descriptors), len(descriptors))
 
-    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None) -> Written:
+    def write_blocks(self, peer: str, local_blocks, remote_blocks, local_regions, remote_regions, heads=None, *, transfer="") -> Written:
         """Copy whole blocks with one kernel that computes addresses on the GPU; return what moved (bytes, block copies).
 
         Checks, before any copy: block ids inside both sides' regions, each local region inside registered memory, each

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from pdkv.errors import StartError, TransferError, UsageError
-from pdkv.transport.base import Descriptor
+from pdkv.transport.base import Descriptor, UncheckedWrites
 from pdkv.transport.planned import PlannedWrites
 
 PROTOCOLS = ("tcp", "rdma")
@@ -174,7 +174,7 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-class MooncakeTransport(PlannedWrites):
+class MooncakeTransport(PlannedWrites, UncheckedWrites):
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
     Raises StartError when the engine cannot start (wheel missing, no RDMA
@@ -280,10 +280,11 @@ class MooncakeTransport(PlannedWrites):
         if rc != 0:
             raise TransferError(f"Mooncake could not unregister {len(addrs)} regions, rc {rc}")
 
-    def write(self, peer: str, descriptors: list[Descriptor], *, timeout_s: float | None = None) -> None:
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "", timeout_s: float | None = None) -> None:
         """Write every descriptor into `peer`'s registered memory; return once all bytes have landed.
 
-        Descriptors go to Mooncake in calls of at most `max_batch`, one after another.
+        Descriptors go to Mooncake in calls of at most `max_batch`, one after another. `transfer` is not
+        Mooncake's concern (D takes no part in the write).
 
         Raises TransferError, naming the peer and the byte count, when Mooncake
         reports a failure (peer gone, destination outside its registered
@@ -291,10 +292,10 @@ class MooncakeTransport(PlannedWrites):
         `write_timeout_s`).
         """
         self._check_open()
-        if peer.startswith("cma:"):
+        if peer.startswith(("cma:", "socket://")):
             # host:port parsing would accept it and Mooncake would try to resolve "cma:<boot id>".
             raise TransferError(
-                f"decode's address {peer!r} is for cma, but this engine moves KV with Mooncake {self.protocol}: "
+                f"decode's address {peer!r} is for {peer.split(':')[0]}, but this engine moves KV with Mooncake {self.protocol}: "
                 "use the same mooncake_protocol on P and D"
             )
         if not descriptors:

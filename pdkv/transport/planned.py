@@ -1,4 +1,4 @@
-"""The part of the Transport seam shared by transports that move descriptor lists (Mooncake, cma)."""
+"""The part of the Transport seam shared by transports that move descriptor lists (Mooncake, cma, socket)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class PlannedWrites:
 
     protocol: str
 
-    def write(self, peer: str, descriptors: list[Descriptor]) -> None:  # provided by the transport
+    def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:  # provided by the transport
         raise NotImplementedError
 
     def hello(self) -> None:
@@ -30,8 +30,8 @@ class PlannedWrites:
 
     def write_blocks(
         self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region],
-        heads: HeadShare | None = None,
+        heads: HeadShare | None = None, *, transfer: str = "",
     ) -> Written:
         descriptors = plan_descriptors(local_blocks, remote_blocks, local_regions, remote_regions, heads=heads)
-        self.write(peer, descriptors)
+        self.write(peer, descriptors, transfer=transfer)
         return Written(sum(d.length for d in descriptors), len(descriptors))

@@ -31,6 +31,16 @@ def block_runs(local: Sequence[int], remote: Sequence[int]) -> list[tuple[int, i
     return runs
 
 
+def block_spans(blocks: Sequence[int], regions: Sequence[Region]) -> list[tuple[int, int]]:
+    """The (address, length) spans `blocks` occupy in every region, runs of consecutive ids as one span each: what
+    D lets P write for one pull. TransferError for a block id outside the regions."""
+    if not regions:
+        return []
+    check_blocks(blocks, min(r.num_blocks for r in regions), "decode")
+    runs = block_runs(blocks, blocks)
+    return [(r.base + start * r.block_len, n * r.block_len) for r in regions for start, _, n in runs]
+
+
 def check_blocks(blocks: Sequence[int], num_blocks: int, side: str) -> None:
     """Refuse a block id outside [0, num_blocks): nothing outside the registered blocks is ever written."""
     for b in blocks:

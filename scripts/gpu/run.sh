@@ -15,8 +15,9 @@
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
 #           for a prompt against how long it was idle before it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
-#   DEPLOYMENTS  which of tests/gpu/deployments.py to start (default all three: pdkv-ipc pdkv-tcp mooncake-tcp);
-#           profile and check need pdkv-ipc alone, bench and the tests all three.
+#   DEPLOYMENTS  which of tests/gpu/deployments.py to start and test (default pdkv-ipc pdkv-tcp mooncake-tcp:
+#           three fit one H200; pdkv-socket is the fourth, e.g. DEPLOYMENTS="pdkv-ipc pdkv-socket mooncake-tcp");
+#           profile and check need pdkv-ipc alone, bench mooncake-tcp.
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
@@ -199,6 +200,17 @@ for c in r["cases"]:
     b = c["baseline"]["bare"]
     print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
           f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
+PYEOF
+    # pdkv's socket transport on GPU memory (staged through pinned buffers) against Mooncake tcp, same run, same bytes.
+    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout contiguous \
+        --baseline --iters 30 --json > "$AUX/bench-socket.json" 2> "$AUX/bench-socket.stderr" || rc=1
+    $PY - "$AUX/bench-socket.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for c in r["cases"]:
+    b = c["baseline"]["bare"]
+    print(f"socket write {c['bytes']:,} B GPU->GPU: p50 {c['timing']['p50_ms']:.2f} ms; Mooncake tcp p50 {b['p50_ms']:.2f} ms; "
+          f"socket/Mooncake throughput {b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
 PYEOF
     # vLLM's MooncakeConnector times its own writes (P's stats log, every 10 s): beside pdkv's traced write.
     grep -h "KV Transfer metrics" "$AUX"/logs-mooncake-tcp/* 2>/dev/null | tail -n 3 | cut -c1-400 >> "$SUMMARY"

@@ -1,7 +1,7 @@
 """Load through a real local 1P1D (tiny model, CPU): many requests in flight, nothing lost, nothing leaked.
 
-For each deployment (pdkv's connector over cma, pdkv's connector over
-Mooncake tcp, vLLM's MooncakeConnector behind the test-only CPU accelerator
+For each deployment (pdkv's connector over cma, over Mooncake tcp and over
+its own TCP (socket), vLLM's MooncakeConnector behind the test-only CPU accelerator
 shim): completions and chat, streaming and not, prompts of 2 to ~1000
 tokens, at concurrency 1, 8 and 32. Every request must succeed and every
 greedy answer must equal the one P alone gives for the same prompt (KV
@@ -36,7 +36,8 @@ from pdkv.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.e2e
 
-DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma"), "pdkv-tcp": ("pdkv", "tcp"), "vllm-mooncake-tcp": ("mooncake", "tcp")}
+DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma"), "pdkv-tcp": ("pdkv", "tcp"), "pdkv-socket": ("pdkv", "socket"),
+               "vllm-mooncake-tcp": ("mooncake", "tcp")}
 
 
 @dataclass

@@ -5,7 +5,7 @@
   request through D (kv_load_failure_policy "recompute", pdkv up's default),
   each answer equal to P alone's, D's KV usage back to 0; with "fail" each
   request fails at once with a clear error instead.
-- P killed (kill -9) while 8 clients stream, over cma and over tcp: no
+- P killed (kill -9) while 8 clients stream, over cma, tcp and socket: no
   client sees a failure (requests whose P died go to D alone), every answer
   equals P alone's; while P is down D answers alone (the request record
   says so, with its TTFT); once P is back the proxy disaggregates again.
@@ -148,7 +148,7 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
     wait_usage_zero(d.url)
 
 
-@pytest.mark.parametrize("protocol", ["cma", "tcp"])
+@pytest.mark.parametrize("protocol", ["cma", "tcp", "socket"])
 def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, protocol: str):
     engines.pair(protocol, protocol)
     d = engines.decode(protocol)

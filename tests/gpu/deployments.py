@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
+NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp", "pdkv-socket")
 DEFAULT_ACTIVE = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
 
 
@@ -86,6 +86,7 @@ PORTS = {
     "pdkv-ipc": Ports(8000, 8100, 8200, 9000, 5600),
     "pdkv-tcp": Ports(8001, 8101, 8201, 9010, 5620),
     "mooncake-tcp": Ports(8002, 8102, 8202, 9020, 5640),
+    "pdkv-socket": Ports(8003, 8103, 8203, 9030, 5660),
 }
 
 

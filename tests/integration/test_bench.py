@@ -72,6 +72,14 @@ def test_local_target_all_layouts_verified_with_bare_baseline():
     assert report.peer.startswith("127.0.0.1:") and report.src == report.dst == "cpu"
 
 
+def test_socket_is_measured_beside_mooncake_tcp_on_the_same_memory():
+    report = run_bench(spec(transport="socket", layouts=["all"], baseline=True))
+    assert report.transport == "socket" and report.peer.startswith("socket://127.0.0.1:")
+    for c in report.cases:
+        assert c.verified and c.baseline is not None and c.baseline.bare.iters == 3
+        assert c.baseline.teb_note == "baseline: Mooncake tcp, the same descriptors between the same memory"
+
+
 def test_two_host_mode_against_serve(served):
     target = served()
     report = run_bench(spec(blocks=[1, 3], target=target.address, baseline=True, transfer_engine_bench=True))
@@ -180,7 +188,7 @@ def test_library_entry_point_without_the_cli():
     assert bad.returncode == 2 and "--iters" in bad.stderr
 
 
-@pytest.mark.parametrize(("tp", "protocol"), [((2, 1), "tcp"), ((1, 2), "tcp"), ((2, 1), "cma")])
+@pytest.mark.parametrize(("tp", "protocol"), [((2, 1), "tcp"), ((1, 2), "tcp"), ((2, 1), "cma"), ((1, 2), "socket")])
 def test_p_and_d_of_different_tp_move_d_rank_0s_heads_verified(tp, protocol):
     from pdkv.geometry import rank_transfers
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from support.kv_pair import KVHarness, Side, wait_freed, wait_results
+from support.slow_link import LateForwarder
 
 from pdkv.connector.receiver import PullSpec, Results
 from pdkv.tp_heads import rank_heads
@@ -43,13 +44,16 @@ def make_rank(kv: KVHarness, tp: int, rank: int, protocol: str, fill: bool, head
 class Deployment:
     """P of TP p and D of TP d, every rank registered as the connector's workers do."""
 
-    def __init__(self, kv: KVHarness, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None) -> None:
+    def __init__(
+        self, kv: KVHarness, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None,
+        liveness_s: float = 3.0, bootstrap_timeout: float = 2.0,
+    ) -> None:
         self.bootstrap = kv.bootstrap_url
         self.ps = [make_rank(kv, p_tp, r, protocol, fill=True, heads=heads) for r in range(p_tp)]
         self.ds = [make_rank(kv, d_tp, r, protocol, fill=False, heads=heads) for r in range(d_tp)]
         self.senders = [kv.sender(p.side, engine_id=ENGINE, tp_rank=r, tp_size=p_tp, kv_heads=heads) for r, p in enumerate(self.ps)]
         self.receivers = [kv.receiver(d.side, tp_rank=r, tp_size=d_tp, kv_heads=heads if d_kv_heads is None else d_kv_heads,
-                                      liveness_s=3.0) for r, d in enumerate(self.ds)]
+                                      liveness_s=liveness_s, bootstrap_timeout=bootstrap_timeout) for r, d in enumerate(self.ds)]
 
     def transfer(self, tid: str, p_blocks: list[int], d_blocks: list[int]) -> list[Results]:
         spec = PullSpec("d1", tid, self.bootstrap, ENGINE, d_blocks)
@@ -110,6 +114,23 @@ def test_p_ranks_holding_replicated_heads_nobody_pulls_are_released_at_once(kv):
     for sender in dep.senders:
         wait_freed(sender, {"p1"}, timeout=5.0)
     assert [s.trace.get("x-4-1").bytes for s in dep.senders] == [2 * LAYERS * UNIT, 0, 2 * LAYERS * UNIT, 0]
+
+
+def test_a_d_rank_that_finds_p_too_late_tells_p_and_p_frees_the_blocks_at_once(kv):
+    # P TP 1, D TP 2 over cma: D rank 1 learns P's side channel from a bootstrap that answers after the pull's
+    # liveness bound (a first pull on a host whose cores are all busy). The pull fails there before P was asked,
+    # and P, which had served rank 0's share, would hold the blocks for rank 1's until they expire (120 s): rank
+    # 1 tells P it will not pull once it knows where P is, and P frees them now.
+    dep = Deployment(kv, 1, 2, "cma", liveness_s=2.0, bootstrap_timeout=10.0)
+    late = kv.stack.enter_context(LateForwarder(dep.bootstrap, delay_s=3.0))
+    for rank, rx in enumerate(dep.receivers):
+        rx.apply_step(pulls=[PullSpec("d1", "x-late", late.url if rank else dep.bootstrap, ENGINE, [5, 6])])
+    dep.senders[0].apply_step(registered={"p1": "x-late"}, ready={"p1": ("x-late", [2, 3])})
+    first, second = (wait_results(rx, {"d1"}) for rx in dep.receivers)
+    assert first.failed == {}
+    assert "prefill side not reached within 2 s" in second.failed["d1"], second.failed
+    wait_freed(dep.senders[0], {"p1"}, timeout=8.0)
+    assert dep.senders[0].table.holding() == 0
 
 
 def test_a_d_whose_model_has_other_heads_is_refused_at_once(kv):

@@ -30,10 +30,11 @@ from support.waiting import LogWatch, wait_for
 from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import Phase, SendLimits
+from pdkv.errors import TransferError
 from pdkv.transport.planned import PlannedWrites
 
 
-@pytest.mark.parametrize("protocol", ["tcp", "cma"])
+@pytest.mark.parametrize("protocol", ["tcp", "cma", "socket"])
 def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
     pair = make_pair(protocol=protocol)
     pair.sender.apply_step(registered={"p1": "x1"})
@@ -53,9 +54,11 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
     for ev in ("registered", "p_computed", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
         assert ev in trace.events
     assert trace.events["p_computed"] == computed <= trace.events["p_finished"]
+    if protocol == "socket":
+        assert len(pair.d.transport.grants) == 0  # the concluded pull's grant is gone
 
 
-@pytest.mark.parametrize(("wait_write_s", "protocol"), [(0.0, "tcp"), (0.5, "tcp"), (0.5, "cma")])
+@pytest.mark.parametrize(("wait_write_s", "protocol"), [(0.0, "tcp"), (0.5, "tcp"), (0.5, "cma"), (0.5, "socket")])
 def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s, protocol):
     pair = make_pair(wait_write_s=wait_write_s, protocol=protocol)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
@@ -77,7 +80,7 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     assert ev["p_forward_done"] <= ev["transfer_start"] <= ev["transfer_end"] <= ev["p_finished"]
 
 
-@pytest.mark.parametrize(("p_protocol", "d_protocol"), [("tcp", "cma"), ("cma", "tcp")])
+@pytest.mark.parametrize(("p_protocol", "d_protocol"), [("tcp", "cma"), ("cma", "tcp"), ("socket", "tcp"), ("tcp", "socket")])
 def test_p_and_d_on_different_transports_fail_the_pull_at_once_with_the_reason(make_pair, p_protocol, d_protocol):
     pair = make_pair(protocol=p_protocol, d_protocol=d_protocol)
     pair.sender.apply_step(registered={"p1": "x1"})
@@ -303,7 +306,7 @@ class _HalfThenStall(PlannedWrites):
         self.half_written = threading.Event()
         self.release = threading.Event()
 
-    def write(self, peer: str, descriptors: list) -> None:
+    def write(self, peer: str, descriptors: list, *, transfer: str = "") -> None:
         self.inner.write(peer, descriptors[: len(descriptors) // 2])
         self.half_written.set()
         self.release.wait(10)
@@ -358,3 +361,24 @@ def test_a_p_that_forgot_ds_regions_refuses_the_pull_and_d_announces_again(make_
 
 async def _forget(sender: KVSender) -> None:
     sender._announced.clear()
+
+
+def test_socket_d_lets_a_pull_write_only_its_own_blocks_and_nothing_after_it_concluded(make_pair):
+    """Over socket D grants each pull its blocks: a P writing one pull's bytes into another pull's blocks is refused
+    before a byte lands, and once a pull concluded (here: it failed on D's side) a late write of it is refused."""
+    from pdkv.connector.pulls import write_key
+
+    pair = make_pair(protocol="socket", liveness_s=30.0)
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6]), pair.spec("d2", "x2", [9])])
+    grants = pair.d.transport.grants
+    wait_for(lambda: len(grants) == 2, 5, "D to grant both pulls")
+    p = pair.p.transport
+    with pytest.raises(TransferError, match="outside what transfer"):
+        p.write_blocks(pair.d.transport.session_address, [0], [9], pair.p.regions, pair.d.regions, transfer=write_key("x1", "d1"))
+    assert_untouched(pair, [])
+    pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [2, 3])})
+    res = wait_results(pair.receiver, {"d1"})
+    assert res.failed == {} and len(grants) == 1  # d2's pull is still waiting
+    assert_copied(pair, [2, 3], [5, 6])
+    with pytest.raises(TransferError, match="no transfer"):
+        p.write_blocks(pair.d.transport.session_address, [0], [5], pair.p.regions, pair.d.regions, transfer=write_key("x1", "d1"))

@@ -74,7 +74,8 @@ if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34+: the flags vLLM
 
     out["access"] = {name: access(extra) for name, extra in {
         "tcp": {"mooncake_protocol": "tcp"}, "rdma": {"transport": "rdma"}, "ipc": {"mooncake_protocol": "ipc"},
-        "ipc-legacy": {"mooncake_protocol": "ipc", "ipc_handles": "legacy"}, "cma": {"mooncake_protocol": "cma"}}.items()}
+        "ipc-legacy": {"mooncake_protocol": "ipc", "ipc_handles": "legacy"}, "cma": {"mooncake_protocol": "cma"},
+        "socket": {"mooncake_protocol": "socket"}}.items()}
     out["lookahead"] = vc.PdkvConnector.supports_lookahead_block_hashes(None)
 
     class Request:
@@ -139,7 +140,7 @@ def test_connector_loads_against_vllm_034(tmp_path):
     # memory in its own process.
     assert out["access"] == {
         "tcp": ["REGISTERS", True], "rdma": ["REGISTERS", True], "ipc": ["EXPORTS_FD", True],
-        "ipc-legacy": ["LEGACY_IPC", False], "cma": ["IN_PROCESS", False],
+        "ipc-legacy": ["LEGACY_IPC", False], "cma": ["IN_PROCESS", False], "socket": ["IN_PROCESS", False],
     }
     assert out["lookahead"] is False
     # async loads: a D's remote prefill only; never on P, nor for a request without remote prefill

@@ -1,7 +1,8 @@
 """One fleet file, three "hosts" (network namespaces on a bridge): bootstrap and proxy on A, P on B, D on C.
 
 Each host runs `pdkv up -f fleet.toml --host NAME` inside its namespace. The
-KV crosses the bridge over Mooncake tcp with pdkv's connector: D's greedy
+KV crosses the bridge over Mooncake tcp with pdkv's connector (PDKV_FLEET_TRANSPORT=socket: over pdkv's own
+TCP transport instead): D's greedy
 answers equal P alone's for prompts of 1, 17 and 1000 tokens (token ids and
 logprobs), the trace's bytes equal `pdkv plan`'s, D's transfer-engine session
 is C's address and P's side channel B's. P is pinned to core 0, D to core 1.
@@ -10,6 +11,7 @@ is C's address and P's side channel B's. P is pinned to core 0, D to core 1.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -31,12 +33,13 @@ BLOCK = 32
 LENGTHS = [1, 17, 1000]
 READY_S = 420.0
 HERE = Path(__file__).resolve().parent
+TRANSPORT = os.environ.get("PDKV_FLEET_TRANSPORT", "tcp")  # across hosts: tcp (Mooncake) or socket (pdkv's own)
 
 FLEET = """\
 model = "{model}"
 served_model_name = "tiny"
 connector = "pdkv"
-protocol = "tcp"
+protocol = "{transport}"
 platform = "cpu"
 block_size = {block}
 max_model_len = 2048
@@ -88,7 +91,7 @@ def fleet(testbed, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     root = tmp_path_factory.mktemp("fleet")
     tables = "".join(f'\n[[hosts]]\nname = "{h.name}"\naddress = "{h.address}"\n' for h in hosts.values())
     file = root / "fleet.toml"
-    file.write_text(FLEET.format(model=tiny_model, block=BLOCK, hosts=tables))
+    file.write_text(FLEET.format(model=tiny_model, block=BLOCK, hosts=tables, transport=TRANSPORT))
     procs: dict[str, subprocess.Popen] = {}
     events: dict[str, list[dict]] = {}
     stderr: list = []
@@ -172,12 +175,17 @@ def test_kv_crosses_hosts_with_plans_bytes(fleet: Fleet, measured: dict) -> None
     assert trace["transfer"]["bytes"] == plan.transfer_bytes
     c, b = fleet.hosts["C"].address, fleet.hosts["B"].address
     sessions = {t.get("session", "") for t in trace["connector"]}
-    assert sessions and all(s.rsplit(":", 1)[0] == c for s in sessions), sessions  # P wrote into C
+    assert sessions and all(_session_host(s) == c for s in sessions), sessions  # P wrote into C
     regs = measured["status"]["registrations"]
     assert regs and all(r["addr"].split("://", 1)[-1].rsplit(":", 1)[0] == b for r in regs), regs  # P's side channel is on B
     parts = {p["name"]: p for p in measured["status"]["parts"]}
     assert all(p["up"] for p in parts.values()), parts
     assert parts["decode-0"]["url"] == f"http://{c}:8200"
+
+
+def _session_host(session: str) -> str:
+    """The host of D's transport address: Mooncake's `host:port`, socket's `socket://host:port/<session id>`."""
+    return session.removeprefix("socket://").split("/", 1)[0].rsplit(":", 1)[0]
 
 
 def _get_json(host: NetnsHost, url: str) -> dict:
@@ -203,7 +211,7 @@ def test_every_engine_joins_the_members_registry_at_its_hosts_address(fleet: Fle
     assert records["prefill"]["url"] == f"http://{b}:8100" and records["prefill"]["bootstrap_url"] == f"http://{a}:8998"
     assert records["decode"]["url"] == f"http://{c}:8200"
     for rec in records.values():
-        assert (rec["model"], rec["block_size"], rec["transport"], rec.get("tp_size", 1)) == ("tiny", BLOCK, "tcp", 1)
+        assert (rec["model"], rec["block_size"], rec["transport"], rec.get("tp_size", 1)) == ("tiny", BLOCK, TRANSPORT, 1)
     health = _get_json(fleet.hosts["A"], f"http://{a}:8000/health")
     assert health["status"] == "ok" and health["notes"] == []
 
@@ -231,7 +239,7 @@ def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leave
     a, c, e = fleet.hosts["A"].address, fleet.hosts["C"].address, fleet.spare.address
     d1, d2 = f"http://{c}:8200", f"http://{e}:8200"
     cmd = fleet.spare.argv(sys.executable, "-m", "pdkv", "up", "--role", "decode", "--model", str(fleet.model), "--platform", "cpu",
-                           "--protocol", "tcp", "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
+                           "--protocol", TRANSPORT, "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
                            "--port", "8200", "--omp-bind", "1", "--restart", "no", "--json", "--log-dir", str(fleet.logs / "E"),
                            "--", "--served-model-name", "tiny", "--max-model-len", "2048")
     events: list[dict] = []

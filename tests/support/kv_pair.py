@@ -44,7 +44,7 @@ class Side:
     """One engine's KV memory, `mem[layer, block]` one block's bytes in any shape, registered with `transport`."""
 
     mem: np.ndarray
-    transport: Any  # MooncakeTransport, or CmaTransport
+    transport: Any  # MooncakeTransport, CmaTransport or SocketTransport
 
     @property
     def regions(self) -> list[Region]:
@@ -106,7 +106,7 @@ class KVHarness:
         p = self.side(fill=1, protocol=protocol)
         d = self.side(fill=None, protocol=d_protocol or protocol)
         sender = self.sender(p, limits=limits, wait_write_s=wait_write_s, sealer=p_sealer)
-        receiver = self.receiver(d, liveness_s=liveness_s, sealer=d_sealer)
+        receiver = self.receiver(d, liveness_s=liveness_s, sealer=d_sealer, transport=d.transport)
         return Pair(p, d, sender, receiver, self.bootstrap_url)
 
     def close(self) -> None:

@@ -215,3 +215,12 @@ def test_config_transport_is_read_from_either_key():
         load_config({"transport": "carrier-pigeon"})
     with pytest.raises(ConfigError, match="heartbeat_s"):
         load_config({"heartbeat_s": 5, "liveness_s": 2})
+
+
+def test_config_socket_settings():
+    c = load_config({"mooncake_protocol": "socket", "socket_port": "7000", "socket_connections": 3})
+    assert (c.transport, c.socket_port, c.socket_connections) == ("socket", 7000, 3)
+    assert load_config({}).socket_connections == 0  # the worker's cores, at most 4 (SocketTransport decides)
+    for key, bad, needle in (("socket_port", 65000, "0..64511"), ("socket_connections", 65, "0..64"), ("socket_connections", -1, "0..64")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config({key: bad})

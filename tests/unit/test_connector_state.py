@@ -176,6 +176,8 @@ def test_pull_tracker_fails_a_silent_peer_and_heartbeats_keep_it_alive():
     tr = PullTracker(liveness_s=1.0)
     tr.started("d1", "x", 0.0)
     tr.started("d2", "y", 0.0)
+    tr.expect("d1", ["p0"], 0.0)
+    tr.expect("d2", ["p0"], 0.0)
     tr.heard("d1", 0.9)
     [out] = tr.tick(1.0)
     assert out.d_req_id == "d2" and "silent" in (out.error or "")
@@ -183,6 +185,20 @@ def test_pull_tracker_fails_a_silent_peer_and_heartbeats_keep_it_alive():
     done = tr.finished("d1", None)
     assert done is not None and done.error is None
     assert tr.finished("d1", None) is None
+
+
+def test_p_is_silent_only_from_when_it_was_asked():
+    # Finding P's side channel (a bootstrap query on a busy host) is not P's silence: the bound restarts when P is
+    # asked, and a pull that never got that far says so.
+    tr = PullTracker(liveness_s=1.0)
+    tr.started("slow", "x", 0.0)
+    tr.started("never", "y", 0.0)
+    tr.expect("slow", ["p0"], 0.9)
+    [out] = tr.tick(1.0)
+    assert out.d_req_id == "never" and "not reached" in (out.error or "") and "silent" not in (out.error or "")
+    assert tr.tick(1.8) == []
+    [out] = tr.tick(1.9)
+    assert out.d_req_id == "slow" and "silent" in (out.error or "")
 
 
 def test_pull_tracker_abort_turns_success_into_an_error():
@@ -374,14 +390,14 @@ def test_one_d_rank_released_the_other_rank_still_gets_the_kv():
 def test_a_pull_that_asks_several_p_ranks_ends_when_the_last_is_done_or_the_first_fails():
     tr = PullTracker(liveness_s=5.0)
     tr.started("d", "x", 0.0, (3, 4))
-    tr.expect("d", ["p0", "p1"])
+    tr.expect("d", ["p0", "p1"], 0.0)
     assert tr.part_done("d", "p0", 100, 2) is None
     assert tr.part_done("d", "p0", 100, 2) is None  # a repeat changes nothing
     assert tr.part_done("d", "elsewhere", 100, 2) is None
     out = tr.part_done("d", "p1", 100, 2)
     assert out is not None and out.error is None
     tr.started("e", "y", 0.0, (5,))
-    tr.expect("e", ["p0", "p1"])
+    tr.expect("e", ["p0", "p1"], 0.0)
     tr.part_done("e", "p0")
     failed = tr.finished("e", "p1: transfer failed")
     assert failed is not None and failed.failed_blocks == (5,)

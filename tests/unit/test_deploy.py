@@ -388,3 +388,22 @@ def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_ro
     proxy = next(p for p in parts if p.kind == "proxy").plan.argv
     follows = [proxy[i + 1].split("=", 1)[0] for i, a in enumerate(proxy) if a == "--kv-events"]
     assert follows == ["http://127.0.0.1:8101", "http://127.0.0.1:8200"]
+
+
+def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() -> None:
+    dep = deployment_from_dict(_dep(protocol="socket", platform="cpu", socket_connections=3,
+                                    decode=[{"port": 8200, "tp": 2, "socket_port": 7100}]))
+    parts = {p.kind: p for p in deployment_parts(dep)}
+    assert kv_config(parts["prefill"])["kv_connector_extra_config"]["socket_connections"] == 3
+    extra = kv_config(parts["decode"])["kv_connector_extra_config"]
+    assert extra == {"mooncake_protocol": "socket", "socket_port": 7100}
+    listeners = [u for u in parts["decode"].ports if u.what.startswith("KV listener")]
+    assert [(u.bind, u.port, u.setting) for u in listeners] == [("0.0.0.0", 7100, "[[decode]] 1 socket_port"),
+                                                                 ("0.0.0.0", 7101, "[[decode]] 1 socket_port")]
+    # without socket_port in the file the allocator gives the listener ports after the others, not the system
+    derived = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(protocol="socket", platform="cpu",
+                                                                             decode=[{"port": 8200}])))}
+    given = kv_config(derived["decode"])["kv_connector_extra_config"]["socket_port"]
+    assert given > 0 and any(u.port == given and u.what == "KV listener" for u in derived["decode"].ports)
+    tcp = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(decode=[{"port": 8200, "socket_port": 7100}])))}
+    assert "socket_port" not in kv_config(tcp["decode"])["kv_connector_extra_config"]  # other transports: ignored

@@ -170,14 +170,29 @@ def test_report_lists_failures_first_then_warnings():
     assert report.counts["fail"] == 1 and report.counts["warn"] == 1
 
 
-def test_cma_skips_every_rdma_only_check_and_mooncake():
-    cma = DoctorOptions(protocol="cma")
+@pytest.mark.parametrize("protocol", ["cma", "socket"])
+def test_cma_and_socket_skip_every_rdma_only_check_and_mooncake(protocol):
+    options = DoctorOptions(protocol=protocol)
     for check in (
         check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa,
         check_mooncake,
     ):
-        result = check(host_for("port_down"), cma)
-        assert result.status is Status.SKIP and "protocol cma" in result.detail
+        result = check(host_for("port_down"), options)
+        assert result.status is Status.SKIP and f"protocol {protocol}" in result.detail
+
+
+def test_socket_probe_writes_through_a_real_listener_on_the_advertised_address(tmp_path):
+    from pdkv.doctor.socket_probe import check_socket
+
+    def host(ip: str) -> Host:
+        return Host(root=SysRoot(tmp_path), env={"VLLM_HOST_IP": ip}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
+
+    result = check_socket(host("127.0.0.1"), DoctorOptions(protocol="socket"))
+    assert result.status is Status.PASS and "D's listener on 127.0.0.1 took a 4 MiB write" in result.detail, result.detail
+    # An address of no interface here (TEST-NET-3): the listener cannot bind it, and the fix says what to set.
+    bad = check_socket(host("203.0.113.7"), DoctorOptions(protocol="socket"))
+    assert bad.status is Status.FAIL and "203.0.113.7" in bad.detail and "VLLM_HOST_IP" in bad.hint
+    assert check_socket(host("127.0.0.1"), DoctorOptions(protocol="tcp")).status is Status.SKIP
 
 
 @pytest.mark.parametrize("scope", ["2", "3"])

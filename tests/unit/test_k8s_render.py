@@ -30,6 +30,7 @@ VARIANTS = {
     "tp2-mixed": deployment_text(
         prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
     "cpu-tcp": deployment_text(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
+    "socket-tp2": deployment_text(top='protocol = "socket"\nblock_size = 16', decode="tp = 2", kubernetes="socket_port = 6100"),
     "tp-p1-d2": deployment_text(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
     "no-kv-events": deployment_text(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
     "external-bootstrap": deployment_text(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
@@ -158,6 +159,12 @@ def test_every_side_channel_of_a_prefill_is_declared(rendered):
             assert {v for n, v in declared.items() if n.startswith("side-")} == set(range(base, base + tp))
         else:
             assert "side_channel_port" not in extra and not any(n.startswith("side-") for n in declared)
+        # Protocol socket: every D rank's KV listener on a fixed, declared port (the pod's own address).
+        sock = {v for n, v in declared.items() if n.startswith("kv-sock-")}
+        if role == "decode" and extra.get("mooncake_protocol") == "socket":
+            assert sock == set(range(extra["socket_port"], extra["socket_port"] + tp))
+        else:
+            assert not sock and "socket_port" not in extra
 
 
 def test_p_and_d_agree_on_model_block_size_and_connector_and_their_tp_sizes_divide(rendered):

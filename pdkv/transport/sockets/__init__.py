@@ -1,0 +1,12 @@
+"""The `socket` transport: KV over TCP connections of pdkv's own, for hosts without RDMA.
+
+`wire` holds the frames, the handshake's proofs and the grant table (pure); `streams` moves a write's bytes between
+memory and a socket (host memory in place, GPU memory staged); `listener` is D's side, `lanes` P's, and
+`transport` the Transport seam over both. docs/socket.md describes the wire.
+"""
+
+from __future__ import annotations
+
+from pdkv.transport.sockets.transport import DEFAULT_BUFFER_BYTES, MAX_CONNECTIONS, SocketTransport, default_connections
+
+__all__ = ["DEFAULT_BUFFER_BYTES", "MAX_CONNECTIONS", "SocketTransport", "default_connections"]

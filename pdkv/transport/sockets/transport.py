@@ -1,0 +1,178 @@
+"""The Transport protocol over TCP sockets of pdkv's own (`socket`): KV at the speed of the link where there is no
+RDMA, for KV in host memory and (staged through pinned buffers) on GPUs.
+
+D listens on its advertised address (`port`; 0: a free one) and lets be written only what it granted a transfer
+(`expect`, from the pulls it sends; `forget` when the pull concludes); P keeps `connections` connections to each D
+and splits every transfer over them. The session address a peer writes to is `socket://host:port/<session id>`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from pdkv.auth import token_from_env
+from pdkv.errors import TransferError, UsageError
+from pdkv.transport.base import Descriptor
+from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.sockets import wire
+from pdkv.transport.sockets.lanes import PeerLanes
+from pdkv.transport.sockets.listener import SocketListener
+from pdkv.transport.sockets.streams import DEFAULT_CHUNK_BYTES, HostMemory
+
+DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
+# Each connection's socket buffer (the kernel doubles it): small enough that a write's bytes stay in the CPU's caches
+# between the two copies, large enough for a 100 Gb/s link's bandwidth-delay product over 4 connections. 0: autotuning.
+DEFAULT_BUFFER_BYTES = 256 << 10
+MAX_CONNECTIONS = 64
+DEFAULT_WRITE_TIMEOUT_S = 30.0
+MAX_PEERS = 64  # D engines one P keeps connections to; past it the least recently written loses them
+
+
+def default_connections() -> int:
+    """Connections per D when none are asked for: DEFAULT_CONNECTIONS, but no more than the cores this process may
+    run on (each connection's copies keep a core busy; on 2 cores 2 connections moved the most)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(DEFAULT_CONNECTIONS, cores))
+
+
+class SocketTransport(PlannedWrites):
+    """Implements pdkv.transport.base.Transport over TCP. Every method may be called from several threads at once:
+    `_lock` guards the peer table and the registered spans (replaced whole); the grants guard themselves."""
+
+    protocol = "socket"
+
+    def __init__(
+        self, hostname: str = "127.0.0.1", *, port: int = 0, gpu: int | None = None, writable: bool = True,
+        connections: int = 0, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
+        token: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+    ) -> None:
+        """`writable`: peers write into this process (D); `gpu`: the KV lives on that CUDA device (staged through
+        pinned host buffers); `connections` to each D (0: default_connections()); `token`: the deployment key
+        (default PDKV_TOKEN); `buffer_bytes`: each connection's socket buffer (0: the kernel's autotuning)."""
+        connections = connections or default_connections()
+        if not 1 <= connections <= MAX_CONNECTIONS:
+            raise UsageError(f"socket connections must be 1..{MAX_CONNECTIONS}, got {connections}")
+        if write_timeout_s <= 0:
+            raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
+        self.hostname = hostname
+        self.connections = connections
+        self.write_timeout_s = write_timeout_s
+        self.gpu = gpu
+        self.chunk_bytes = chunk_bytes
+        self.buffer_bytes = buffer_bytes
+        self._key = wire.handshake_key(token if token is not None else token_from_env())
+        self.grants = wire.Grants()
+        self._lock = threading.Lock()
+        self._raw: list[tuple[int, int]] = []  # registered (address, length), as given; replaced whole under _lock
+        self._spans: tuple[list[tuple[int, int]], list[int]] = ([], [])  # the same merged, and their addresses; ditto
+        self._peers: OrderedDict[str, PeerLanes] = OrderedDict()  # guarded by _lock
+        self._closed = False
+        self.listener = (
+            SocketListener(hostname, port, self.grants, key=self._key, memory=self._memory, progress_timeout_s=write_timeout_s,
+                           buffer_bytes=buffer_bytes)
+            if writable else None
+        )
+        at = f"[{hostname}]" if ":" in hostname else hostname
+        self._session = f"socket://{at}:{self.listener.port}/{self.listener.session_id.hex()}" if self.listener else ""
+
+    def _memory(self) -> Any:
+        if self.gpu is None:
+            return HostMemory()
+        from pdkv.transport.sockets.streams import CudaStaging
+
+        return CudaStaging(self.gpu, self.chunk_bytes)
+
+    # -- Transport protocol --
+    @property
+    def session_address(self) -> str:
+        return self._session
+
+    @property
+    def settings(self) -> dict[str, str]:
+        return {"connections": str(self.connections), "staging": f"{self.chunk_bytes >> 20} MiB x 2" if self.gpu is not None else "none"}
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        with self._lock:
+            self._set_spans([*self._raw, *((int(a), int(n)) for a, n in regions if n > 0)])
+
+    def unregister(self, regions: list[tuple[int, int]]) -> None:
+        gone = {(int(a), int(n)) for a, n in regions}
+        with self._lock:
+            self._set_spans([s for s in self._raw if s not in gone])
+
+    def expect(self, transfer: str, ranges: Sequence[tuple[int, int]]) -> None:
+        """Let peers write `ranges` of this process's registered memory under `transfer`, until `forget(transfer)`."""
+        spans, starts = self._spans
+        for addr, length in ranges:
+            if length <= 0 or not wire.covered(spans, starts, addr, length):
+                raise TransferError(f"cannot expect a write of {addr:#x}+{length}: it is outside the registered memory")
+        self.grants.grant(transfer, ranges)
+
+    def forget(self, transfer: str) -> None:
+        self.grants.revoke(transfer)
+
+    def write(self, peer: str, descriptors: Sequence[Descriptor], *, transfer: str = "", timeout_s: float | None = None) -> None:
+        """Write every descriptor into `peer` under `transfer` (what D granted it); return once all bytes have landed."""
+        if self._closed:
+            raise TransferError("the socket transport is closed")
+        if not descriptors:
+            return
+        spans, starts = self._spans
+        for d in descriptors:
+            if d.length <= 0 or not wire.covered(spans, starts, d.src, d.length):
+                raise TransferError(f"local range 0x{d.src:x}+{d.length} is outside the registered memory")
+        total = sum(d.length for d in descriptors)
+        landed = self._lanes(peer).write(transfer, [(d.src, d.dst, d.length) for d in descriptors], timeout_s)
+        if landed != total:
+            raise TransferError(f"decode acknowledged {landed:,} of {total:,} B")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            peers, self._peers = list(self._peers.values()), OrderedDict()
+        for p in peers:
+            p.close()
+        if self.listener is not None:
+            self.listener.close()
+        self.grants.clear()
+
+    def __enter__(self) -> SocketTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --
+    def _set_spans(self, spans: list[tuple[int, int]]) -> None:
+        self._raw = sorted(set(spans))
+        merged = wire.merge_spans(self._raw)
+        self._spans = (merged, [a for a, _ in merged])
+
+    def _lanes(self, peer: str) -> PeerLanes:
+        with self._lock:
+            lanes = self._peers.get(peer)
+            if lanes is not None:
+                self._peers.move_to_end(peer)
+                return lanes
+        fresh = PeerLanes(peer, self._key, self.connections, self._memory, self.write_timeout_s, self.buffer_bytes)
+        evicted: list[PeerLanes] = []
+        with self._lock:
+            lanes = self._peers.get(peer)
+            if lanes is None and not self._closed:
+                lanes = self._peers[peer] = fresh
+                while len(self._peers) > MAX_PEERS:
+                    evicted.append(self._peers.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
+        if lanes is not fresh:
+            fresh.close()
+        if lanes is None:
+            raise TransferError("the socket transport is closed")
+        return lanes

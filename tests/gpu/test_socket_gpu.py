@@ -1,0 +1,138 @@
+"""The socket transport with KV in GPU memory: staged through pinned buffers on both sides, bytes verified.
+
+D runs in a child process (its own CUDA context, as an engine's worker), P in the test's. Runs only where CUDA
+GPUs exist (marker `gpu`).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, BLOCKS, BLOCK_LEN = 4, 64, 64 * 1024
+CHUNK = 1 << 20  # small staging buffers, so one write crosses many of them and both double buffers turn over
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch
+
+
+def _decode_side(conn, dst: str) -> None:
+    import torch
+
+    from pdkv.transport.base import Region
+    from pdkv.transport.planner import block_spans
+    from pdkv.transport.sockets import SocketTransport
+
+    gpu = int(dst[5:]) if dst.startswith("cuda:") else None
+    kv = [torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device=dst) for _ in range(LAYERS)]
+    regions = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in kv]
+    with SocketTransport("127.0.0.1", gpu=gpu, chunk_bytes=CHUNK, write_timeout_s=10) as t:
+        t.register([(x.data_ptr(), x.numel()) for x in kv])
+        conn.send((t.session_address, [x.data_ptr() for x in kv]))
+        while (msg := conn.recv()) != "stop":
+            op, key, blocks = msg
+            if op == "expect":
+                t.expect(key, block_spans(blocks, regions))
+                conn.send("ok")
+            elif op == "sums":
+                if gpu is not None:
+                    torch.cuda.synchronize(gpu)
+                conn.send([int(x.view(BLOCKS, BLOCK_LEN)[blocks].to(torch.int64).sum()) for x in kv])
+
+
+class _Decode:
+    def __init__(self, dst: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_decode_side, args=(child, dst), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), "the decode side did not start in time"
+        self.session, self.bases = self.conn.recv()
+
+    def ask(self, *msg):
+        self.conn.send(msg)
+        assert self.conn.poll(60), f"the decode side did not answer {msg[0]}"
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest.mark.parametrize("src,dst", [("cuda:0", "cuda:0"), ("cuda:0", "cpu"), ("cpu", "cuda:0"), ("cuda:0", "cuda:1")])
+def test_gpu_memory_lands_exactly_through_the_staging(src: str, dst: str) -> None:
+    torch = _torch()
+    if "cuda:1" in (src, dst) and torch.cuda.device_count() < 2:
+        pytest.skip("one GPU only")
+    from pdkv.errors import TransferError
+    from pdkv.transport.base import Region
+    from pdkv.transport.sockets import SocketTransport
+
+    d = _Decode(dst)
+    try:
+        gen = torch.Generator(device=src).manual_seed(0)
+        kv = [torch.randint(0, 256, (BLOCKS * BLOCK_LEN,), dtype=torch.uint8, device=src, generator=gen) for _ in range(LAYERS)]
+        local = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in kv]
+        remote = [Region(b, BLOCK_LEN, BLOCKS) for b in d.bases]
+        gpu = int(src[5:]) if src.startswith("cuda:") else None
+        with SocketTransport("127.0.0.1", gpu=gpu, writable=False, chunk_bytes=CHUNK, connections=3, write_timeout_s=10) as p:
+            p.register([(x.data_ptr(), x.numel()) for x in kv])
+            for key, lblocks, rblocks in (("a", list(range(40)), list(range(10, 50))), ("b", [3, 9, 4, 20], [60, 1, 7, 33])):
+                assert d.ask("expect", key, rblocks) == "ok"
+                written = p.write_blocks(d.session, lblocks, rblocks, local, remote, transfer=key)
+                assert written.bytes == LAYERS * len(lblocks) * BLOCK_LEN
+                want = [int(x.view(BLOCKS, BLOCK_LEN)[lblocks].to(torch.int64).sum()) for x in kv]
+                assert d.ask("sums", "", rblocks) == want
+            # Blocks the pull did not announce are refused before a byte lands: D's blocks keep their zeros.
+            assert d.ask("expect", "c", [0]) == "ok"
+            with pytest.raises(TransferError, match="outside what transfer"):
+                p.write_blocks(d.session, [5], [63], local, remote, transfer="c")
+            assert d.ask("sums", "", [63]) == [0] * LAYERS
+    finally:
+        d.close()
+
+
+def test_a_gpu_write_to_a_killed_decode_fails_at_once_and_the_next_decode_is_served() -> None:
+    """D killed after it announced: P's staged write fails within seconds (not at its 30 s bound), and the same P
+    transport then serves a new D."""
+    torch = _torch()
+    from pdkv.errors import TransferError
+    from pdkv.transport.base import Region
+    from pdkv.transport.sockets import SocketTransport
+
+    kv = [torch.ones(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device="cuda:0") for _ in range(LAYERS)]
+    local = [Region(x.data_ptr(), BLOCK_LEN, BLOCKS) for x in kv]
+    blocks = list(range(BLOCKS))
+    with SocketTransport("127.0.0.1", gpu=0, writable=False, chunk_bytes=CHUNK, write_timeout_s=30) as p:
+        p.register([(x.data_ptr(), x.numel()) for x in kv])
+        d = _Decode("cuda:0")
+        try:
+            remote = [Region(b, BLOCK_LEN, BLOCKS) for b in d.bases]
+            assert d.ask("expect", "k", blocks) == "ok"
+            p.write_blocks(d.session, blocks, blocks, local, remote, transfer="k")  # connections made, kept
+            d.proc.kill()
+            d.proc.join(30)
+            t0 = time.monotonic()
+            with pytest.raises(TransferError):
+                p.write_blocks(d.session, blocks, blocks, local, remote, transfer="k")
+            assert time.monotonic() - t0 < 5
+        finally:
+            d.proc.join(30)
+        d2 = _Decode("cuda:0")
+        try:
+            remote = [Region(b, BLOCK_LEN, BLOCKS) for b in d2.bases]
+            assert d2.ask("expect", "k", blocks) == "ok"
+            p.write_blocks(d2.session, blocks, blocks, local, remote, transfer="k")
+            assert d2.ask("sums", "", blocks) == [BLOCKS * BLOCK_LEN] * LAYERS
+        finally:
+            d2.close()

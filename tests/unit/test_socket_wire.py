@@ -1,0 +1,94 @@
+"""The socket transport's wire, pure: frame heads, the WRITE body, the handshake's proofs, the grants, the split."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdkv.errors import TransferError
+from pdkv.transport.sockets import wire
+from pdkv.transport.sockets.lanes import parse_session, split
+from pdkv.transport.sockets.streams import chunked
+
+
+def test_a_head_is_read_back_and_anything_else_is_refused():
+    assert wire.read_head(wire.head(wire.Kind.ACK, 16), (wire.Kind.ACK,)) == (wire.Kind.ACK, 16)
+    bad = {
+        "magic": b"XXXX" + wire.head(wire.Kind.ACK, 16)[4:],
+        "version": wire.HEAD.pack(wire.MAGIC, 2, wire.Kind.ACK, 0, 16),
+        "flags": wire.HEAD.pack(wire.MAGIC, 1, wire.Kind.ACK, 1, 16),
+        "where": wire.head(wire.Kind.WRITE, 16),
+        "at most": wire.head(wire.Kind.ACK, 17),
+    }
+    for why, data in bad.items():
+        with pytest.raises(wire.FrameError, match=why):
+            wire.read_head(data, (wire.Kind.ACK,))
+    with pytest.raises(wire.FrameError, match="at most"):
+        wire.read_head(wire.head(wire.Kind.WRITE, wire.MAX_BODY + 1), (wire.Kind.WRITE,))
+
+
+def test_a_write_body_round_trips_and_every_inconsistent_length_is_refused():
+    ranges = [(0x1000, 64), (2**64 - 8, 8)]
+    body = wire.write_body(7, "key", ranges)
+    assert wire.parse_write(body) == (7, "key", ranges)
+    with pytest.raises(wire.FrameError):
+        wire.parse_write(body[:-1])
+    with pytest.raises(wire.FrameError):
+        wire.parse_write(body + b"\0")
+    with pytest.raises(wire.FrameError, match="empty or wraps"):
+        wire.parse_write(wire.write_body(1, "k", [(2**64 - 8, 9)]))
+    with pytest.raises(wire.FrameError, match="empty or wraps"):
+        wire.parse_write(wire.write_body(1, "k", [(16, 0)]))
+    with pytest.raises(wire.FrameError, match="does not fit"):
+        wire.write_body(1, "k" * 256, ranges)
+    with pytest.raises(wire.FrameError, match="does not fit"):
+        wire.write_body(1, "k", [])
+    with pytest.raises(wire.FrameError, match="UTF-8"):
+        wire.parse_write(wire.WRITE_HEAD.pack(1, 1) + b"\xff" + wire.COUNT.pack(1) + wire.RANGE.pack(0, 1))
+    # A count that claims more ranges than the body holds.
+    with pytest.raises(wire.FrameError, match="announces"):
+        wire.parse_write(wire.WRITE_HEAD.pack(1, 1) + b"k" + wire.COUNT.pack(3) + wire.RANGE.pack(0, 1))
+
+
+def test_proofs_bind_the_key_the_side_the_session_and_both_nonces():
+    key = wire.handshake_key("deployment-key")
+    args = (b"s" * 16, b"p" * 16, b"d" * 16)
+    given = wire.proof(key, b"d", *args)
+    assert wire.proof_ok(key, b"d", *args, given)
+    assert not wire.proof_ok(key, b"p", *args, given)
+    assert not wire.proof_ok(wire.handshake_key("other"), b"d", *args, given)
+    assert not wire.proof_ok(key, b"d", b"t" * 16, *args[1:], given)
+    assert not wire.proof_ok(key, b"d", args[0], b"q" * 16, args[2], given)
+    assert wire.handshake_key(None) == b"" and wire.handshake_key("k") != b""
+
+
+def test_grants_admit_only_ranges_inside_one_granted_span():
+    g = wire.Grants()
+    g.grant("a", [(100, 50), (150, 50), (400, 10)])  # the first two touch: one span 100..200
+    assert g.refusal("a", [(100, 100), (400, 10), (120, 1)]) is None
+    assert "outside" in g.refusal("a", [(190, 20)])
+    assert "outside" in g.refusal("a", [(99, 2)])
+    assert "outside" in g.refusal("a", [(300, 1)])
+    assert "no transfer 'b'" in g.refusal("b", [(100, 1)])
+    g.revoke("a")
+    assert "no transfer" in g.refusal("a", [(100, 1)]) and len(g) == 0
+
+
+def test_a_transfer_splits_into_nearly_equal_shares_in_order():
+    ranges = [(0, 1000, 10 << 20), (50 << 20, 60 << 20, 2 << 20)]
+    shares = split(ranges, 4)
+    assert len(shares) == 4
+    assert [sum(n for _, _, n in s) for s in shares] == [3 << 20] * 4
+    flat = [r for s in shares for r in s]
+    assert flat[0] == (0, 1000, 3 << 20) and flat[-1][0] + flat[-1][2] == (50 << 20) + (2 << 20)
+    assert sum(n for _, _, n in flat) == 12 << 20
+    # Few bytes: one connection carries them.
+    assert split([(0, 0, 4096), (8192, 8192, 4096)], 4) == [[(0, 0, 4096), (8192, 8192, 4096)]]
+    assert chunked([(0, 10), (100, 3)], 4) == [(0, 4), (4, 4), (8, 2), (100, 3)]
+
+
+def test_session_addresses():
+    assert parse_session(f"socket://10.0.0.2:5555/{'ab' * 16}") == ("10.0.0.2", 5555, bytes.fromhex("ab" * 16))
+    assert parse_session(f"socket://[::1]:5555/{'ab' * 16}")[0] == "::1"
+    for bad in ("127.0.0.1:5555", f"socket://h:0/{'ab' * 16}", "socket://h:1/abc", f"socket://:1/{'ab' * 16}", "cma:x:1:2"):
+        with pytest.raises(TransferError, match="same mooncake_protocol"):
+            parse_session(bad)
