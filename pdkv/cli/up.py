@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import shlex
 import sys
@@ -110,8 +109,7 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
     lines = [Text("ready. Send a request:", style="bold green"), Text(curl)]
     if proxy is not None:
         lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
-        if importlib.util.find_spec("pdkv.cli.trace") is not None:
-            lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
+        lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
     lines.append(Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim"))
     return lines
 
