@@ -253,8 +253,8 @@ def up(
     port: Annotated[int | None, typer.Option("--port",
         help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
     host: Annotated[str | None, typer.Option("--host",
-        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). "
-        "With --role it is the older name of --listen.", show_default=False)] = None,
+        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine).",
+        show_default=False)] = None,
     listen: Annotated[str | None, typer.Option("--listen",
         help="With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
     host_ip: Annotated[str | None, typer.Option("--host-ip",

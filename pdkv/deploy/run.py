@@ -69,7 +69,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     device: str = ""
     gpu: str | None = None
     port: int | None = None
-    host: str | None = None  # with `file`: a [[hosts]] name (with `role`: the older name of `listen`)
+    host: str | None = None  # with `file`: a [[hosts]] name
     listen: str | None = None  # with `role`: the address the engine listens on
     host_ip: str | None = None
     bootstrap_port: int | None = None
@@ -107,7 +107,10 @@ def _check_options(o: UpOptions, gpus: int) -> None:
         raise UsageError("give either -f FILE or --role, not both")
     if o.members is not None and o.role is None:
         raise UsageError("--members goes with --role", hint="a deployment file's engines join its first bootstrap's registry by themselves")
-    if o.host is not None and o.file is None and o.role is None:
+    if o.host is not None and o.role is not None:
+        raise UsageError("--host goes with -f FILE (a [[hosts]] name), not with --role",
+                         hint="the address an engine started by --role listens on is --listen")
+    if o.host is not None and o.file is None:
         raise UsageError("--host goes with -f FILE (a [[hosts]] name)", hint="an engine's listen address is --listen, with --role")
     if o.listen is not None and o.role is None:
         raise UsageError("--listen goes with --role", hint="a deployment file's parts listen on its `host`")
@@ -159,7 +162,7 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
             role,
             o.members,
             model=o.model or str(tiny_model_path()),
-            host=o.listen or o.host or "0.0.0.0",
+            host=o.listen or "0.0.0.0",
             port=o.port or (8100 if role == "prefill" else 8200),
             connector=o.connector,
             transport=o.transport or ("tcp" if plat == "cpu" else "rdma"),

@@ -113,8 +113,8 @@ def test_preflight_port_taken(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
-                              "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu",
+                              "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
     assert f"decode: port {port} on 127.0.0.1 (HTTP, from --port) is held by another process" in err
     assert "hint: stop what holds it" in err and "or change --port" in err
     assert not list(tmp_path.iterdir())  # no part was started, so no log was opened
@@ -157,7 +157,7 @@ def test_preflight_mismatched_block_size(capsys, qwen3_8b: Path, tmp_path: Path)
 
 def test_preflight_unreachable_bootstrap(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
     closed = free_port()  # nothing listens here
-    err = preflight_fails(capsys, "--role", "prefill", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
+    err = preflight_fails(capsys, "--role", "prefill", "--model", str(qwen3_8b), "--platform", "cpu", "--listen", "127.0.0.1",
                           "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap", f"http://127.0.0.1:{closed}",
                           "--log-dir", str(tmp_path))
     assert f"bootstrap: http://127.0.0.1:{closed} is unreachable" in err
@@ -169,8 +169,9 @@ def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        err = preflight_fails(capsys, "--role", "decode", "--model", str(tmp_path / "no-model"), "--platform", "cpu", "--host", "127.0.0.1",
-                              "--host-ip", "127.0.0.1", "--port", str(port), "--block-size", "16", "--log-dir", str(tmp_path))
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(tmp_path / "no-model"), "--platform", "cpu",
+                              "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(port), "--block-size", "16",
+                              "--log-dir", str(tmp_path))
     lines = err.strip().splitlines()
     assert lines[0] == "pdkv: error: pre-flight found 3 problems:"
     assert len([line for line in lines if "; fix: " in line]) == 3
@@ -225,8 +226,8 @@ def test_local_cpu_dry_run_moves_kv_with_cma(capsys):
 
 def test_preflight_refuses_vllms_connector_on_a_cpu_host(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
     err = preflight_fails(capsys, "--role", "prefill", "--connector", "mooncake", "--model", str(qwen3_8b), "--platform", "cpu",
-                          "--host", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap-port", str(free_port()),
-                          "--log-dir", str(tmp_path / "logs"))
+                          "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(free_port()),
+                          "--bootstrap-port", str(free_port()), "--log-dir", str(tmp_path / "logs"))
     lines = err.strip().splitlines()
     assert lines[0].startswith("pdkv: error: pre-flight: prefill: vLLM's MooncakeConnector needs GPU KV caches")
     assert "Cannot access accelerator device when none is available" in lines[0]
@@ -288,11 +289,12 @@ def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints
     assert "warning" not in capsys.readouterr().err
 
 
-def test_listen_is_the_address_of_an_engine_started_by_role_and_host_its_older_name(capsys) -> None:
+def test_listen_is_the_address_of_an_engine_started_by_role_and_host_is_a_usage_error_there(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--listen", "127.0.0.2", "--transport", "tcp")
     assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.2"
-    (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--host", "127.0.0.3", "--transport", "tcp")
-    assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.3"
+    assert run(["up", "--role", "decode", "--model", "m", "--host", "127.0.0.3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--host goes with -f FILE" in err and "--listen" in err
     assert run(["up", "--listen", "127.0.0.1", "--dry-run"]) == 2
     assert "--listen goes with --role" in capsys.readouterr().err
 
