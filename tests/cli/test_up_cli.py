@@ -278,6 +278,13 @@ def test_up_warns_of_side_channels_and_bootstraps_beyond_loopback_without_a_key(
     assert any("prefill-0's KV side channel listens on 10.0.0.5 with no deployment key" in w for w in warnings), warnings
 
 
+def test_up_refuses_a_key_under_the_retired_name_and_names_pdkv_token(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("PDKV_TOKEN", raising=False)
+    monkeypatch.setenv("PDKV_BOOTSTRAP_TOKEN", "s3cret")
+    assert run(["up", "-f", str(_fleet_file(tmp_path, None)), "--dry-run", "--json"]) == 2
+    assert "PDKV_BOOTSTRAP_TOKEN is set and PDKV_TOKEN is not" in capsys.readouterr().err
+
+
 def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints_it_nowhere(capsys, tmp_path: Path,
                                                                                            monkeypatch) -> None:
     monkeypatch.setenv("PDKV_TOKEN", "")  # so that monkeypatch puts it back as it was once the test is over

@@ -225,6 +225,6 @@ def test_no_deployment_key_on_a_networked_host_is_a_warning_with_the_fix():
     exposed = check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2"}), RDMA)
     assert exposed.status is Status.WARN and "PDKV_TOKEN" in exposed.hint and "transfer id" in exposed.detail
     assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_TOKEN": "k"}), RDMA).status is Status.PASS
-    assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_BOOTSTRAP_TOKEN": "k"}), RDMA).status \
-        is Status.PASS
+    retired = check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_BOOTSTRAP_TOKEN": "k"}), RDMA)
+    assert retired.status is Status.FAIL and "PDKV_TOKEN is not" in retired.detail and "export PDKV_TOKEN" in retired.hint
     assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "127.0.0.1"}), RDMA).status is Status.PASS
