@@ -20,6 +20,7 @@ import msgspec
 from pdkv.bench.layout import Timing, block_ids, blocks_needed, case_plan_bytes, coalesces, expand_layouts, summarize, tp_layout
 from pdkv.errors import PdkvError, StartError, TransferError, UsageError
 from pdkv.geometry import KVGeometry
+from pdkv.transport import TRANSPORTS
 from pdkv.transport.base import Descriptor
 from pdkv.transport.planner import plan_descriptors
 
@@ -82,7 +83,7 @@ class BenchReport(msgspec.Struct, frozen=True):
     geometry: KVGeometry
     block_size: int
     block_len: int
-    transport: str = msgspec.field(name="protocol")  # the JSON key of `pdkv bench --json`
+    transport: str
     device: str
     src: str
     dst: str
@@ -120,6 +121,9 @@ def check_spec(spec: BenchSpec) -> None:
     expand_layouts(spec.layouts)
     from pdkv.bench.memory import parse_device
     from pdkv.transport.mooncake import check_protocol
+
+    if spec.transport not in TRANSPORTS:
+        raise UsageError(f"--transport {spec.transport!r} is not one of {', '.join(TRANSPORTS)}")
 
     src, dst = parse_device(spec.src), parse_device(spec.dst)
     if spec.transport == "ipc":

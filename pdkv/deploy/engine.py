@@ -43,7 +43,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
     first worker runs one on `bootstrap_port`. `transport` is how the KV moves (the deployment file's
-    `protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps; the CLI's `--transport`).
+    `transport`, the CLI's `--transport`; vLLM's kv_connector_extra_config calls it `mooncake_protocol`).
     """
 
     model: str
@@ -141,7 +141,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     transport = spec.transport
     if transport in ("ipc", "cma", "socket") and spec.connector != "pdkv":
         raise UsageError(
-            f"protocol {transport} is pdkv's own transport",
+            f"{transport} is pdkv's own transport",
             hint="use --connector pdkv, or --transport tcp/rdma with vLLM's MooncakeConnector",
         )
     # vLLM's key, which both connectors read (pdkv's also reads `transport`)

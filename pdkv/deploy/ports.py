@@ -9,7 +9,7 @@ which setting to change (pdkv.deploy.preflight.check_ports).
 
 Ports written in the file are taken as written: each engine table's `port`,
 `[proxy] port`, `[bootstrap] port` (the first prefill's bootstrap) and a
-table's own `kv_events_port` and (protocol socket) a decode table's `socket_port`. Every other port is derived, in this order, as
+table's own `kv_events_port` and (transport socket) a decode table's `socket_port`. Every other port is derived, in this order, as
 the first ports from where it would start that no other part of its host has:
 
 - the bootstrap of prefill k (k > 0): from the one before it, + 1;
@@ -17,7 +17,7 @@ the first ports from where it would start that no other part of its host has:
 - KV events (vLLM's publisher and replay socket, two per DP rank): from `kv_events_port`,
   the listed engines (prefills, then decodes) first, then the ones `[autoscale]` may add;
 - pdkv's side channel of each prefill (one per TP rank of each DP rank): after the KV events;
-- protocol socket, the KV listener of each decode without its own `socket_port` (one per TP rank): after those.
+- transport socket, the KV listener of each decode without its own `socket_port` (one per TP rank): after those.
 
 A port written twice is left as written: pre-flight names both parts. vLLM's
 own MooncakeConnector binds its side channel to a port the system picks.
@@ -61,7 +61,7 @@ class SlotPorts(msgspec.Struct, frozen=True):
     bootstrap: int | None = None  # a prefill's standalone or in-worker bootstrap server
     kv_events: int | None = None  # the first of its KV events ports (pdkv.deploy.engine.kv_events_config)
     side_channel: int | None = None  # pdkv's connector on a prefill: TP rank r of DP rank d binds + d * tp + r
-    socket: int | None = None  # protocol socket, a decode's KV listener: TP rank r binds + r
+    socket: int | None = None  # transport socket, a decode's KV listener: TP rank r binds + r
 
 
 class PortPlan(msgspec.Struct, frozen=True):

@@ -182,8 +182,8 @@ def check_engines(parts: list[Part]) -> list[Problem]:
         if spec.transport == "cma" and spec.platform != "cpu":
             problems.append(Problem(
                 part.plan.name,
-                "protocol cma moves KV in host memory, and this engine keeps it on a GPU",
-                "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma",
+                "transport cma moves KV in host memory, and this engine keeps it on a GPU",
+                "use transport = \"ipc\" between GPUs of one host, else tcp or rdma",
             ))
     for d in (p for p in engines if p.kind == "decode"):
         for p in (p for p in engines if p.kind == "prefill"):
@@ -276,7 +276,7 @@ def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
 
 
 def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0) -> list[Problem]:
-    """With protocol cma, one live probe that a process of this host may write into another's memory."""
+    """With transport cma, one live probe that a process of this host may write into another's memory."""
     if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
     from pdkv.doctor.cma import cma_verdict

@@ -65,7 +65,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     role: str | None = None
     model: str | None = None
     connector: str = "pdkv"
-    transport: str | None = None  # how the KV moves (the file's `protocol`, the CLI's `--transport`)
+    transport: str | None = None  # how the KV moves (the file's `transport`, the CLI's `--transport`)
     device: str = ""
     gpu: str | None = None
     port: int | None = None

@@ -113,8 +113,8 @@ def _check_file(dep: Deployment, *, source: str) -> None:
         raise ConfigError(f"{source}: connector {dep.connector!r} in Kubernetes: engines join the proxy through pdkv's members "
                           "registry, which vLLM's MooncakeConnector does not write to", hint='use connector = "pdkv"')
     if dep.transport not in ("rdma", "tcp", "socket"):
-        raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host; P and D pods may sit on any node",
-                          hint='use protocol = "rdma" (or "tcp", or "socket" without RDMA)')
+        raise ConfigError(f"{source}: transport {dep.transport} moves KV inside one host; P and D pods may sit on any node",
+                          hint='use transport = "rdma" (or "tcp", or "socket" without RDMA)')
 
 
 def _check_agreement(groups: list[EngineGroup], *, source: str) -> None:

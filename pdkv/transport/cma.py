@@ -124,7 +124,7 @@ class CmaTransport(PlannedWrites, UncheckedWrites):
     under `_lock`) and each peer's pidfd (guarded by the peer).
     """
 
-    protocol = "cma"
+    name = "cma"
 
     def __init__(self, proc_root: str | Path = "/proc", *, writable: bool = True) -> None:
         """`writable`: peers will write into this process (D); P's transport only writes and passes False."""

@@ -79,13 +79,13 @@ class CudaIpcTransport(UncheckedWrites):
     block) and when a peer is reconnected.
     """
 
-    protocol = "ipc"
+    name = "ipc"
 
     def __init__(self, device: int = 0, *, pull: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise StartError("no CUDA device visible", hint="the ipc transport needs GPUs; use --protocol tcp or rdma")
+            raise StartError("no CUDA device visible", hint="the ipc transport needs GPUs; use --transport tcp or rdma")
         self.torch = torch
         self.device = device
         self.pull = pull

@@ -13,7 +13,7 @@ from pdkv.tp_heads import HeadShare
 class PlannedWrites:
     """`write_blocks` as the planner's coalesced descriptors handed to the transport's own `write`; no hello."""
 
-    protocol: str
+    name: str
 
     def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:  # provided by the transport
         raise NotImplementedError
@@ -24,7 +24,7 @@ class PlannedWrites:
     def connect(self, peer: str, hello: Any) -> None:
         if hello is not None:
             raise TransferError(
-                f"decode sent CUDA IPC handles, but this engine moves KV with {self.protocol}",
+                f"decode sent CUDA IPC handles, but this engine moves KV with {self.name}",
                 hint="use the same mooncake_protocol on P and D",
             )
 

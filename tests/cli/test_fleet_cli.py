@@ -18,7 +18,7 @@ def write_fleet(
     boot, pp, dp, xp = ports
     text = f"""model = "/models/m"
 platform = "cpu"
-protocol = "tcp"
+transport = "tcp"
 block_size = 32
 {extra}
 {tables}

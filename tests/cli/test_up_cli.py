@@ -46,7 +46,7 @@ def test_dry_run_json_for_each_role_and_connector(capsys, connector: str, role: 
 
 def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "prefill", "--model", "m", "--platform", "gpu", "--bootstrap", "http://10.0.0.2:7000",
-                      "--protocol", "tcp", "--host-ip", "10.0.0.5", "--", "--enforce-eager", "--max-num-seqs", "8")
+                      "--transport", "tcp", "--host-ip", "10.0.0.5", "--", "--enforce-eager", "--max-num-seqs", "8")
     argv = part["argv"]
     assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "8"]
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -128,7 +128,7 @@ def test_preflight_checks_the_ports_of_the_engines_autoscale_may_add_naming_the_
     boot, prefill = free_port(pair=True), free_port(pair=True)
     deploy = tmp_path / "deploy.toml"
     deploy.write_text(
-        f'model = "{qwen3_8b}"\nplatform = "cpu"\nprotocol = "cma"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
+        f'model = "{qwen3_8b}"\nplatform = "cpu"\ntransport = "cma"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
         f"kv_events = false\n[bootstrap]\nport = {boot}\n[[prefill]]\nport = {prefill}\nomp_bind = \"0\"\n"
         f"[[decode]]\nport = {free_port()}\nomp_bind = \"1\"\n[proxy]\nport = {free_port()}\n"
         '[autoscale]\nprofile = "tiny.profile.json"\nttft_ms = 300\nitl_ms = 40\n[autoscale.prefill]\nmin = 1\nmax = 2\n'
@@ -180,20 +180,20 @@ def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -
 def test_ipc_needs_gpus_and_pdkvs_connector(capsys):
     from pdkv.cli import run
 
-    assert run(["up", "--protocol", "ipc", "--platform", "cpu", "--dry-run"]) == 2
+    assert run(["up", "--transport", "ipc", "--platform", "cpu", "--dry-run"]) == 2
     assert "between GPUs" in capsys.readouterr().err
     role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
-    assert run([*role, "--protocol", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
+    assert run([*role, "--transport", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
-def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
+def test_ipc_role_dry_run_sets_the_transport_and_both_gpus(capsys):
     import json
 
     from pdkv.cli import run
 
     role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
-    code = run([*role, "--protocol", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
+    code = run([*role, "--transport", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
     assert code == 0
     part = json.loads(capsys.readouterr().out)["parts"][0]
     config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
@@ -204,10 +204,10 @@ def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
 def test_cma_needs_host_memory_and_pdkvs_connector(capsys):
     from pdkv.cli import run
 
-    assert run(["up", "--protocol", "cma", "--platform", "gpu", "--dry-run"]) == 2
+    assert run(["up", "--transport", "cma", "--platform", "gpu", "--dry-run"]) == 2
     assert "host memory" in capsys.readouterr().err
     role = ["up", "--role", "decode", "--model", "m", "--platform", "cpu"]
-    assert run([*role, "--protocol", "cma", "--connector", "mooncake", "--dry-run"]) == 2
+    assert run([*role, "--transport", "cma", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
@@ -264,7 +264,7 @@ def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: P
 def _fleet_file(tmp_path: Path, token: str | None) -> Path:
     f = tmp_path / "deploy.toml"
     key = f'token = "{token}"\n' if token else ""
-    f.write_text(f'model = "m"\nplatform = "cpu"\nprotocol = "tcp"\nhost = "0.0.0.0"\nhost_ip = "10.0.0.5"\n{key}'
+    f.write_text(f'model = "m"\nplatform = "cpu"\ntransport = "tcp"\nhost = "0.0.0.0"\nhost_ip = "10.0.0.5"\n{key}'
                  "[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\n")
     return f
 
@@ -314,7 +314,7 @@ def test_a_file_with_p_and_d_of_different_tp_starts_each_rank_on_its_own_cores(c
     (tmp_path / "d.toml").write_text(f"""
 model = "{model}"
 connector = "pdkv"
-protocol = "tcp"
+transport = "tcp"
 platform = "cpu"
 host_ip = "127.0.0.1"
 block_size = 32

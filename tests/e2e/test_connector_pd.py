@@ -82,19 +82,19 @@ class Pair:
 
 @pytest.fixture(scope="module", params=["pdkv", "pdkv-cma", "mooncake"])
 def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pair]:
-    connector, _, protocol = request.param.partition("-")
-    protocol = protocol or "tcp"
+    connector, _, transport = request.param.partition("-")
+    transport = transport or "tcp"
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     extra = PDKV_EXTRA if connector == "pdkv" else {}
     p_args = ("--max-num-seqs", "2") if connector == "pdkv" else ()  # lets a test keep a P request queued
     p_spec = spec(
-        tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
+        tiny_model, "prefill", connector, "0", transport, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
     )
     # D fails a pull it cannot complete (vLLM's default policy): the paths that would hang must answer at once;
     # recompute, pdkv up's default for pdkv's connector, has tests/e2e/test_recompute.py.
-    d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra, load_failure="fail")
+    d_spec = spec(tiny_model, "decode", connector, "1", transport, extra_env=env, connector_extra=extra, load_failure="fail")
     p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
     d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
     try:

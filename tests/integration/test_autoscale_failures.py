@@ -57,7 +57,7 @@ class Scaled:
 
     def __init__(self, tmp: Path, stub: PlannerStub) -> None:
         self.dep = deployment_from_dict({
-            "model": "/m", "platform": "cpu", "protocol": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "restart": "no",
+            "model": "/m", "platform": "cpu", "transport": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "restart": "no",
             "bootstrap": {"port": free_port()}, "prefill": [{"port": free_port()}, {"port": free_port()}],
             "decode": [{"port": free_port()}], "proxy": {"port": free_port()},
             "autoscale": {"profile": "p.json", "ttft_ms": 300, "itl_ms": 40, "interval_s": 0.2, "drain_timeout_s": DRAIN_TIMEOUT_S,

@@ -75,7 +75,7 @@ class Fleet:
         self.file.write_text(textwrap.dedent(f"""
             model = "{self.root / 'model'}"
             served_model_name = "tiny"
-            protocol = "tcp"
+            transport = "tcp"
             platform = "cpu"
             host = "127.0.0.1"
             restart = "no"

@@ -39,7 +39,7 @@ FLEET = """\
 model = "{model}"
 served_model_name = "tiny"
 connector = "pdkv"
-protocol = "{transport}"
+transport = "{transport}"
 platform = "cpu"
 block_size = {block}
 max_model_len = 2048
@@ -239,7 +239,7 @@ def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leave
     a, c, e = fleet.hosts["A"].address, fleet.hosts["C"].address, fleet.spare.address
     d1, d2 = f"http://{c}:8200", f"http://{e}:8200"
     cmd = fleet.spare.argv(sys.executable, "-m", "pdkv", "up", "--role", "decode", "--model", str(fleet.model), "--platform", "cpu",
-                           "--protocol", TRANSPORT, "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
+                           "--transport", TRANSPORT, "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
                            "--port", "8200", "--omp-bind", "1", "--restart", "no", "--json", "--log-dir", str(fleet.logs / "E"),
                            "--", "--served-model-name", "tiny", "--max-model-len", "2048")
     events: list[dict] = []

@@ -21,7 +21,7 @@ AUTO = {"profile": "tiny.profile.json", "ttft_ms": 300, "itl_ms": 40, "interval_
 
 
 def dep_dict(**kw) -> dict:
-    base = {"model": "/m", "platform": "cpu", "host": "127.0.0.1", "host_ip": "127.0.0.1", "protocol": "cma", "block_size": 32,
+    base = {"model": "/m", "platform": "cpu", "host": "127.0.0.1", "host_ip": "127.0.0.1", "transport": "cma", "block_size": 32,
             "bootstrap": {"port": 9000}, "prefill": [{"port": 8100, "omp_bind": "0", "extra_args": ["--enforce-eager"]}],
             "decode": [{"port": 8200, "omp_bind": "1"}], "proxy": {"port": 8000}, "autoscale": AUTO}
     return {**base, **kw}
@@ -107,7 +107,7 @@ def test_without_a_core_list_an_added_engine_takes_the_least_bound_cores(monkeyp
 
 
 def test_on_a_gpu_host_each_added_engine_needs_its_gpus(tmp_path: Path):
-    gpu = dep_dict(platform="gpu", protocol="tcp", prefill=[{"port": 8100, "gpu": "0"}], decode=[{"port": 8200, "gpu": "1"}])
+    gpu = dep_dict(platform="gpu", transport="tcp", prefill=[{"port": 8100, "gpu": "0"}], decode=[{"port": 8200, "gpu": "1"}])
     write_profile(tmp_path / "tiny.profile.json")
     (tmp_path / "deploy.toml").touch()
     with pytest.raises(ConfigError, match=r"may add 2 engine\(s\) and names 0 gpu"):
@@ -125,7 +125,7 @@ def test_the_profile_is_found_beside_the_file_and_must_load(tmp_path: Path):
     dep, _ = autoscaled(deployment_from_dict(dep_dict()), deploy)
     assert dep.autoscale is not None and dep.autoscale.profile == str(tmp_path.resolve() / "tiny.profile.json")
     with pytest.raises(ConfigError, match='connector = "pdkv"'):
-        autoscaled(deployment_from_dict(dep_dict(connector="mooncake", protocol="tcp")), deploy)
+        autoscaled(deployment_from_dict(dep_dict(connector="mooncake", transport="tcp")), deploy)
     fleet = dep_dict(hosts=[{"name": "a", "address": "10.0.0.1"}], prefill=[{"port": 8100, "host": "a"}],
                      decode=[{"port": 8200, "host": "a"}], proxy={"port": 8000, "host": "a"}, bootstrap={"port": 9000, "host": "a"})
     same, notes = autoscaled(deployment_from_dict(fleet), deploy)

@@ -133,6 +133,15 @@ def test_each_prefill_names_the_standalone_bootstrap_it_registers_with() -> None
     assert [p.registers_with for p in in_worker if p.kind == "prefill"] == [None, None]  # P serves its own
 
 
+def test_the_key_protocol_is_a_config_error_naming_transport(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text('model = "/m"\nprotocol = "tcp"\n[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\n')
+    with pytest.raises(ConfigError, match=r"deploy.toml: the key `protocol` is now `transport`") as caught:
+        load_deployment(path)
+    assert caught.value.hint is not None and 'transport = "tcp"' in caught.value.hint
+    assert deployment_from_dict(_dep(transport="tcp")).transport == "tcp"
+
+
 def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "deploy.toml"
     path.write_text("model = \n")
@@ -169,7 +178,7 @@ def test_cma_with_vllms_connector_is_refused() -> None:
     from pdkv.errors import UsageError
     from pdkv.deploy.engine import EngineSpec, kv_transfer_config
 
-    with pytest.raises(UsageError, match="protocol cma is pdkv's own transport"):
+    with pytest.raises(UsageError, match="cma is pdkv's own transport"):
         kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", transport="cma", platform="cpu"))
 
 
@@ -293,17 +302,17 @@ def test_cpu_block_size_must_be_a_multiple_of_32(tmp_path: Path) -> None:
 
 def test_cma_is_refused_for_engines_that_keep_the_kv_on_a_gpu(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    problems = check_engines(_parts({}, {}, model=model, platform="gpu", protocol="cma"))
+    problems = check_engines(_parts({}, {}, model=model, platform="gpu", transport="cma"))
     assert {p.part for p in problems} == {"prefill-0", "decode-0"}
     assert all("host memory" in p.what and "ipc" in p.fix for p in problems)
-    assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")) == []
+    assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="cma")) == []
 
 
 def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    cma = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")
+    cma = _parts({}, {}, model=model, platform="cpu", block_size=32, transport="cma")
     assert check_cma(cma) == []  # the live probe: a real child process written into, bytes checked
-    assert check_cma(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), proc_root=str(tmp_path / "none")) == []
+    assert check_cma(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp"), proc_root=str(tmp_path / "none")) == []
     yama = tmp_path / "proc" / "sys/kernel/yama"
     yama.mkdir(parents=True)
     (yama / "ptrace_scope").write_text("3\n")
@@ -313,18 +322,18 @@ def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_p
 
 def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonpath(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    parts = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake")
+    parts = _parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp", connector="mooncake")
     [problem] = check_connector(parts, environ={})
     assert problem.part == "prefill-0, decode-0"
     assert "Cannot access accelerator device" in problem.what and "--connector pdkv" in problem.fix
     shim = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
     assert check_connector(parts, environ={"PYTHONPATH": f"/elsewhere:{shim}"}) == []  # the caller's PYTHONPATH
     with_env = _parts(
-        {}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)}
+        {}, {}, model=model, platform="cpu", block_size=32, transport="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)}
     )
     assert check_connector(with_env, environ={}) == []  # the deployment's env
     assert len(check_connector(parts, environ={"PYTHONPATH": str(tmp_path)})) == 1  # another folder is not the shim
-    assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), environ={}) == []
+    assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp"), environ={}) == []
     assert check_connector(_parts({}, {}, model=model, platform="gpu", connector="mooncake"), environ={}) == []
 
 
@@ -391,7 +400,7 @@ def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_ro
 
 
 def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() -> None:
-    dep = deployment_from_dict(_dep(protocol="socket", platform="cpu", socket_connections=3,
+    dep = deployment_from_dict(_dep(transport="socket", platform="cpu", socket_connections=3,
                                     decode=[{"port": 8200, "tp": 2, "socket_port": 7100}]))
     parts = {p.kind: p for p in deployment_parts(dep)}
     assert kv_config(parts["prefill"])["kv_connector_extra_config"]["socket_connections"] == 3
@@ -401,7 +410,7 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
     assert [(u.bind, u.port, u.setting) for u in listeners] == [("0.0.0.0", 7100, "[[decode]] 1 socket_port"),
                                                                  ("0.0.0.0", 7101, "[[decode]] 1 socket_port")]
     # without socket_port in the file the allocator gives the listener ports after the others, not the system
-    derived = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(protocol="socket", platform="cpu",
+    derived = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu",
                                                                              decode=[{"port": 8200}])))}
     given = kv_config(derived["decode"])["kv_connector_extra_config"]["socket_port"]
     assert given > 0 and any(u.port == given and u.what == "KV listener" for u in derived["decode"].ports)

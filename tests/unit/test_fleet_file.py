@@ -19,7 +19,7 @@ HOSTS = [{"name": "A", "address": "10.0.0.1"}, {"name": "B", "address": "10.0.0.
 
 def fleet(**over) -> dict:
     data = {
-        "model": "m", "platform": "cpu", "protocol": "tcp", "hosts": HOSTS,
+        "model": "m", "platform": "cpu", "transport": "tcp", "hosts": HOSTS,
         "bootstrap": {"host": "A"}, "proxy": {"host": "A", "port": 8000},
         "prefill": [{"host": "B", "port": 8100}], "decode": [{"host": "C", "port": 8200}],
     }
@@ -83,7 +83,7 @@ def test_single_host_file_is_unchanged() -> None:
         ({"hosts": [*HOSTS[:2], {"name": "C", "address": "10.0.0.300"}]}, "not an IPv4 or IPv6 address"),
         ({"hosts": [*HOSTS[:2], {"name": "C", "address": "0.0.0.0"}]}, "which no peer can reach"),
         ({"hosts": [{"name": "A"}]}, "missing required field `address`"),
-        ({"protocol": "cma"}, "protocol cma moves KV inside one host, and the engines are on 2"),
+        ({"transport": "cma"}, "transport cma moves KV inside one host, and the engines are on 2"),
     ],
 )
 def test_bad_fleet_files_are_one_line_config_errors(over: dict, match: str) -> None:
@@ -100,7 +100,7 @@ def test_a_host_key_without_hosts_is_an_error() -> None:
 
 
 def test_cma_is_fine_when_the_engines_share_a_host() -> None:
-    deployment_from_dict(fleet(protocol="cma", decode=[{"host": "B", "port": 8200}]))
+    deployment_from_dict(fleet(transport="cma", decode=[{"host": "B", "port": 8200}]))
 
 
 def test_host_selection_by_name_and_by_this_machines_addresses() -> None:

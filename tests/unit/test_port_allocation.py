@@ -74,7 +74,7 @@ def random_file(rng: random.Random) -> dict[str, Any]:
         bootstrap["port"] = written.draw(prefill[0].get("host"))
     proxy_host = place()
     data: dict[str, Any] = {
-        "model": "/m", "platform": "cpu", "protocol": "tcp", "host": "0.0.0.0", "host_ip": "127.0.0.1",
+        "model": "/m", "platform": "cpu", "transport": "tcp", "host": "0.0.0.0", "host_ip": "127.0.0.1",
         "connector": rng.choice(["pdkv", "pdkv", "mooncake"]), "kv_events": kv_events, "bootstrap": bootstrap,
         "prefill": prefill, "decode": decode, "proxy": {"port": written.draw(proxy_host), **({"host": proxy_host} if proxy_host else {})},
     }
@@ -166,7 +166,7 @@ def test_every_port_of_every_part_ever_started_comes_from_the_allocator_and_is_d
 def test_the_added_prefills_kv_events_never_take_the_port_of_the_added_bootstrap():
     """The shape of examples/autoscale.toml on one host: bootstrap 8998, KV events at their default, P 1..2."""
     dep = deployment_from_dict({
-        "model": "/m", "platform": "cpu", "protocol": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "bootstrap": {"port": 8998},
+        "model": "/m", "platform": "cpu", "transport": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "bootstrap": {"port": 8998},
         "prefill": [{"port": 8100}], "decode": [{"port": 8200}], "proxy": {"port": 8000},
         "autoscale": {"profile": "p.json", "ttft_ms": 300, "itl_ms": 40, "prefill": {"min": 1, "max": 2}},
     })

@@ -46,7 +46,7 @@ class SocketTransport(PlannedWrites):
     """Implements pdkv.transport.base.Transport over TCP. Every method may be called from several threads at once:
     `_lock` guards the peer table and the registered spans (replaced whole); the grants guard themselves."""
 
-    protocol = "socket"
+    name = "socket"
 
     def __init__(
         self, hostname: str = "127.0.0.1", *, port: int = 0, gpu: int | None = None, writable: bool = True,
