@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
@@ -154,8 +154,8 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
     p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
     d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
     tag = f"{connector}-{transport}{'-key' if keyed else ''}-{time.time_ns()}"
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{tag}"), logs / f"p-{tag}.log")
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{tag}"), logs / f"d-{tag}.log")
+    p = ManagedProcess(engine_launch(p_spec, name=f"p-{tag}"), logs / f"p-{tag}.log")
+    d = ManagedProcess(engine_launch(d_spec, name=f"d-{tag}"), logs / f"d-{tag}.log")
     p.start()  # the launcher binds every process of P to core 0, of D to core 1
     d.start()
     try:

@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
@@ -250,8 +250,8 @@ def run_deployment(label: str, model: str, concurrencies: list[int], args: argpa
     )
     p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
     d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{slug}"), logs / f"p-{slug}.log")
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{slug}"), logs / f"d-{slug}.log")
+    p = ManagedProcess(engine_launch(p_spec, name=f"p-{slug}"), logs / f"p-{slug}.log")
+    d = ManagedProcess(engine_launch(d_spec, name=f"d-{slug}"), logs / f"d-{slug}.log")
     rows: list[dict] = []
 
     def say(msg: str) -> None:

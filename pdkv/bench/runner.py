@@ -22,7 +22,7 @@ from pdkv.errors import PdkvError, StartError, TransferError, UsageError
 from pdkv.geometry import KVGeometry
 from pdkv.transport import TRANSPORTS
 from pdkv.transport.base import Descriptor
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         label = f"{layout}, {n} blocks"
         local_ids, remote_ids = block_ids(layout, n, spec.seed)
         t0 = time.perf_counter()
-        by_rank = {p: transport_plan(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout), h) for p, h in ranks}
+        by_rank = {p: case_descriptors(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout), h) for p, h in ranks}
         descriptors = [d for ds in by_rank.values() for d in ds]
         plan_ms = (time.perf_counter() - t0) * 1e3
         nbytes = sum(d.length for d in descriptors)
@@ -307,7 +307,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     )
 
 
-def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool, heads=None) -> list[Descriptor]:
+def case_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool, heads=None) -> list[Descriptor]:
     """The connector's planning step: block ids and both sides' regions (and a share of heads) to descriptors."""
     return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce, heads=heads)
 

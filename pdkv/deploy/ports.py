@@ -64,7 +64,7 @@ class SlotPorts(msgspec.Struct, frozen=True):
     socket: int | None = None  # transport socket, a decode's KV listener: TP rank r binds + r
 
 
-class PortPlan(msgspec.Struct, frozen=True):
+class PortAllocation(msgspec.Struct, frozen=True):
     """Every engine slot's ports, the proxy's, and every port as a `PortUse`; `added` names the parts that only
     `[autoscale]` starts."""
 
@@ -146,7 +146,7 @@ def _runs_bootstrap(dep: Deployment, slot: EngineSlot) -> bool:
     return slot.role == "prefill" and dep.bootstrap.mode != "external" and not slot.entry.bootstrap_url
 
 
-def allocate_ports(dep: Deployment) -> PortPlan:
+def allocate_ports(dep: Deployment) -> PortAllocation:
     """Every port of `dep`'s parts and of the engines `[autoscale]` may add: the ports written in the file as
     written, the others derived (this module's docstring). ConfigError when a derived port would pass 65535."""
     slots = engine_slots(dep)
@@ -237,7 +237,7 @@ def allocate_ports(dep: Deployment) -> PortPlan:
                   for s in slots}
     standalone = dep.bootstrap.mode == "standalone"
     added = frozenset(n for s in slots if s.added for n in (s.name, f"bootstrap-{s.index}" if s.name in boot and standalone else s.name))
-    return PortPlan(slots=slot_ports, uses=uses, added=added)
+    return PortAllocation(slots=slot_ports, uses=uses, added=added)
 
 
 def distinct_per_host(uses: list[PortUse]) -> Iterator[tuple[PortUse, PortUse]]:

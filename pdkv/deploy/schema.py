@@ -1,6 +1,6 @@
 """The deployment file's schema: one frozen Struct per table (pure; the loader is pdkv.deploy.loader).
 
-The same file drives `pdkv up -f` (pdkv.deploy.topology plans its parts),
+The same file drives `pdkv up -f` (pdkv.deploy.topology derives its parts),
 each host of a fleet (`[[hosts]]`, pdkv.deploy.fleet) and `pdkv k8s render`
 (the `[kubernetes]` table, checked by pdkv.k8s.settings).
 

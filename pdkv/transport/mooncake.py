@@ -49,7 +49,7 @@ from typing import Any
 
 from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport.base import Descriptor, UncheckedWrites
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 
 PROTOCOLS = ("tcp", "rdma")
 DEFAULT_WRITE_TIMEOUT_S = 30.0
@@ -174,7 +174,7 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-class MooncakeTransport(PlannedWrites, UncheckedWrites):
+class MooncakeTransport(DescriptorWrites, UncheckedWrites):
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
     Raises StartError when the engine cannot start (wheel missing, no RDMA

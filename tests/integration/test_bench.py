@@ -11,7 +11,7 @@ import pytest
 from pdkv.bench.control import BenchTarget, Checksum, Digest, Failed, Reply, TargetClient
 from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
 from pdkv.errors import RemoteError, StartError, TransferError, UnreachableError
-from pdkv.geometry import dense_geometry, plan_transfer
+from pdkv.geometry import dense_geometry, size_transfer
 
 pytest.importorskip("mooncake")
 
@@ -61,7 +61,7 @@ def served():
 def test_local_target_all_layouts_verified_with_bare_baseline():
     report = run_bench(spec(layouts=["all"], baseline=True))
     assert [c.layout for c in report.cases] == ["contiguous", "per-block", "scattered"]
-    want = plan_transfer(TINY, prompt_tokens=5 * 16).transfer_bytes
+    want = size_transfer(TINY, prompt_tokens=5 * 16).transfer_bytes
     for c in report.cases:
         assert c.bytes == c.plan_bytes == want == 5 * 2 * 4096
         assert c.verified and c.timing.iters == 3 and c.cold_ms > 0

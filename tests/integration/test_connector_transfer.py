@@ -31,7 +31,7 @@ from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.errors import TransferError
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 
 
 @pytest.mark.parametrize("transport", ["tcp", "cma", "socket"])
@@ -296,7 +296,7 @@ def test_unequal_tp_fails_the_pull_at_once_with_the_reason(kv, make_pair):
     assert "unequal TP" in res.failed["d1"]
 
 
-class _HalfThenStall(PlannedWrites):
+class _HalfThenStall(DescriptorWrites):
     """P's transport for one test: writes the first half of a transfer's descriptors, then stalls until released."""
 
     transport = "tcp"

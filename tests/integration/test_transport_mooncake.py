@@ -19,7 +19,7 @@ from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
 from pdkv.transport.mooncake import MooncakeTransport, check_protocol, link_gbps_of
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 pytest.importorskip("mooncake")
 

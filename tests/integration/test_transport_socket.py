@@ -21,7 +21,7 @@ from support.waiting import wait_for
 from pdkv.errors import TransferError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
-from pdkv.transport.planner import block_spans
+from pdkv.transport.descriptors import block_spans
 from pdkv.transport.sockets import SocketTransport, wire
 
 BL = 64 * 1024

@@ -25,7 +25,7 @@ from support.loadclient import Answer, same_greedy_answer
 from support.waiting import waited_for
 from netns import NetnsHost
 
-from pdkv.geometry import geometry_from_model, plan_transfer
+from pdkv.geometry import geometry_from_model, size_transfer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
@@ -171,7 +171,7 @@ def test_answer_across_hosts_equals_p_alone(measured: dict, n: int) -> None:
 def test_kv_crosses_hosts_with_plans_bytes(fleet: Fleet, measured: dict) -> None:
     trace = measured["trace"]
     assert trace["transfer"] is not None and trace["transfer"]["status"] == "sent", trace["notes"]
-    plan = plan_transfer(geometry_from_model(str(fleet.model)), prompt_tokens=trace["prompt_tokens"], block_size=BLOCK)
+    plan = size_transfer(geometry_from_model(str(fleet.model)), prompt_tokens=trace["prompt_tokens"], block_size=BLOCK)
     assert trace["transfer"]["bytes"] == plan.transfer_bytes
     c, b = fleet.hosts["C"].address, fleet.hosts["B"].address
     sessions = {t.get("session", "") for t in trace["connector"]}

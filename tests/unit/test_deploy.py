@@ -19,26 +19,26 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deploy.toml"
 
 
 def kv_config(part) -> dict:
-    argv = part.plan.argv
+    argv = part.launch.argv
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
 
 def test_example_file_loads_and_plans_in_start_order() -> None:
     dep = load_deployment(EXAMPLE)
     parts = deployment_parts(dep)
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     boot, prefill, decode, proxy = parts
-    assert boot.plan.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
-    assert prefill.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.plan.env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert boot.launch.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
+    assert prefill.launch.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.launch.env["CUDA_VISIBLE_DEVICES"] == "2"
     assert kv_config(prefill)["kv_connector_extra_config"] == {
-        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"],
+        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.launch.env["VLLM_HOST_IP"],
         "side_channel_port": 5561,  # after the two engines' KV events (pdkv.deploy.ports)
     }
     assert kv_config(decode)["kv_role"] == "kv_consumer"
-    i = proxy.plan.argv.index("--prefill")
-    assert proxy.plan.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
-    assert proxy.plan.argv[proxy.plan.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
-    assert proxy.plan.argv[proxy.plan.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
+    i = proxy.launch.argv.index("--prefill")
+    assert proxy.launch.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
+    assert proxy.launch.argv[proxy.launch.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
+    assert proxy.launch.argv[proxy.launch.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
 
 
 AUTO = {"profile": "p.json", "ttft_ms": 500, "itl_ms": 50, "prefill": {"min": 1, "max": 3}}
@@ -77,7 +77,7 @@ def test_in_worker_bootstrap_sets_the_port_env_per_prefill() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(bootstrap={"mode": "in-worker", "port": 9000})))
     assert not [p for p in parts if p.kind == "bootstrap"]
     prefills = [p for p in parts if p.kind == "prefill"]
-    assert [p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
+    assert [p.launch.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
     assert all("bootstrap_server_address" not in kv_config(p)["kv_connector_extra_config"] for p in prefills)
     assert [("0.0.0.0", 9001), ("0.0.0.0", 5559), ("0.0.0.0", 5560)] == [(u.bind, u.port) for u in prefills[1].ports[1:4]]
     assert [u.what for u in prefills[1].ports] == ["HTTP", "bootstrap", "KV events publisher", "KV events replay", "side channel"]
@@ -117,7 +117,7 @@ def test_bad_deployments_are_config_errors(data: dict, match: str) -> None:
 def test_restart_is_deployment_wide_and_per_part() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(
         restart="no", bootstrap={"restart": "on-failure"}, decode=[{"port": 8200, "restart": "on-failure"}], proxy={"port": 8000})))
-    assert {p.plan.name: p.restart for p in parts} == {
+    assert {p.launch.name: p.restart for p in parts} == {
         "bootstrap-0": "on-failure", "bootstrap-1": "on-failure", "prefill-0": "no", "prefill-1": "no", "decode-0": "on-failure",
         "proxy": "no"}
     assert {p.restart for p in deployment_parts(deployment_from_dict(_dep()))} == {"on-failure"}  # the default
@@ -154,15 +154,15 @@ def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
 def test_local_cpu_topology() -> None:
     dep = local_deployment(gpus=0)
     parts = deployment_parts(dep)
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     prefill, decode = parts[1], parts[2]
     for part, core in ((prefill, "0"), (decode, "1")):
-        assert part.plan.env["VLLM_CPU_OMP_THREADS_BIND"] == core
-        assert part.plan.env["VLLM_HOST_IP"] == "127.0.0.1"
-        assert part.plan.env["HF_HUB_OFFLINE"] == "1"
+        assert part.launch.env["VLLM_CPU_OMP_THREADS_BIND"] == core
+        assert part.launch.env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert part.launch.env["HF_HUB_OFFLINE"] == "1"
         assert kv_config(part)["kv_connector"] == "PdkvConnector"
         assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "cma"  # both engines on this host
-        argv = part.plan.argv
+        argv = part.launch.argv
         assert argv[argv.index("--block-size") + 1] == "32"
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
 
@@ -184,9 +184,9 @@ def test_cma_with_vllms_connector_is_refused() -> None:
 
 def test_local_gpu_topology_splits_gpus() -> None:
     parts = deployment_parts(local_deployment(gpus=2, model="/models/q"))
-    assert [p.plan.env.get("CUDA_VISIBLE_DEVICES") for p in parts if p.spec] == ["0", "1"]
+    assert [p.launch.env.get("CUDA_VISIBLE_DEVICES") for p in parts if p.spec] == ["0", "1"]
     one = deployment_parts(local_deployment(gpus=1, model="/models/q"))
-    assert all("--gpu-memory-utilization" in p.plan.argv for p in one if p.spec)
+    assert all("--gpu-memory-utilization" in p.launch.argv for p in one if p.spec)
 
 
 # --- engine agreement (reads config.json files only) ------------------------------
@@ -375,16 +375,16 @@ def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows
 
     parts = deployment_parts(deployment_from_dict(_dep(proxy={"port": 8000, "policy": "kv-aware", "local_prefill_tokens": 128})))
     engines = [p for p in parts if p.kind in ("prefill", "decode")]
-    configs = [json.loads(p.plan.argv[p.plan.argv.index("--kv-events-config") + 1]) for p in engines]
+    configs = [json.loads(p.launch.argv[p.launch.argv.index("--kv-events-config") + 1]) for p in engines]
     assert configs == [kv_events_config(5557 + 2 * k) for k in range(len(engines))]
     assert configs[0] == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
-    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    proxy = next(p for p in parts if p.kind == "proxy").launch.argv
     follows = [proxy[i + 1] for i, a in enumerate(proxy) if a == "--kv-events"]
     assert len(follows) == len(engines)
     assert follows[0] == "http://127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
     assert proxy[proxy.index("--policy") + 1] == "kv-aware" and proxy[proxy.index("--local-prefill-tokens") + 1] == "128"
     off = deployment_parts(deployment_from_dict(_dep(kv_events=False)))
-    assert not any("--kv-events-config" in p.plan.argv or "--kv-events" in p.plan.argv for p in off)
+    assert not any("--kv-events-config" in p.launch.argv or "--kv-events" in p.launch.argv for p in off)
 
 
 def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_routes_it_by_its_own_view() -> None:
@@ -394,7 +394,7 @@ def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_ro
     bound = sorted(u.port for p in engines for u in p.ports if u.what.startswith("KV events"))
     assert bound == [5557, 5558, 5559, 5560, 5561, 5562, 5563, 5564]  # DP 2: four; the others: two each
     assert len(set(bound)) == len(bound)
-    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    proxy = next(p for p in parts if p.kind == "proxy").launch.argv
     follows = [proxy[i + 1].split("=", 1)[0] for i, a in enumerate(proxy) if a == "--kv-events"]
     assert follows == ["http://127.0.0.1:8101", "http://127.0.0.1:8200"]
 

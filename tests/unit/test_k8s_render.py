@@ -248,7 +248,7 @@ def test_the_kv_transfer_config_is_the_one_pdkv_up_passes():
     path = FILES["1p1d"]
     objects = render_file(path)
     data = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
-    up = {p.plan.name: p.spec for p in deployment_parts(load_deployment(path)) if p.spec is not None}
+    up = {p.launch.name: p.spec for p in deployment_parts(load_deployment(path)) if p.spec is not None}
     assert json.loads(data["decode-0.json"]) == kv_transfer_config(up["decode-0"])
     p_up = kv_transfer_config(up["prefill-0"])
     del p_up["kv_connector_extra_config"]["bootstrap_server_address"]  # pdkv up's standalone bootstrap; the pod's is in-worker
@@ -305,7 +305,7 @@ def test_bad_input_is_one_config_error(tmp_path: Path, text: str, words: str):
 
 def test_pdkv_up_reads_the_file_and_refuses_replicas(tmp_path: Path):
     parts = deployment_parts(load_deployment(FILES["1p1d"]))
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     with pytest.raises(ConfigError, match="pdkv up starts one engine per table"):
         deployment_parts(load_deployment(FILES["4p2d"]))
 

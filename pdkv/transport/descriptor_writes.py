@@ -6,12 +6,12 @@ from typing import Any
 
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region, Written
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 from pdkv.tp_heads import HeadShare
 
 
-class PlannedWrites:
-    """`write_blocks` as the planner's coalesced descriptors handed to the transport's own `write`; no hello."""
+class DescriptorWrites:
+    """`write_blocks` as plan_descriptors' coalesced descriptors handed to the transport's own `write`; no hello."""
 
     name: str
 
