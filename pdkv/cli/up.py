@@ -247,7 +247,6 @@ def up(
         help="How the KV moves: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
         "(host memory between processes of this host, CPU); socket (pdkv's own TCP, any hosts, CPU or GPU). "
         "Local 1P1D on CPU: cma.")] = None,
-    protocol: Annotated[str | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
     port: Annotated[int | None, typer.Option("--port",
@@ -291,7 +290,7 @@ def up(
     from pdkv.deploy.run import UpOptions, hand_out_key, prepare, resolve
     from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
-    options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport or protocol, device=device,
+    options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport, device=device,
                         gpu=gpu, port=port, host=host, listen=listen, host_ip=host_ip, bootstrap_port=bootstrap_port,
                         bootstrap=bootstrap, members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind,
                         timeout=timeout, restart=restart, extra=tuple(extra or ()))

@@ -334,3 +334,9 @@ omp_bind = "0-1"
     (tmp_path / "d.toml").write_text((tmp_path / "d.toml").read_text().replace('omp_bind = "0-1"', 'omp_bind = "1"'))
     assert run(["up", "-f", str(tmp_path / "d.toml"), "--dry-run"]) == 2
     assert "gives 1 core(s) to 2 TP ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["up", "--dry-run"], ["doctor"], ["bench"], ["bench", "serve"]])
+def test_protocol_is_no_option_of_up_doctor_or_bench(capsys, argv: list[str]) -> None:
+    assert run([*argv, "--protocol", "tcp"]) == 2
+    assert "--protocol" in capsys.readouterr().err
