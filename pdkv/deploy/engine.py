@@ -2,7 +2,7 @@
 
 `engine_launch(spec)` turns an `EngineSpec` into the exact argv and the
 environment variables pdkv sets (`Launch`), with no I/O beyond asking
-which vLLM launcher works and which address is routable. Running a launch is
+which vLLM launcher works and which address is routable. What runs it is
 `pdkv.deploy.process.ManagedProcess`.
 """
 

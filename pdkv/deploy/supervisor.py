@@ -42,7 +42,7 @@ class Supervisor:
     """Start several launches in order, stage by stage; restart the ones that die; stop them all in reverse.
 
     `stages` gives each launch a stage number (default: one stage per launch, so
-    each is healthy before the next starts). Plans of one stage start together
+    each is healthy before the next starts). Launches of one stage start together
     and the next stage starts once all of them are healthy. `restart` gives
     each launch its RestartPolicy (default: "no" for every launch).
     `restart_with` names, for a part, the parts that must start again once it
