@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
@@ -131,18 +131,18 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
 
     label, plus, _ = label.partition("+key")
     keyed = bool(plus)
-    connector, _, protocol = label.partition("/")
+    connector, _, transport = label.partition("/")
     if keyed and connector != "pdkv":
         raise SystemExit("+key goes with pdkv's connector")
-    if connector not in ("pdkv", "mooncake") or protocol not in ("", "tcp", "cma") or (connector == "mooncake" and protocol == "cma"):
+    if connector not in ("pdkv", "mooncake") or transport not in ("", "tcp", "cma") or (connector == "mooncake" and transport == "cma"):
         raise SystemExit(f"unknown connector {label!r}: use pdkv/cma, pdkv/tcp or mooncake")
-    protocol = protocol or ("cma" if connector == "pdkv" else "tcp")
-    label = (f"{connector}/{protocol}" if connector == "pdkv" else connector) + ("+key" if keyed else "")
+    transport = transport or ("cma" if connector == "pdkv" else "tcp")
+    label = (f"{connector}/{transport}" if connector == "pdkv" else connector) + ("+key" if keyed else "")
 
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     common = dict(
-        model=model, host="127.0.0.1", transport=protocol, platform="cpu", block_size=32, max_model_len=1024,
+        model=model, host="127.0.0.1", transport=transport, platform="cpu", block_size=32, max_model_len=1024,
         host_ip="127.0.0.1", connector=connector, extra_env=env, extra_args=("--no-enable-prefix-caching",),
         connector_extra=dict(extra or {}) if connector == "pdkv" else {},
     )
@@ -153,9 +153,9 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
         os.environ["PDKV_TOKEN"] = common["extra_env"]["PDKV_TOKEN"]
     p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
     d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
-    tag = f"{connector}-{protocol}{'-key' if keyed else ''}-{time.time_ns()}"
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{tag}"), logs / f"p-{tag}.log")
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{tag}"), logs / f"d-{tag}.log")
+    tag = f"{connector}-{transport}{'-key' if keyed else ''}-{time.time_ns()}"
+    p = ManagedProcess(engine_launch(p_spec, name=f"p-{tag}"), logs / f"p-{tag}.log")
+    d = ManagedProcess(engine_launch(d_spec, name=f"d-{tag}"), logs / f"d-{tag}.log")
     p.start()  # the launcher binds every process of P to core 0, of D to core 1
     d.start()
     try:
@@ -175,7 +175,7 @@ def run_pair(label: str, model: str, prompts: list[list[int]], warmup: int, logs
             gc.disable()  # no collection of this process's garbage inside a timed request
             try:
                 for i, ids in enumerate(prompts):
-                    rid = f"hb-{connector}-{protocol}-{i}-{time.time_ns()}"
+                    rid = f"hb-{connector}-{transport}-{i}-{time.time_ns()}"
                     a_at: dict = {}
                     a = ttft(http, p.url, {**body, "prompt": ids}, at=a_at)
                     client[rid] = {}

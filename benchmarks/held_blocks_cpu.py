@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 
@@ -62,7 +62,7 @@ def measure(model: str, tp: int, cores: str, hold_wait_ms: float, requests: int,
         block_size=32, max_model_len=1024, host_ip="127.0.0.1", bootstrap_port=free_port(), omp_bind=cores,
         connector_extra={"hold_wait_ms": hold_wait_ms, "expiry_s": 600.0},
     )
-    engine = ManagedProcess(engine_plan(spec, name=f"p-hold-{hold_wait_ms:g}"), logs / f"p-hold-{hold_wait_ms:g}.log")
+    engine = ManagedProcess(engine_launch(spec, name=f"p-hold-{hold_wait_ms:g}"), logs / f"p-hold-{hold_wait_ms:g}.log")
     engine.start()
     try:
         engine.wait_healthy(300)

@@ -61,7 +61,7 @@ def main() -> None:
 
     from pdkv.transport.base import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport, ipc_reachable
-    from pdkv.transport.planner import plan_descriptors
+    from pdkv.transport.descriptors import plan_descriptors
 
     print("reachable:", ipc_reachable(0, 1))
     ctx = mp.get_context("spawn")

@@ -76,7 +76,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
@@ -92,11 +92,11 @@ def free_port() -> int:
 
 
 def parse_deployment(label: str) -> tuple[str, str]:
-    """`pdkv/cma`, `pdkv/tcp` or `mooncake` -> (connector, protocol)."""
-    connector, _, protocol = label.strip().partition("/")
-    if connector == "pdkv" and protocol in ("cma", "tcp"):
-        return connector, protocol
-    if connector == "mooncake" and protocol in ("", "tcp"):
+    """`pdkv/cma`, `pdkv/tcp` or `mooncake` -> (connector, transport)."""
+    connector, _, transport = label.strip().partition("/")
+    if connector == "pdkv" and transport in ("cma", "tcp"):
+        return connector, transport
+    if connector == "mooncake" and transport in ("", "tcp"):
         return connector, "tcp"
     raise SystemExit(f"unknown deployment {label!r}: use pdkv/cma, pdkv/tcp or mooncake")
 
@@ -238,20 +238,20 @@ def run_deployment(label: str, model: str, concurrencies: list[int], args: argpa
     from pdkv.proxy.config import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 
-    connector, protocol = parse_deployment(label)
-    label = f"{connector}/{protocol}" if connector == "pdkv" else connector
+    connector, transport = parse_deployment(label)
+    label = f"{connector}/{transport}" if connector == "pdkv" else connector
     slug = label.replace("/", "-")
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     common = dict(
-        model=model, served_model_name=SERVED_NAME, host="127.0.0.1", transport=protocol, platform="cpu",
+        model=model, served_model_name=SERVED_NAME, host="127.0.0.1", transport=transport, platform="cpu",
         block_size=32, max_model_len=1024, host_ip="127.0.0.1", connector=connector, extra_env=env,
         connector_extra=dict(extra) if connector == "pdkv" else {},
     )
     p_spec = EngineSpec(port=free_port(), role="prefill", omp_bind="0", bootstrap_port=bport, **common)
     d_spec = EngineSpec(port=free_port(), role="decode", omp_bind="1", **common)
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{slug}"), logs / f"p-{slug}.log")
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{slug}"), logs / f"d-{slug}.log")
+    p = ManagedProcess(engine_launch(p_spec, name=f"p-{slug}"), logs / f"p-{slug}.log")
+    d = ManagedProcess(engine_launch(d_spec, name=f"d-{slug}"), logs / f"d-{slug}.log")
     rows: list[dict] = []
 
     def say(msg: str) -> None:

@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 from routing_workloads import SERVED, counters, free_port, multi_turn, rate, unique
 
-from pdkv.deploy.engine import EngineSpec, engine_plan, kv_events_endpoints
+from pdkv.deploy.engine import EngineSpec, engine_launch, kv_events_endpoints
 from pdkv.deploy.process import ManagedProcess
 
 BLOCK = 32
@@ -91,7 +91,7 @@ class Deployment:
             EngineSpec(port=free_port(), role="decode", omp_bind="1", kv_events_port=self.events[2], **common),
         ]
         names = ["p0", "p1", "d"]
-        self.engines = [ManagedProcess(engine_plan(s, name=n), logs / f"{n}.log") for s, n in zip(specs, names, strict=True)]
+        self.engines = [ManagedProcess(engine_launch(s, name=n), logs / f"{n}.log") for s, n in zip(specs, names, strict=True)]
 
     @property
     def urls(self) -> list[str]:

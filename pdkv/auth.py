@@ -1,8 +1,9 @@
 """The deployment key: one secret per deployment, and what is built from it.
 
-Where it comes from: env PDKV_TOKEN (PDKV_BOOTSTRAP_TOKEN, the bootstrap's
-older name, is read when PDKV_TOKEN is unset), the deployment file's `token`
-key, or a Kubernetes Secret mounted into that env var. Its uses:
+Where it comes from: env PDKV_TOKEN, the deployment file's `token` key, or a
+Kubernetes Secret mounted into that env var. PDKV_BOOTSTRAP_TOKEN, a name pdkv
+no longer reads, set without PDKV_TOKEN is a ConfigError: a key left there
+would otherwise leave the deployment open without a word. Its uses:
 
 - the bootstrap's write endpoints and the proxy's admin surface take it as a bearer token;
 - every side-channel frame is sealed with it (`FrameSealer`): the frame's
@@ -30,10 +31,12 @@ import threading
 import time
 from collections import OrderedDict
 
+from pdkv.errors import ConfigError
+
 log = logging.getLogger("pdkv.auth")
 
 TOKEN_ENV = "PDKV_TOKEN"
-LEGACY_TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"  # the bootstrap token of earlier releases: an alias
+RETIRED_TOKEN_ENV = "PDKV_BOOTSTRAP_TOKEN"  # not read: set without PDKV_TOKEN, it is an error naming PDKV_TOKEN
 
 MAX_AGE_S = 30.0  # a frame whose clock is further than this from the receiver's is stale (or from the future)
 NONCE_CAPACITY = 200_000  # nonces remembered at most; past it the oldest go and the floor rises (see NonceCache)
@@ -44,9 +47,14 @@ LOG_EVERY_S = 60.0  # a refusal is logged at most once a minute per peer
 
 
 def token_from_env(env: dict[str, str] | None = None) -> str | None:
-    """The deployment key from PDKV_TOKEN, else PDKV_BOOTSTRAP_TOKEN; None when neither is set (or both empty)."""
+    """The deployment key from PDKV_TOKEN; None when it is unset or empty. ConfigError when PDKV_BOOTSTRAP_TOKEN
+    is set and PDKV_TOKEN is not: pdkv reads the key from PDKV_TOKEN only."""
     env = os.environ if env is None else env
-    return env.get(TOKEN_ENV) or env.get(LEGACY_TOKEN_ENV) or None
+    token = env.get(TOKEN_ENV) or None
+    if token is None and env.get(RETIRED_TOKEN_ENV):
+        raise ConfigError(f"{RETIRED_TOKEN_ENV} is set and {TOKEN_ENV} is not: pdkv reads the deployment key from {TOKEN_ENV} only",
+                          hint=f"export {TOKEN_ENV}=\"${RETIRED_TOKEN_ENV}\"; unset {RETIRED_TOKEN_ENV}")
+    return token
 
 
 def bearer_ok(header: str | None, tokens: list[str] | tuple[str, ...] | str) -> bool:

@@ -82,7 +82,7 @@ class RankTransfer(msgspec.Struct, frozen=True):
     descriptors: int  # for contiguous blocks: one per layer when whole blocks move, else one per layer and block
 
 
-class TransferPlan(msgspec.Struct, frozen=True):
+class TransferSize(msgspec.Struct, frozen=True):
     """What one request moves from P to D, and the link's lower bound on it."""
 
     geometry: KVGeometry
@@ -106,14 +106,14 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size) if tokens > 0 else 0
 
 
-def plan_transfer(
+def size_transfer(
     geometry: KVGeometry,
     *,
     prompt_tokens: int,
     block_size: int = 16,
     output_tokens: int = 0,
     link_gbps: float = 400.0,
-) -> TransferPlan:
+) -> TransferSize:
     """Size the KV that P pushes to D for one prompt (per TP rank)."""
     if block_size <= 0:
         raise UsageError(f"block size must be positive, got {block_size}")
@@ -124,7 +124,7 @@ def plan_transfer(
     blocks = blocks_for(prompt_tokens, block_size)
     per_block = geometry.bytes_per_block(block_size)
     transfer = blocks * per_block
-    return TransferPlan(
+    return TransferSize(
         geometry=geometry,
         block_size=block_size,
         prompt_tokens=prompt_tokens,

@@ -401,5 +401,5 @@ class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
     detail: str | None = None
     # Why D computed the prompt itself ("no_prefill", or "prefill_failed: <cause>"); None: P/D as usual.
     local_prefill: str | None = None
-    # Why the kv-aware policy sent it where it went (pdkv.proxy.kv.policy.RoutePlan.summary); None: another policy.
+    # Why the kv-aware policy sent it where it went (pdkv.proxy.kv.policy.Placement.summary); None: another policy.
     route: str | None = None

@@ -2,7 +2,7 @@
 
 vLLM splits a model's KV heads evenly over TP ranks while TP does not exceed them, and beyond that gives each
 rank one head, replicated on consecutive ranks. A D rank takes each of its heads from the first P rank holding
-it: from one P rank when D's TP is larger, from several when P's is. pdkv.transport.planner turns a share into
+it: from one P rank when D's TP is larger, from several when P's is. pdkv.transport.descriptors turns a share into
 descriptors; pdkv.geometry sizes it.
 """
 

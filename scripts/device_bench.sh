@@ -115,19 +115,19 @@ bench() {
 QWEN3_8B=(--layers 36 --kv-heads 8 --head-dim 128 --block-size 16)
 for layout in contiguous per-block scattered; do
     say "$layout: 63 blocks $SRC -> $DST over tcp, with baseline"
-    bench "$OUT/bench-$layout.json" "${QWEN3_8B[@]}" --blocks 63 --src "$SRC" --dst "$DST" --protocol tcp \
+    bench "$OUT/bench-$layout.json" "${QWEN3_8B[@]}" --blocks 63 --src "$SRC" --dst "$DST" --transport tcp \
         --layout "$layout" --baseline --iters "$ITERS" --warmup "$WARMUP"
 done
 
 if [[ "${IPC:-1}" == 1 ]]; then
     say "ipc: 63 blocks $SRC -> $DST through CUDA IPC, all layouts, with the copy_ baseline"
-    bench "$OUT/bench-ipc.json" "${QWEN3_8B[@]}" --blocks 63 --src "$SRC" --dst "$DST" --protocol ipc \
+    bench "$OUT/bench-ipc.json" "${QWEN3_8B[@]}" --blocks 63 --src "$SRC" --dst "$DST" --transport ipc \
         --layout all --baseline --iters "$((ITERS * 3))" --warmup "$WARMUP"
 fi
 
 if [[ $SWEEP == 1 ]]; then
     say "sweep blocks=1,16,63,256 x all layouts (no baseline)"
-    bench "$OUT/sweep.json" "${QWEN3_8B[@]}" --src "$SRC" --dst "$DST" --protocol tcp \
+    bench "$OUT/sweep.json" "${QWEN3_8B[@]}" --src "$SRC" --dst "$DST" --transport tcp \
         --sweep blocks=1,16,63,256 --sweep layout=all --iters 10 --warmup 2
 fi
 

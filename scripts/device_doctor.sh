@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run `pdkv doctor --protocol rdma` on a GPU host and keep its JSON and table under $OUT.
+# Run `pdkv doctor --transport rdma` on a GPU host and keep its JSON and table under $OUT.
 # Run from the repository root. pdkv need not be installed: it runs from the tree.
 # Missing light dependencies (typer, rich, msgspec, psutil, nvidia-ml-py) come from
 # the wheel folder .whl; so does Mooncake when its wheel is there, with libibverbs
@@ -44,8 +44,8 @@ fi
 } > "$OUT/host.txt"
 
 # The JSON first, then the table; 4 is the exit code for "some check failed".
-"$PY" -m pdkv doctor --protocol rdma --json > "$OUT/doctor.json" 2> "$OUT/doctor.json.stderr"
+"$PY" -m pdkv doctor --transport rdma --json > "$OUT/doctor.json" 2> "$OUT/doctor.json.stderr"
 echo "json exit code: $?" | tee "$OUT/exit_codes.txt"
-COLUMNS=200 "$PY" -m pdkv doctor --protocol rdma > "$OUT/doctor.txt" 2>&1
+COLUMNS=200 "$PY" -m pdkv doctor --transport rdma > "$OUT/doctor.txt" 2>&1
 echo "table exit code: $?" | tee -a "$OUT/exit_codes.txt"
 cat "$OUT/doctor.txt"

@@ -57,7 +57,7 @@ class Ready(msgspec.Struct, tag="ready", tag_field="op", frozen=True):
     session: str
     regions: list[Region]
     device: str
-    transport: str = msgspec.field(name="protocol")  # the wire name, which older peers read
+    transport: str
     ipc: IpcExport | None = None  # transport ipc: the CUDA IPC handles of `regions`
     # transport socket: a Mooncake tcp session on the same memory, the baseline's ("": Mooncake not installed)
     baseline_session: str = ""

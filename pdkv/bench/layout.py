@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.errors import UsageError
-from pdkv.geometry import KVGeometry, plan_transfer, rank_transfers
+from pdkv.geometry import KVGeometry, size_transfer, rank_transfers
 from pdkv.tp_heads import HeadShare, head_shares, rank_heads
 
 Layout = Literal["contiguous", "per-block", "scattered"]
@@ -162,5 +162,5 @@ def case_plan_bytes(g: KVGeometry, tp: tuple[int, int], block_size: int, blocks:
     """`pdkv plan`'s bytes for a case: the prompt's, or (TP sizes differ) what D rank 0 receives from all P ranks."""
     tokens = blocks * block_size
     if tp[0] == tp[1]:
-        return plan_transfer(g, prompt_tokens=tokens, block_size=block_size).transfer_bytes
+        return size_transfer(g, prompt_tokens=tokens, block_size=block_size).transfer_bytes
     return sum(r.bytes for r in rank_transfers(g, *tp, prompt_tokens=tokens, block_size=block_size) if r.d_rank == 0)

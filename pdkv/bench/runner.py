@@ -20,8 +20,9 @@ import msgspec
 from pdkv.bench.layout import Timing, block_ids, blocks_needed, case_plan_bytes, coalesces, expand_layouts, summarize, tp_layout
 from pdkv.errors import PdkvError, StartError, TransferError, UsageError
 from pdkv.geometry import KVGeometry
+from pdkv.transport import TRANSPORTS
 from pdkv.transport.base import Descriptor
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ class BenchReport(msgspec.Struct, frozen=True):
     geometry: KVGeometry
     block_size: int
     block_len: int
-    transport: str = msgspec.field(name="protocol")  # the JSON key of `pdkv bench --json`
+    transport: str
     device: str
     src: str
     dst: str
@@ -120,6 +121,9 @@ def check_spec(spec: BenchSpec) -> None:
     expand_layouts(spec.layouts)
     from pdkv.bench.memory import parse_device
     from pdkv.transport.mooncake import check_protocol
+
+    if spec.transport not in TRANSPORTS:
+        raise UsageError(f"--transport {spec.transport!r} is not one of {', '.join(TRANSPORTS)}")
 
     src, dst = parse_device(spec.src), parse_device(spec.dst)
     if spec.transport == "ipc":
@@ -255,7 +259,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         label = f"{layout}, {n} blocks"
         local_ids, remote_ids = block_ids(layout, n, spec.seed)
         t0 = time.perf_counter()
-        by_rank = {p: transport_plan(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout), h) for p, h in ranks}
+        by_rank = {p: case_descriptors(local_ids, remote_ids, local_regions, ready.regions, coalesces(layout), h) for p, h in ranks}
         descriptors = [d for ds in by_rank.values() for d in ds]
         plan_ms = (time.perf_counter() - t0) * 1e3
         nbytes = sum(d.length for d in descriptors)
@@ -303,7 +307,7 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     )
 
 
-def transport_plan(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool, heads=None) -> list[Descriptor]:
+def case_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce: bool, heads=None) -> list[Descriptor]:
     """The connector's planning step: block ids and both sides' regions (and a share of heads) to descriptors."""
     return plan_descriptors(local_ids, remote_ids, local_regions, remote_regions, coalesce=coalesce, heads=heads)
 

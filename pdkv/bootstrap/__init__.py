@@ -10,7 +10,7 @@ Importing this package imports neither aiohttp nor httpx.
 
 DEFAULT_PORT = 8998  # vLLM's default for VLLM_MOONCAKE_BOOTSTRAP_PORT
 PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
-# The deployment key (pdkv.auth) guards the write endpoints; PDKV_BOOTSTRAP_TOKEN is its older name, still read.
-from pdkv.auth import LEGACY_TOKEN_ENV, TOKEN_ENV  # noqa: E402
+# The deployment key (pdkv.auth) guards the write endpoints.
+from pdkv.auth import TOKEN_ENV  # noqa: E402
 
-__all__ = ["DEFAULT_PORT", "LEGACY_TOKEN_ENV", "PORT_ENV", "TOKEN_ENV"]
+__all__ = ["DEFAULT_PORT", "PORT_ENV", "TOKEN_ENV"]

@@ -62,7 +62,7 @@ def _raise_for(url: str, method: str, path: str, response: httpx.Response) -> No
     if response.status_code == 409:
         raise RegistryConflict(message, status=409, hint="stop the engine that holds the rank, or deregister it")
     hint = {
-        401: "pass --token or set PDKV_TOKEN (or PDKV_BOOTSTRAP_TOKEN) to the deployment key",
+        401: "pass --token or set PDKV_TOKEN to the deployment key",
         404: "vLLM's own bootstrap server has only /register and /query; /deregister and /health need pdkv's",
     }.get(response.status_code)
     raise RemoteError(message, status=response.status_code, hint=hint)

@@ -53,7 +53,7 @@ Examples:
   pdkv bench serve --host 10.0.0.2 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0 --json
 """
 
-PROTOCOL_HELP = ("tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), cma (host memory between processes of this host), "
+TRANSPORT_HELP = ("tcp or rdma (Mooncake), ipc (CUDA IPC between GPUs of this host), cma (host memory between processes of this host), "
                  "or socket (pdkv's own TCP; with --baseline, Mooncake tcp in the same run).")
 
 bench_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
@@ -68,8 +68,7 @@ def bench(
     head_dim: HeadDimOpt = None,
     dtype: DtypeOpt = None,
     block_size: BlockSizeOpt = 16,
-    transport: str = typer.Option("tcp", "--transport", help=PROTOCOL_HELP),
-    protocol: str | None = typer.Option(None, "--protocol", hidden=True, help="The older name of --transport."),
+    transport: str = typer.Option("tcp", "--transport", help=TRANSPORT_HELP),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0; also where the link rate is read."),
     src: str = typer.Option("cpu", "--src", help="Where P's KV lives: cpu or cuda:N."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N (local target only)."),
@@ -89,7 +88,6 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    transport = protocol or transport
     from pdkv.bench.options import spec_from_options
     from pdkv.bench.runner import run_bench
 
@@ -175,7 +173,7 @@ def _render(report) -> None:
 CSV_FIELDS = [
     "layout", "blocks", "bytes", "plan_bytes", "descriptors", "plan_ms", "cold_ms",
     "min_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms", "gbps_p50", "gbps_run", "link_pct_p50",
-    "bare_p50_ms", "p50_ratio", "teb_gbps", "teb_ratio", "verified", "protocol", "src", "dst", "link_gbps",
+    "bare_p50_ms", "p50_ratio", "teb_gbps", "teb_ratio", "verified", "transport", "src", "dst", "link_gbps",
 ]  # fmt: skip
 
 
@@ -196,7 +194,7 @@ def _write_csv(path: Path, report) -> None:
                         "bare_p50_ms": f"{b.bare.p50_ms:.4f}" if b else "", "p50_ratio": f"{b.p50_ratio:.4f}" if b else "",
                         "teb_gbps": b.teb_gbps if b and b.teb_gbps is not None else "",
                         "teb_ratio": f"{b.teb_ratio:.4f}" if b and b.teb_ratio is not None else "",
-                        "verified": c.verified, "protocol": report.transport, "src": report.src, "dst": report.dst,
+                        "verified": c.verified, "transport": report.transport, "src": report.src, "dst": report.dst,
                         "link_gbps": report.link_gbps,
                     }
                 )  # fmt: skip
@@ -210,8 +208,7 @@ def serve(
     advertise: str | None = typer.Option(
         None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."
     ),
-    transport: str = typer.Option("tcp", "--transport", help=PROTOCOL_HELP),
-    protocol: str | None = typer.Option(None, "--protocol", hidden=True, help="The older name of --transport."),
+    transport: str = typer.Option("tcp", "--transport", help=TRANSPORT_HELP),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
@@ -222,15 +219,14 @@ def serve(
     from pdkv.bench.options import parse_settings
     from pdkv.bench.runner import settings_from_env
 
-    protocol = protocol or transport
     with BenchTarget(
-        host, port, advertise=advertise, transport=protocol, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
+        host, port, advertise=advertise, transport=transport, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
     ) as target:
         if json_out:
-            print_json({"address": target.address, "session": target.transport.session_address, "protocol": protocol, "dst": target.dst})
+            print_json({"address": target.address, "session": target.transport.session_address, "transport": transport, "dst": target.dst})
         else:
             console.print(
-                f"bench target on [bold]{target.address}[/] ({protocol}, KV on {target.dst}); "
+                f"bench target on [bold]{target.address}[/] ({transport}, KV on {target.dst}); "
                 f"on the prefill host run: pdkv bench run --target {target.address} ..."
             )
         try:

@@ -9,7 +9,8 @@ import sys
 import typer
 from rich.table import Table
 
-from pdkv.bootstrap import DEFAULT_PORT, LEGACY_TOKEN_ENV, PORT_ENV, TOKEN_ENV
+from pdkv.auth import token_from_env
+from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV, TOKEN_ENV
 from pdkv.cli.options import JsonOpt
 from pdkv.cli.output import console, err_console, print_json
 
@@ -19,8 +20,8 @@ MooncakeBootstrapServer protocol; point vLLM at it with
 kv_connector_extra_config.bootstrap_server_address = "HOST:PORT".
 
 The port defaults to ${PORT_ENV}, else {DEFAULT_PORT}. With --token (or
-${TOKEN_ENV}, the deployment key; ${LEGACY_TOKEN_ENV} is its older name) only callers
-with the key may register or deregister.
+${TOKEN_ENV}, the deployment key) only callers with the key may register or
+deregister.
 
 Examples:
 
@@ -56,7 +57,7 @@ Examples:
 bootstrap_app = typer.Typer(help=HELP, no_args_is_help=False, invoke_without_command=True)
 
 TokenOpt = typer.Option(
-    None, "--token", envvar=[TOKEN_ENV, LEGACY_TOKEN_ENV], help="The deployment key: needed on every write endpoint.",
+    None, "--token", envvar=TOKEN_ENV, help="The deployment key: needed on every write endpoint.",
     show_envvar=True,
 )
 
@@ -94,6 +95,8 @@ def serve(
     if ctx.invoked_subcommand is not None:
         return
     import msgspec
+
+    token = token or token_from_env()  # None, or a ConfigError for a key under a name pdkv does not read
 
     from pdkv.bootstrap.server import ProbePolicy, run
 
@@ -160,7 +163,7 @@ def deregister(
     retries: int = typer.Option(3, "--retries", min=0, help="Further attempts after a failed one."),
     json_out: JsonOpt = False,
 ) -> None:
-    with _client(url, token, timeout, retries) as client:
+    with _client(url, token or token_from_env(), timeout, retries) as client:
         removed = client.deregister(engine_id)
         where = client.url
     if json_out:

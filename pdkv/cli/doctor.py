@@ -34,7 +34,7 @@ Examples:
 _STYLE = {"fail": ("FAIL", "bold red"), "warn": ("WARN", "yellow"), "pass": ("ok", "green"), "skip": ("skip", "dim")}
 
 
-class ProtocolName(StrEnum):
+class TransportChoice(StrEnum):
     rdma = "rdma"
     tcp = "tcp"
     cma = "cma"
@@ -46,7 +46,7 @@ DeviceOpt = Annotated[
     typer.Option("--device", "-d", help="RDMA device the deployment uses (Mooncake's device_name), e.g. mlx5_0; commas for several."),
 ]
 TransportOpt = Annotated[
-    ProtocolName,
+    TransportChoice,
     typer.Option(
         "--transport", "-p",
         help="KV transport: rdma or tcp (Mooncake), cma (P and D on one CPU host) or socket (pdkv's TCP); "
@@ -63,8 +63,7 @@ MooncakeTimeoutOpt = Annotated[float, typer.Option("--mooncake-timeout", help="S
 
 def doctor(
     device: DeviceOpt = None,
-    transport: TransportOpt = ProtocolName.rdma,
-    protocol: Annotated[ProtocolName | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
+    transport: TransportOpt = TransportChoice.rdma,
     port: PortOpt = None,
     skip_mooncake: SkipMooncakeOpt = False,
     mooncake_timeout: MooncakeTimeoutOpt = 30.0,
@@ -76,7 +75,7 @@ def doctor(
     if port and any(not 0 < p < 65536 for p in port):
         raise UsageError(f"--port must be 1-65535, got {', '.join(map(str, port))}")
     options = DoctorOptions(
-        protocol=(protocol or transport).value,
+        transport=transport.value,
         device=device,
         ports=tuple(port) if port else DEFAULT_PORTS,
         skip_mooncake=skip_mooncake,
@@ -107,7 +106,7 @@ def doctor(
 
 def _render(report) -> None:
     where = f", root {report.sys_root}" if report.sys_root not in ("/", "") else ""
-    table = Table(title=f"pdkv doctor: protocol {report.protocol}, device {report.device or 'any'}{where}", show_lines=False)
+    table = Table(title=f"pdkv doctor: transport {report.transport}, device {report.device or 'any'}{where}", show_lines=False)
     table.add_column("", no_wrap=True)
     table.add_column("check", no_wrap=True)
     table.add_column("seen")

@@ -71,12 +71,12 @@ def plan(
         raise UsageError("--profile, --rate and --trace plan engine counts, which needs --slo", hint="e.g. --slo ttft=500,itl=50")
     import msgspec
 
-    from pdkv.geometry import parse_tp_pair, plan_transfer, rank_transfers
+    from pdkv.geometry import parse_tp_pair, size_transfer, rank_transfers
 
     p_tp, d_tp = parse_tp_pair(tp)
     geometry = resolve_geometry(model, layers, kv_heads, head_dim, dtype, p_tp if p_tp == d_tp else 1)
     prompt = _int(prompt_tokens, "--prompt-tokens")
-    result = plan_transfer(
+    result = size_transfer(
         geometry,
         prompt_tokens=prompt,
         block_size=block_size,

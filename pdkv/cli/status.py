@@ -89,9 +89,9 @@ def status(
 
         # Nothing given: the parts of the built-in local topology (`pdkv up` with no arguments).
         parts = deployment_parts(local_deployment(gpus=0))
-        targets = [(p.plan.name, p.kind, p.plan.url) for p in parts]
+        targets = [(p.launch.name, p.kind, p.launch.url) for p in parts]
         boots = sorted({p.bootstrap_url for p in parts if p.bootstrap_url})
-        proxy_url = next(p.plan.url for p in parts if p.kind == "proxy")
+        proxy_url = next(p.launch.url for p in parts if p.kind == "proxy")
 
     def poll() -> Any:
         return collect_status(proxy_url=proxy_url, targets=targets, bootstraps=boots, timeout=timeout, hosts=hosts,

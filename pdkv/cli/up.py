@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import shlex
 import sys
@@ -24,7 +23,7 @@ from pdkv.cli.up_console import UpConsole
 if TYPE_CHECKING:
     from pdkv.deploy import Part, PartEvent, Supervisor
     from pdkv.deploy.autoscale import ScaleEvent
-    from pdkv.deploy.run import UpPlan
+    from pdkv.deploy.run import Startup
 
 HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a whole local 1P1D.
 
@@ -77,9 +76,9 @@ def _command_line(env: dict[str, str], argv: list[str]) -> str:
 
 
 def _part_doc(part: Part, restart: str | None) -> dict[str, Any]:
-    plan = part.plan
-    return {"name": plan.name, "kind": part.kind, "url": plan.url, "argv": plan.argv, "env": plan.env,
-            "command": _command_line(plan.env, plan.argv), "restart": restart or part.restart}
+    launch = part.launch
+    return {"name": launch.name, "kind": part.kind, "url": launch.url, "argv": launch.argv, "env": launch.env,
+            "command": _command_line(launch.env, launch.argv), "restart": restart or part.restart}
 
 
 def _status_table(sup: Supervisor, kinds: dict[str, str]) -> Table:
@@ -106,12 +105,11 @@ def _ready_message(parts: list[Part], served: str | None) -> list[Text]:
         return [Text("ready.", style="bold green"), Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim")]
     model = served or (target.spec.model if target.spec else "MODEL")
     body = json.dumps({"model": model, "prompt": "The river runs north to the city", "max_tokens": 16})
-    curl = f"  curl -s {target.plan.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+    curl = f"  curl -s {target.launch.url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
     lines = [Text("ready. Send a request:", style="bold green"), Text(curl)]
     if proxy is not None:
-        lines.append(Text(f"  pdkv status --proxy {proxy.plan.url}"))
-        if importlib.util.find_spec("pdkv.cli.trace") is not None:
-            lines.append(Text(f"  pdkv trace --proxy {proxy.plan.url}"))
+        lines.append(Text(f"  pdkv status --proxy {proxy.launch.url}"))
+        lines.append(Text(f"  pdkv trace --proxy {proxy.launch.url}"))
     lines.append(Text("Ctrl-C (or pdkv down, elsewhere) stops every part.", style="dim"))
     return lines
 
@@ -127,22 +125,22 @@ def _run_trace_hook(parts: list[Part], emit: Callable[..., None], json_out: bool
     if proxy is None:
         err_console.print("--trace: this deployment has no proxy to trace through")
         return
-    trace = run_trace(proxy.plan.url)
+    trace = run_trace(proxy.launch.url)
     if json_out:
         emit("trace", trace=msgspec.to_builtins(trace))
     else:
         render_trace(trace)
 
 
-def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, trace: bool, once: bool = False,
+def _supervise(startup: Startup, *, log_dir: Path, json_out: bool, show_logs: bool, trace: bool, once: bool = False,
                restart: str | None = None, live_view: bool = False) -> None:
-    """Start, warm up, (trace,) watch and stop the plan's parts, rendering each step: line by line, or with
+    """Start, warm up, (trace,) watch and stop the startup's parts, rendering each step: line by line, or with
     `live_view` (a terminal, not --json) as the console (pdkv.cli.up_console: the parts and the deployment's live
     view, the logs to files only)."""
     from pdkv.deploy.run import PartsRun
 
-    parts = plan.parts
-    kinds = {p.plan.name: p.kind for p in parts}
+    parts = startup.parts
+    kinds = {p.launch.name: p.kind for p in parts}
     width = max(len(n) for n in kinds)
     live: Live | None = None
     screen: UpConsole | None = None
@@ -186,7 +184,7 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
 
     stream = show_logs and not json_out and not live_view
     run = PartsRun(parts, log_dir, restart=restart, on_line=on_line if stream else None,  # type: ignore[arg-type]
-                   on_event=on_event, autoscale=plan.autoscale, on_scale=on_scale, command=["pdkv", *sys.argv[1:]])
+                   on_event=on_event, autoscale=startup.autoscale, on_scale=on_scale, command=["pdkv", *sys.argv[1:]])
     sup = run.supervisor
     with run:
         try:
@@ -197,23 +195,23 @@ def _supervise(plan: UpPlan, *, log_dir: Path, json_out: bool, show_logs: bool, 
                 live = Live(_status_table(sup, kinds), console=console, refresh_per_second=4, transient=False)
                 sup.on_change = lambda: live.update(_status_table(sup, kinds)) if live is not None else None
                 live.start()
-            emit("starting", parts=[{"name": p.plan.name, "url": p.plan.url} for p in parts], log_dir=str(log_dir))
+            emit("starting", parts=[{"name": p.launch.name, "url": p.launch.url} for p in parts], log_dir=str(log_dir))
             try:
-                total = run.start(plan.timeout)
+                total = run.start(startup.timeout)
             finally:
                 if live is not None:
                     live.stop()
                     live = None
-            warmup_ms = run.warm_up(plan.served, plan.timeout)
+            warmup_ms = run.warm_up(startup.served, startup.timeout)
             emit("ready", ready_s=round(total, 1), warmup_ms=[round(ms, 1) for ms in warmup_ms],
                  parts=[{"name": p.name, "url": p.url, "pid": p.pid, "log": str(p.log_path)} for p in sup.procs])
             if not json_out:
                 took = ", ".join(f"{ms:.0f}" for ms in warmup_ms)
                 warmed = f" (warm-up request{'s' * (len(warmup_ms) > 1)} {took} ms)" if warmup_ms else ""
                 lines = [Text(f"all {len(parts)} parts ready in {total:.1f} s{warmed}; logs in {log_dir}/"),
-                         *_ready_message(parts, plan.served)]
+                         *_ready_message(parts, startup.served)]
                 if screen is not None:
-                    screen.serve(next((p.plan.url for p in parts if p.kind == "proxy"), None), lines)
+                    screen.serve(next((p.launch.url for p in parts if p.kind == "proxy"), None), lines)
                 else:
                     for line in lines:
                         console.print(line, soft_wrap=True)  # the curl line must stay one pastable line
@@ -249,14 +247,13 @@ def up(
         help="How the KV moves: rdma or tcp (Mooncake); ipc (CUDA IPC between GPUs of this host; list both GPUs in --gpu, own first); cma "
         "(host memory between processes of this host, CPU); socket (pdkv's own TCP, any hosts, CPU or GPU). "
         "Local 1P1D on CPU: cma.")] = None,
-    protocol: Annotated[str | None, typer.Option("--protocol", hidden=True, help="The older name of --transport.")] = None,
     device: Annotated[str, typer.Option("--device", help="RDMA device name, e.g. mlx5_0.")] = "",
     gpu: Annotated[str | None, typer.Option("--gpu", help="GPU index(es) for CUDA_VISIBLE_DEVICES, e.g. 0 or 0,1.")] = None,
     port: Annotated[int | None, typer.Option("--port",
         help="Engine port with --role (8100 P, 8200 D); else the proxy port (8000).")] = None,
     host: Annotated[str | None, typer.Option("--host",
-        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine). "
-        "With --role it is the older name of --listen.", show_default=False)] = None,
+        help="With -f: the [[hosts]] name whose parts to start (default: the hosts with an address of this machine).",
+        show_default=False)] = None,
     listen: Annotated[str | None, typer.Option("--listen",
         help="With --role: the address the engine listens on (default 0.0.0.0).", show_default=False)] = None,
     host_ip: Annotated[str | None, typer.Option("--host-ip",
@@ -293,19 +290,19 @@ def up(
     from pdkv.deploy.run import UpOptions, hand_out_key, prepare, resolve
     from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
-    options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport or protocol, device=device,
+    options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport, device=device,
                         gpu=gpu, port=port, host=host, listen=listen, host_ip=host_ip, bootstrap_port=bootstrap_port,
                         bootstrap=bootstrap, members=members, block_size=block_size, tp=tp, platform=platform, omp_bind=omp_bind,
                         timeout=timeout, restart=restart, extra=tuple(extra or ()))
-    plan = resolve(options, log_dir)
-    for line in [*plan.notes, *hand_out_key(plan.token, plan.parts)]:
+    startup = resolve(options, log_dir)
+    for line in [*startup.notes, *hand_out_key(startup.token, startup.parts)]:
         if json_out:
             sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
         else:
             err_console.print(Text(f"pdkv up: warning: {line} (set {TOKEN_ENV}; docs/security.md)", style="yellow"), soft_wrap=True)
 
     if dry_run:
-        docs = [_part_doc(p, restart) for p in plan.parts]
+        docs = [_part_doc(p, restart) for p in startup.parts]
         if json_out:
             print_json({"parts": docs})
             return
@@ -314,17 +311,17 @@ def up(
             console.print(doc["command"], highlight=False, markup=False, soft_wrap=True)
         return
 
-    if plan.uses_tiny:
+    if startup.uses_tiny:
         with err_console.status(f"writing the tiny model to {tiny_model_path()} ..."):
             ensure_tiny_model()
-    prepare(plan, log_dir)
-    for line in shared_cores(plan.parts):  # too few cores for every rank: it runs, slower
+    prepare(startup, log_dir)
+    for line in shared_cores(startup.parts):  # too few cores for every rank: it runs, slower
         if json_out:
             sys.stderr.write(json.dumps({"event": "warning", "message": line}) + "\n")
         else:
             err_console.print(Text(f"pdkv up: warning: {line}", style="yellow"), soft_wrap=True)
     live_view = console.is_terminal and not logs and not json_out
-    _supervise(plan, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart,
+    _supervise(startup, log_dir=log_dir, json_out=json_out, show_logs=not quiet, trace=trace, once=once, restart=restart,
                live_view=live_view)
 
 

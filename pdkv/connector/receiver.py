@@ -24,7 +24,7 @@ from pdkv.errors import PdkvError, TransferError
 from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 from pdkv.tp_heads import head_shares, pullers
 from pdkv.transport.base import Transport
-from pdkv.transport.planner import block_spans
+from pdkv.transport.descriptors import block_spans
 
 log = logging.getLogger("pdkv.connector")
 
@@ -161,7 +161,7 @@ class KVReceiver:
 
     async def _resolve(self, bootstrap: str, engine_id: str) -> tuple[list[str], list[str]]:
         """The side channels of the P ranks this D rank takes its heads from: P's rank of the same number for equal
-        TP, else those pdkv.transport.planner.head_shares names (one where D's TP is larger, several where P's is);
+        TP, else those pdkv.transport.descriptors.head_shares names (one where D's TP is larger, several where P's is);
         and, for D rank 0, those of the P ranks no D rank takes heads from (heads replicated on P), which it releases."""
         key = (bootstrap, engine_id)
         if key in self._addr_cache:

@@ -14,7 +14,7 @@ from pdkv.connector.send_table import StartSend
 from pdkv.errors import TransferError
 from pdkv.protocol import Announce, PullRequest
 from pdkv.transport.base import Region, Transport
-from pdkv.transport.planner import check_ranges
+from pdkv.transport.descriptors import check_ranges
 
 # Writes to one D run on up to this many threads at once; each D has its own.
 WRITERS_PER_PEER = 4

@@ -1,11 +1,11 @@
-"""A P/D deployment: its file, its plan, and running it on this host (`pdkv up`), pre-flight and status.
+"""A P/D deployment: its file, its parts, and running it on this host (`pdkv up`), pre-flight and status.
 
 - `schema`: the deployment file's tables as frozen Structs (`Deployment`, `KubernetesEntry` among them);
 - `loader`: `load_deployment`, a file read and validated;
 - `fleet`: the `[[hosts]]` of a file across several hosts, and which of them this `pdkv up` starts;
-- `engine`: `EngineSpec` -> `LaunchPlan`, one vLLM engine's exact command and environment;
+- `engine`: `EngineSpec` -> `Launch`, one vLLM engine's exact command and environment;
 - `args`: pieces of the parts' command lines that `pdkv up` and `pdkv k8s render` share;
-- `topology`: the planner, `deployment_parts` (every part's launch plan, in start order) and the local 1P1D;
+- `topology`: `deployment_parts` (every part's launch, in start order) and the local 1P1D;
 - `machine`: what this machine has (GPUs, RDMA devices, addresses);
 - `single`: one engine by role (`pdkv up --role`), the local 1P1D's core split;
 - `preflight`: every reason it would fail to start, found before anything starts;
@@ -19,7 +19,7 @@
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
-from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_plan
+from pdkv.deploy.engine import EngineSpec, Launch, engine_launch
 from pdkv.deploy.leftovers import UpRecord, running, stop_recorded
 from pdkv.deploy.lifeline import Lifeline
 from pdkv.deploy.loader import deployment_from_dict, load_deployment
@@ -27,7 +27,7 @@ from pdkv.deploy.machine import gpu_count, local_addresses, rdma_devices
 from pdkv.deploy.preflight import Problem, preflight, raise_problems, shared_cores
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
-from pdkv.deploy.run import PartsRun, UpOptions, UpPlan, resolve
+from pdkv.deploy.run import PartsRun, UpOptions, Startup, resolve
 from pdkv.deploy.schema import Deployment, EngineEntry, HostEntry, KubernetesEntry
 from pdkv.deploy.status import StatusReport, collect_status, status_targets
 from pdkv.deploy.supervisor import PartEvent, Supervisor
@@ -39,7 +39,7 @@ __all__ = [
     "EngineSpec",
     "HostEntry",
     "KubernetesEntry",
-    "LaunchPlan",
+    "Launch",
     "Lifeline",
     "ManagedProcess",
     "Part",
@@ -51,13 +51,13 @@ __all__ = [
     "StatusReport",
     "Supervisor",
     "UpOptions",
-    "UpPlan",
+    "Startup",
     "UpRecord",
     "Verdict",
     "collect_status",
     "deployment_from_dict",
     "deployment_parts",
-    "engine_plan",
+    "engine_launch",
     "external_bootstraps",
     "gpu_count",
     "load_deployment",

@@ -87,7 +87,7 @@ class Slot:
 
     @property
     def url(self) -> str:
-        return self.engine.plan.url
+        return self.engine.launch.url
 
 
 class Autoscaler:
@@ -104,7 +104,7 @@ class Autoscaler:
         self.slots: dict[Role, list[Slot]] = {}
         for role in ROLES:
             engines = [p for p in parts if p.kind == role]
-            boots = {p.plan.name: p for p in parts if p.kind == "bootstrap"}
+            boots = {p.launch.name: p for p in parts if p.kind == "bootstrap"}
             self.slots[role] = [Slot(role, i, ([boots[f"bootstrap-{i}"]] if f"bootstrap-{i}" in boots else []) + [e])
                                 for i, e in enumerate(engines)]
         self.desired: dict[str, int] | None = None
@@ -119,7 +119,7 @@ class Autoscaler:
         for slot in [s for role in ROLES for s in self.slots[role] if s.state == "draining"]:
             self._drain_step(slot, now)
         for role in ROLES:
-            if any(s.state == "active" and s.index >= self._listed(role) and self.sup.states.get(s.engine.plan.name) == "ready"
+            if any(s.state == "active" and s.index >= self._listed(role) and self.sup.states.get(s.engine.launch.name) == "ready"
                    for s in self.slots[role]):
                 self.backoff[role].served()
         if now < self._next_poll:
@@ -170,15 +170,15 @@ class Autoscaler:
             return False
         slot.state = "active"
         for part in slot.parts:
-            if self.sup.states.get(part.plan.name) not in RUNNING:
+            if self.sup.states.get(part.launch.name) not in RUNNING:
                 try:
-                    self.sup.launch(part.plan, stage=STAGE[part.kind], on_failure=self._part_failed)
+                    self.sup.launch(part.launch, stage=STAGE[part.kind], on_failure=self._part_failed)
                 except StartError as exc:
-                    self._step_failed(slot, part.plan.name, exc.message, [])
+                    self._step_failed(slot, part.launch.name, exc.message, [])
                     return False
         self._post_drain(slot.url, False)  # a slot started again: the proxy may still hold it as draining
         cores = f" on cores {slot.engine.spec.omp_bind}" if slot.engine.spec and slot.engine.spec.omp_bind else ""
-        self._emit("scale-up", role, slot.engine.plan.name, f"starting {slot.engine.plan.name} at {slot.url}{cores}: the planner "
+        self._emit("scale-up", role, slot.engine.launch.name, f"starting {slot.engine.launch.name} at {slot.url}{cores}: the planner "
                    f"asks for {desired} {role} engine(s)", desired)  # fmt: skip
         return True
 
@@ -197,7 +197,7 @@ class Autoscaler:
     # --- an added engine that fails
     def _part_failed(self, proc: ManagedProcess, how: str) -> None:
         """The supervisor's word that a launched part of a slot failed to start or died (on the watch thread)."""
-        slot = next((s for r in ROLES for s in self.slots[r] if any(p.plan.name == proc.name for p in s.parts)), None)
+        slot = next((s for r in ROLES for s in self.slots[r] if any(p.launch.name == proc.name for p in s.parts)), None)
         if slot is None or slot.state == "stopped":
             return
         lines = [line for line in proc.log_tail(LOG_LINES).splitlines() if line.strip()]
@@ -208,12 +208,12 @@ class Autoscaler:
         tried again after the role's backoff."""
         was = slot.state
         for part in slot.parts:
-            if part.plan.name != name and self.sup.states.get(part.plan.name) in RUNNING:
-                self.sup.retire(part.plan.name)
+            if part.launch.name != name and self.sup.states.get(part.launch.name) in RUNNING:
+                self.sup.retire(part.launch.name)
         slot.state = "stopped"
         self._post_drain(slot.url, True)  # the proxy routes it nothing new (404 when it never joined)
         desired = (self.desired or {}).get(slot.role, 0)
-        engine = slot.engine.plan.name
+        engine = slot.engine.launch.name
         if was == "draining":
             self._emit("stopped", slot.role, engine, f"stopped {engine} ({name} {how} while draining)", desired, tail=lines)
             return
@@ -223,13 +223,13 @@ class Autoscaler:
 
     # --- scale down
     def _drain(self, slot: Slot, desired: int, now: float) -> None:
-        if self.sup.states.get(slot.engine.plan.name) != "ready":  # still starting: no request can be on it
+        if self.sup.states.get(slot.engine.launch.name) != "ready":  # still starting: no request can be on it
             self._stop(slot, desired, 0, "it was still starting")
             return
         slot.state, slot.drain_since = "draining", now
         answer = self._post_drain(slot.url, True)
         n = answer.in_flight if isinstance(answer, DrainAnswer) else None
-        self._emit("draining", slot.role, slot.engine.plan.name, f"draining {slot.engine.plan.name}: no new requests, "
+        self._emit("draining", slot.role, slot.engine.launch.name, f"draining {slot.engine.launch.name}: no new requests, "
                    f"{n if n is not None else 'its'} request(s) in flight finish first; the planner asks for {desired}", desired, n)
         self._drain_step(slot, now)
 
@@ -247,11 +247,11 @@ class Autoscaler:
     def _undrain(self, slot: Slot, desired: int) -> None:
         self._post_drain(slot.url, False)
         slot.state = "active"
-        self._emit("undrained", slot.role, slot.engine.plan.name, f"{slot.engine.plan.name} takes requests again: the planner asks "
+        self._emit("undrained", slot.role, slot.engine.launch.name, f"{slot.engine.launch.name} takes requests again: the planner asks "
                    f"for {desired}", desired)  # fmt: skip
 
     def _stop(self, slot: Slot, desired: int, in_flight: int | None, why: str) -> None:
-        name = slot.engine.plan.name
+        name = slot.engine.launch.name
         slot.state = "stopped"  # first: a stop that raises must not leave the slot draining, tried every round
         code = self.sup.retire(name)
         self._emit("stopped", slot.role, name, f"stopped {name} ({why}; exit code {code})", desired, in_flight)

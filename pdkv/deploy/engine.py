@@ -1,8 +1,8 @@
-"""One vLLM engine's launch plan.
+"""One vLLM engine's launch.
 
-`engine_plan(spec)` turns an `EngineSpec` into the exact argv and the
-environment variables pdkv sets (`LaunchPlan`), with no I/O beyond asking
-which vLLM launcher works and which address is routable. Running a plan is
+`engine_launch(spec)` turns an `EngineSpec` into the exact argv and the
+environment variables pdkv sets (`Launch`), with no I/O beyond asking
+which vLLM launcher works and which address is routable. What runs it is
 `pdkv.deploy.process.ManagedProcess`.
 """
 
@@ -43,7 +43,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     means "detect a routable address of this host" (never loopback).
     `bootstrap_url` points P at a standalone bootstrap server; without it P's
     first worker runs one on `bootstrap_port`. `transport` is how the KV moves (the deployment file's
-    `protocol`, Mooncake's word, which vLLM's `mooncake_protocol` keeps; the CLI's `--transport`).
+    `transport`, the CLI's `--transport`; vLLM's kv_connector_extra_config calls it `mooncake_protocol`).
     """
 
     model: str
@@ -82,7 +82,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return data_parallel_size(self.extra_args)
 
 
-class LaunchPlan(msgspec.Struct, frozen=True):
+class Launch(msgspec.Struct, frozen=True):
     """The exact command and the environment variables pdkv sets on top of the caller's."""
 
     name: str
@@ -141,7 +141,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     transport = spec.transport
     if transport in ("ipc", "cma", "socket") and spec.connector != "pdkv":
         raise UsageError(
-            f"protocol {transport} is pdkv's own transport",
+            f"{transport} is pdkv's own transport",
             hint="use --connector pdkv, or --transport tcp/rdma with vLLM's MooncakeConnector",
         )
     # vLLM's key, which both connectors read (pdkv's also reads `transport`)
@@ -278,13 +278,13 @@ def rank_cores(bind: str, tp: int) -> str:
     return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tp))
 
 
-def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
-    """The launch plan (argv, env, URL) of one vLLM engine."""
+def engine_launch(spec: EngineSpec, name: str | None = None) -> Launch:
+    """The launch (argv, env, URL) of one vLLM engine."""
     if not 0 < spec.port < 65536:
         raise UsageError(f"port {spec.port} is out of range")
     if spec.role not in ("prefill", "decode", "none"):
         raise UsageError(f"unknown role {spec.role!r}", hint="use prefill, decode or none")
-    return LaunchPlan(
+    return Launch(
         name=name or (spec.role if spec.role != "none" else "vllm"),
         argv=engine_argv(spec),
         env=engine_env(spec),
@@ -295,8 +295,8 @@ def engine_plan(spec: EngineSpec, name: str | None = None) -> LaunchPlan:
     )
 
 
-def joining(plan: LaunchPlan, members_url: str, advertise_url: str | None = None) -> LaunchPlan:
-    """`plan` with the environment that makes its engine (pdkv's connector) join the members registry at
-    `members_url`, advertising `advertise_url` (default: the plan's own URL, the one its peers use)."""
-    env = {**plan.env, MEMBERS_URL_ENV: members_url, ADVERTISE_URL_ENV: advertise_url or plan.url}
-    return msgspec.structs.replace(plan, env=env)
+def joining(launch: Launch, members_url: str, advertise_url: str | None = None) -> Launch:
+    """`launch` with the environment that makes its engine (pdkv's connector) join the members registry at
+    `members_url`, advertising `advertise_url` (default: the launch's own URL, the one its peers use)."""
+    env = {**launch.env, MEMBERS_URL_ENV: members_url, ADVERTISE_URL_ENV: advertise_url or launch.url}
+    return msgspec.structs.replace(launch, env=env)

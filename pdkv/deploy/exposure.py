@@ -33,9 +33,9 @@ def exposure_warnings(parts: Iterable[Any], keyed: bool) -> list[str]:
         return []
     out: list[str] = []
     for p in parts:
-        name = p.plan.name
-        if p.kind == "bootstrap" and not is_loopback(_argv_host(p.plan.argv)):
-            out.append(f"{name} listens on {_argv_host(p.plan.argv)} with no deployment key: anyone who reaches it may register")
+        name = p.launch.name
+        if p.kind == "bootstrap" and not is_loopback(_argv_host(p.launch.argv)):
+            out.append(f"{name} listens on {_argv_host(p.launch.argv)} with no deployment key: anyone who reaches it may register")
         if p.kind == "prefill":
             if any(u.what == "bootstrap" and not is_loopback(u.bind) for u in p.ports):
                 out.append(f"{name}'s bootstrap listens on all addresses with no deployment key: anyone who reaches it may register")

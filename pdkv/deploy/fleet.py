@@ -82,8 +82,8 @@ def check_hosts(dep: Deployment, *, source: str = "deployment") -> None:
     if dep.transport in ONE_HOST_TRANSPORTS:
         engines = {e.host for e in (*dep.prefill, *dep.decode)}
         if len(engines) > 1:
-            raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host, and the engines are on {len(engines)}",
-                              hint='use protocol = "tcp" or "rdma" across hosts')
+            raise ConfigError(f"{source}: transport {dep.transport} moves KV inside one host, and the engines are on {len(engines)}",
+                              hint='use transport = "tcp" or "rdma" across hosts')
 
 
 def host_address(dep: Deployment, name: str | None) -> str | None:

@@ -51,8 +51,8 @@ class PartRecord(msgspec.Struct, kw_only=True):
 
     @classmethod
     def of(cls, part: Part) -> PartRecord:
-        """The record of a planned part (not started yet): its name, URL, the (address, port) pairs it binds, its command."""
-        return cls(name=part.plan.name, url=part.plan.url, ports=ports_of(part), command=list(part.plan.argv))
+        """The record of a part about to start: its name, URL, the (address, port) pairs it binds, its command."""
+        return cls(name=part.launch.name, url=part.launch.url, ports=ports_of(part), command=list(part.launch.argv))
 
 
 def ports_of(part: Part) -> list[tuple[str, int]]:
@@ -169,7 +169,7 @@ def _part_line(part: PartRecord) -> str:
 def raise_conflicts(log_dir: str | Path, parts: Sequence[Part]) -> None:
     """StartError when a deployment recorded in `log_dir` still runs a part with the name (the log file) or a port of
     one of `parts`: its pdkv up, each such part with its pid and ports, and the command that stops it."""
-    names = {p.plan.name for p in parts}
+    names = {p.launch.name for p in parts}
     ports = {port for p in parts for _host, port in p.ports}
     for live in running(log_dir):
         clash = [p for p in live.parts if p.name in names or ports & {port for _h, port in p.ports}]

@@ -13,6 +13,7 @@ import msgspec
 from pdkv.deploy.fleet import check_hosts
 from pdkv.deploy.schema import Deployment
 from pdkv.errors import ConfigError
+from pdkv.transport import TRANSPORTS
 
 
 def load_deployment(path: str | Path) -> Deployment:
@@ -30,6 +31,9 @@ def load_deployment(path: str | Path) -> Deployment:
 
 
 def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") -> Deployment:
+    if "protocol" in data:  # the key's earlier name: refused by name, never read in its place
+        raise ConfigError(f"{source}: the key `protocol` is now `transport`",
+                          hint=f'write transport = "{data["protocol"]}" (one of: {", ".join(TRANSPORTS)})')
     try:
         dep = msgspec.convert(data, Deployment)
     except msgspec.ValidationError as exc:

@@ -1,4 +1,4 @@
-"""What this machine has that a deployment's plan depends on: GPUs, RDMA devices, addresses (read, never changed)."""
+"""What this machine has that a deployment's parts depend on: GPUs, RDMA devices, addresses (read, never changed)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ which setting to change (pdkv.deploy.preflight.check_ports).
 
 Ports written in the file are taken as written: each engine table's `port`,
 `[proxy] port`, `[bootstrap] port` (the first prefill's bootstrap) and a
-table's own `kv_events_port` and (protocol socket) a decode table's `socket_port`. Every other port is derived, in this order, as
+table's own `kv_events_port` and (transport socket) a decode table's `socket_port`. Every other port is derived, in this order, as
 the first ports from where it would start that no other part of its host has:
 
 - the bootstrap of prefill k (k > 0): from the one before it, + 1;
@@ -17,7 +17,7 @@ the first ports from where it would start that no other part of its host has:
 - KV events (vLLM's publisher and replay socket, two per DP rank): from `kv_events_port`,
   the listed engines (prefills, then decodes) first, then the ones `[autoscale]` may add;
 - pdkv's side channel of each prefill (one per TP rank of each DP rank): after the KV events;
-- protocol socket, the KV listener of each decode without its own `socket_port` (one per TP rank): after those.
+- transport socket, the KV listener of each decode without its own `socket_port` (one per TP rank): after those.
 
 A port written twice is left as written: pre-flight names both parts. vLLM's
 own MooncakeConnector binds its side channel to a port the system picks.
@@ -61,10 +61,10 @@ class SlotPorts(msgspec.Struct, frozen=True):
     bootstrap: int | None = None  # a prefill's standalone or in-worker bootstrap server
     kv_events: int | None = None  # the first of its KV events ports (pdkv.deploy.engine.kv_events_config)
     side_channel: int | None = None  # pdkv's connector on a prefill: TP rank r of DP rank d binds + d * tp + r
-    socket: int | None = None  # protocol socket, a decode's KV listener: TP rank r binds + r
+    socket: int | None = None  # transport socket, a decode's KV listener: TP rank r binds + r
 
 
-class PortPlan(msgspec.Struct, frozen=True):
+class PortAllocation(msgspec.Struct, frozen=True):
     """Every engine slot's ports, the proxy's, and every port as a `PortUse`; `added` names the parts that only
     `[autoscale]` starts."""
 
@@ -146,7 +146,7 @@ def _runs_bootstrap(dep: Deployment, slot: EngineSlot) -> bool:
     return slot.role == "prefill" and dep.bootstrap.mode != "external" and not slot.entry.bootstrap_url
 
 
-def allocate_ports(dep: Deployment) -> PortPlan:
+def allocate_ports(dep: Deployment) -> PortAllocation:
     """Every port of `dep`'s parts and of the engines `[autoscale]` may add: the ports written in the file as
     written, the others derived (this module's docstring). ConfigError when a derived port would pass 65535."""
     slots = engine_slots(dep)
@@ -237,7 +237,7 @@ def allocate_ports(dep: Deployment) -> PortPlan:
                   for s in slots}
     standalone = dep.bootstrap.mode == "standalone"
     added = frozenset(n for s in slots if s.added for n in (s.name, f"bootstrap-{s.index}" if s.name in boot and standalone else s.name))
-    return PortPlan(slots=slot_ports, uses=uses, added=added)
+    return PortAllocation(slots=slot_ports, uses=uses, added=added)
 
 
 def distinct_per_host(uses: list[PortUse]) -> Iterator[tuple[PortUse, PortUse]]:

@@ -89,13 +89,13 @@ def _engine_facts(part: Part) -> tuple[dict[str, Any] | None, Problem | None]:
         if "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
             return None, None  # a hub id: vLLM resolves it; nothing local to read
         return None, Problem(
-            part.plan.name, f"model {model} does not exist", "pass a model directory holding config.json (or `pdkv model tiny DIR`)"
+            part.launch.name, f"model {model} does not exist", "pass a model directory holding config.json (or `pdkv model tiny DIR`)"
         )
     try:
         return load_config(path), None
     except ConfigError as exc:
         return None, Problem(
-            part.plan.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json"
+            part.launch.name, f"model config unreadable: {exc.message}", exc.hint or "fix or replace the model's config.json"
         )
 
 
@@ -104,7 +104,7 @@ def cpu_accelerator_shim(part: Part, environ: Mapping[str, str] | None = None) -
     `cpu_accelerator` holding a `sitecustomize.py`: the test-only shim (tests/shims/cpu_accelerator)
     under which vLLM's MooncakeConnector does run on CPU, as the e2e tests and the handover benchmark run it."""
     env = os.environ if environ is None else environ
-    path = part.plan.env.get("PYTHONPATH", env.get("PYTHONPATH", ""))
+    path = part.launch.env.get("PYTHONPATH", env.get("PYTHONPATH", ""))
     return any(
         Path(entry).name == SHIM_FOLDER and (Path(entry) / "sitecustomize.py").is_file() for entry in path.split(os.pathsep) if entry
     )
@@ -112,7 +112,7 @@ def cpu_accelerator_shim(part: Part, environ: Mapping[str, str] | None = None) -
 
 def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None) -> list[Problem]:
     """vLLM's MooncakeConnector on a CPU engine, without the shim: one problem naming every such engine."""
-    names = [p.plan.name for p in parts if p.spec is not None and p.spec.connector == "mooncake" and p.spec.platform == "cpu"
+    names = [p.launch.name for p in parts if p.spec is not None and p.spec.connector == "mooncake" and p.spec.platform == "cpu"
              and p.spec.role != "none" and not cpu_accelerator_shim(p, environ)]
     if not names:
         return []
@@ -129,7 +129,7 @@ def check_vllm_release(parts: list[Part]) -> list[Problem]:
     from pdkv.doctor.model import Status
     from pdkv.doctor.software import installed_vllm_verdict
 
-    names = [p.plan.name for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
+    names = [p.launch.name for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
     if not names:
         return []
     verdict = installed_vllm_verdict()
@@ -154,20 +154,20 @@ def check_engines(parts: list[Part]) -> list[Problem]:
     configs: dict[str, dict[str, Any] | None] = {}
     for part in engines:
         config, problem = _engine_facts(part)
-        configs[part.plan.name] = config
+        configs[part.launch.name] = config
         if problem:
             problems.append(problem)
         spec = part.spec
         assert spec is not None
         if spec.platform == "cpu" and spec.block_size is not None and spec.block_size % CPU_BLOCK_MULTIPLE:
             problems.append(Problem(
-                part.plan.name,
+                part.launch.name,
                 f"block size {spec.block_size} is not a multiple of {CPU_BLOCK_MULTIPLE}, which vLLM's CPU attention needs",
                 f"set block_size = {CPU_BLOCK_MULTIPLE}",
             ))
         if spec.platform == "cpu" and (missing := _missing_cores(spec.omp_bind)):
             problems.append(Problem(
-                part.plan.name,
+                part.launch.name,
                 f"omp_bind {spec.omp_bind!r} names core(s) {', '.join(map(str, missing))}, and this host has {os.cpu_count()} cores",
                 f"bind its {spec.tp} rank(s) to cores 0-{(os.cpu_count() or 1) - 1}, one core at least each",
             ))
@@ -175,26 +175,26 @@ def check_engines(parts: list[Part]) -> list[Problem]:
             # vLLM's CPU worker binds each rank to a NUMA node of its own unless told the cores, and dies inside its start-up
             # ("Not enough allowed NUMA nodes to bind threads of N local CPUWorkers") when the host has fewer.
             problems.append(Problem(
-                part.plan.name,
+                part.launch.name,
                 f"tp {spec.tp} on CPU without omp_bind: vLLM binds each rank to a NUMA node of its own, and this host has {nodes}",
                 f'set omp_bind = "{_rank_core_hint(spec.tp)}" in its table (one core or more per rank, cores no other engine is bound to)',
             ))
         if spec.transport == "cma" and spec.platform != "cpu":
             problems.append(Problem(
-                part.plan.name,
-                "protocol cma moves KV in host memory, and this engine keeps it on a GPU",
-                "use protocol = \"ipc\" between GPUs of one host, else tcp or rdma",
+                part.launch.name,
+                "transport cma moves KV in host memory, and this engine keeps it on a GPU",
+                "use transport = \"ipc\" between GPUs of one host, else tcp or rdma",
             ))
     for d in (p for p in engines if p.kind == "decode"):
         for p in (p for p in engines if p.kind == "prefill"):
-            problems += pd_disagreements(p, d, configs.get(p.plan.name), configs.get(d.plan.name))
+            problems += pd_disagreements(p, d, configs.get(p.launch.name), configs.get(d.launch.name))
     return problems
 
 
 def pd_disagreements(p: Part, d: Part, p_config: dict[str, Any] | None, d_config: dict[str, Any] | None) -> list[Problem]:
     ps, ds = p.spec, d.spec
     assert ps is not None and ds is not None
-    pair = f"{p.plan.name}/{d.plan.name}"
+    pair = f"{p.launch.name}/{d.launch.name}"
     out: list[Problem] = []
     same_model = Path(ps.model).expanduser().resolve() == Path(ds.model).expanduser().resolve() or ps.model == ds.model
     if not same_model and (p_config is None or d_config is None or p_config != d_config):
@@ -276,7 +276,7 @@ def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
 
 
 def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0) -> list[Problem]:
-    """With protocol cma, one live probe that a process of this host may write into another's memory."""
+    """With transport cma, one live probe that a process of this host may write into another's memory."""
     if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
     from pdkv.doctor.cma import cma_verdict
@@ -307,10 +307,10 @@ def check_gpu_shares(parts: list[Part]) -> list[Problem]:
     problems: list[Problem] = []
     for i, a in enumerate(engines):
         group = [a, *(b for b in engines[i + 1:] if share_gpu(a, b))]
-        unset = [p.plan.name for p in group if _memory_share(p) is None]
+        unset = [p.launch.name for p in group if _memory_share(p) is None]
         if len(group) > 1 and unset:
             problems.append(Problem(
-                ", ".join(p.plan.name for p in group),
+                ", ".join(p.launch.name for p in group),
                 f"share a GPU, and {', '.join(unset)} take{'s' if len(unset) == 1 else ''} vLLM's default share of its memory "
                 "(0.92; all of it with vLLM 0.34's extensible KV cache): only the engine that starts first fits",
                 "give each engine on that GPU --gpu-memory-utilization in extra_args, together at most 0.95"))
@@ -323,7 +323,7 @@ def check_gpu_shares(parts: list[Part]) -> list[Problem]:
         shares = [_memory_share(p) for p in on]
         if len(on) > 1 and all(s is not None for s in shares) and sum(shares) > 1.0:  # type: ignore[arg-type]
             problems.append(Problem(
-                ", ".join(p.plan.name for p in on),
+                ", ".join(p.launch.name for p in on),
                 f"share GPU {gpu} with --gpu-memory-utilization adding up to {sum(shares):.2f}",  # type: ignore[arg-type]
                 "lower each engine's --gpu-memory-utilization so that together they are at most 0.95"))
     return problems
@@ -348,10 +348,10 @@ def shared_cores(parts: list[Part]) -> list[str]:
         cores = parse_cores(part.spec.omp_bind) or []
         if shared := sorted({c for c in cores if c in owner}):
             ranks = sum(p.spec.tp for p in parts if p.spec is not None and p.spec.platform == "cpu")
-            out.append(f"{part.plan.name} shares core(s) {', '.join(map(str, shared))} with {owner[shared[0]]}: this host has "
+            out.append(f"{part.launch.name} shares core(s) {', '.join(map(str, shared))} with {owner[shared[0]]}: this host has "
                        f"{os.cpu_count()} cores for {ranks} engine ranks, so their forwards take turns on them")
         for c in cores:
-            owner.setdefault(c, part.plan.name)
+            owner.setdefault(c, part.launch.name)
     return out
 
 

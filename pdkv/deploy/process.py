@@ -1,11 +1,11 @@
 """A supervised child process: its own process group, a log file, a health URL, a bounded stop.
 
-`ManagedProcess(plan, log)` starts `plan.argv` (a `pdkv.deploy.engine.LaunchPlan`)
+`ManagedProcess(launch, log)` starts `launch.argv` (a `pdkv.deploy.engine.Launch`)
 in its own process group, logs it to a file (and optionally line by line to
-a callback), binds it to the plan's cores, waits for its HTTP health
+a callback), binds it to the launch's cores, waits for its HTTP health
 endpoint with a bound, and stops the whole group (SIGTERM to the process,
 bounded grace, SIGTERM to the rest of the group, SIGKILL). `start()` may be
-called again after the process has ended: the same plan, ports, cores and
+called again after the process has ended: the same launch, ports, cores and
 environment (the supervisor's restart). While this process has a lifeline open
 (pdkv.deploy.lifeline: `pdkv up`'s), each start is reported to it, and each
 stop: its watchdog stops whatever is left if this process dies.
@@ -28,7 +28,7 @@ from pdkv.deploy import lifeline
 from pdkv.errors import StartError
 
 if TYPE_CHECKING:
-    from pdkv.deploy.engine import LaunchPlan
+    from pdkv.deploy.engine import Launch
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -63,21 +63,21 @@ def _group_alive(pgid: int) -> bool:
 class ManagedProcess:
     """A supervised child: its own process group, a log file, a health URL.
 
-    Use as a context manager (`with ManagedProcess(plan, log) as p: p.wait_healthy()`)
+    Use as a context manager (`with ManagedProcess(launch, log) as p: p.wait_healthy()`)
     so the whole group is stopped on every exit path. `on_line`, when given,
     receives each output line (for a prefixed live view) besides the log file.
     """
 
     def __init__(
         self,
-        plan: LaunchPlan,
+        launch: Launch,
         log_path: str | Path,
         *,
         on_line: Callable[[str], None] | None = None,
         base_env: Mapping[str, str] | None = None,
     ) -> None:
-        self.plan = plan
-        self.name = plan.name
+        self.launch = launch
+        self.name = launch.name
         self.log_path = Path(log_path)
         self.on_line = on_line
         self.base_env = dict(os.environ if base_env is None else base_env)
@@ -93,16 +93,16 @@ class ManagedProcess:
 
     @property
     def url(self) -> str:
-        return self.plan.url
+        return self.launch.url
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         line = lifeline.current()
-        env = {**self.base_env, **self.plan.env, **(line.env if line is not None else {})}
+        env = {**self.base_env, **self.launch.env, **(line.env if line is not None else {})}
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
-                self.plan.argv,
+                self.launch.argv,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE if self.on_line else log,
@@ -111,16 +111,16 @@ class ManagedProcess:
             )
         except OSError as exc:
             log.close()
-            raise StartError(f"{self.name}: cannot run {self.plan.argv[0]}: {exc.strerror or exc}") from None
+            raise StartError(f"{self.name}: cannot run {self.launch.argv[0]}: {exc.strerror or exc}") from None
         if line is not None:
-            line.adopt(self.name, self.proc.pid, self.plan.argv, self.plan.url)
+            line.adopt(self.name, self.proc.pid, self.launch.argv, self.launch.url)
             self._lifeline = line
-        if self.plan.cpus:
+        if self.launch.cpus:
             # Before vLLM forks its engine core and workers (seconds of imports away): they inherit it.
             try:
-                os.sched_setaffinity(self.proc.pid, self.plan.cpus)
+                os.sched_setaffinity(self.proc.pid, self.launch.cpus)
             except OSError as exc:
-                logging.getLogger("pdkv.deploy").warning("%s: could not bind to cores %s: %s", self.name, self.plan.cpus, exc)
+                logging.getLogger("pdkv.deploy").warning("%s: could not bind to cores %s: %s", self.name, self.launch.cpus, exc)
         self.started_at = time.monotonic()
         if self.on_line:
             self._pump = threading.Thread(target=self._tee, args=(log,), name=f"pdkv-log-{self.name}", daemon=True)
@@ -149,7 +149,7 @@ class ManagedProcess:
         import httpx
 
         try:
-            r = httpx.get(self.plan.url + self.plan.health_path, timeout=timeout)
+            r = httpx.get(self.launch.url + self.launch.health_path, timeout=timeout)
         except httpx.HTTPError:
             return False
         return r.status_code < 500
@@ -170,7 +170,7 @@ class ManagedProcess:
         if time.monotonic() >= deadline:
             waited = time.monotonic() - (self.started_at or time.monotonic())
             raise StartError(
-                f"{self.name} was not healthy at {self.plan.url}{self.plan.health_path} after {waited:.0f} s; "
+                f"{self.name} was not healthy at {self.launch.url}{self.launch.health_path} after {waited:.0f} s; "
                 f"log {self.log_path}:\n{self.log_tail()}",
                 hint="raise the start-up timeout or read the log",
             )

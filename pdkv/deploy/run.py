@@ -65,11 +65,11 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     role: str | None = None
     model: str | None = None
     connector: str = "pdkv"
-    transport: str | None = None  # how the KV moves (the file's `protocol`, the CLI's `--transport`)
+    transport: str | None = None  # how the KV moves (the file's `transport`, the CLI's `--transport`)
     device: str = ""
     gpu: str | None = None
     port: int | None = None
-    host: str | None = None  # with `file`: a [[hosts]] name (with `role`: the older name of `listen`)
+    host: str | None = None  # with `file`: a [[hosts]] name
     listen: str | None = None  # with `role`: the address the engine listens on
     host_ip: str | None = None
     bootstrap_port: int | None = None
@@ -84,7 +84,7 @@ class UpOptions(msgspec.Struct, frozen=True, kw_only=True):
     extra: tuple[str, ...] = ()
 
 
-class UpPlan(msgspec.Struct, kw_only=True):
+class Startup(msgspec.Struct, kw_only=True):
     """What one `pdkv up` starts on this host, and what it needs to know to start it."""
 
     parts: list[Part]
@@ -107,7 +107,10 @@ def _check_options(o: UpOptions, gpus: int) -> None:
         raise UsageError("give either -f FILE or --role, not both")
     if o.members is not None and o.role is None:
         raise UsageError("--members goes with --role", hint="a deployment file's engines join its first bootstrap's registry by themselves")
-    if o.host is not None and o.file is None and o.role is None:
+    if o.host is not None and o.role is not None:
+        raise UsageError("--host goes with -f FILE (a [[hosts]] name), not with --role",
+                         hint="the address an engine started by --role listens on is --listen")
+    if o.host is not None and o.file is None:
         raise UsageError("--host goes with -f FILE (a [[hosts]] name)", hint="an engine's listen address is --listen, with --role")
     if o.listen is not None and o.role is None:
         raise UsageError("--listen goes with --role", hint="a deployment file's parts listen on its `host`")
@@ -126,11 +129,11 @@ def select_parts(parts: Sequence[Part], hosts: set[str] | None) -> list[Part]:
     if not chosen:
         raise UsageError(f"host {', '.join(sorted(hosts))} runs no part of the deployment",
                          hint="give it a part (host = NAME) or pass another --host")
-    here = {p.plan.name for p in chosen}
+    here = {p.launch.name for p in chosen}
     return [p if p.registers_with is None or p.registers_with in here else msgspec.structs.replace(p, registers_with=None) for p in chosen]
 
 
-def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
+def resolve(o: UpOptions, log_dir: str | Path) -> Startup:
     """The parts one `pdkv up` starts on this host, each with vLLM's logging into `log_dir`. UsageError or
     ConfigError (one line) for options or a file that cannot be started as given."""
     gpus = gpu_count()
@@ -159,7 +162,7 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
             role,
             o.members,
             model=o.model or str(tiny_model_path()),
-            host=o.listen or o.host or "0.0.0.0",
+            host=o.listen or "0.0.0.0",
             port=o.port or (8100 if role == "prefill" else 8200),
             connector=o.connector,
             transport=o.transport or ("tcp" if plat == "cpu" else "rdma"),
@@ -187,7 +190,7 @@ def resolve(o: UpOptions, log_dir: str | Path) -> UpPlan:
             dep = with_extra(dep, list(o.extra))
         parts, boots, served = deployment_parts(dep), [], dep.served_model_name
     scaled = dep if o.file is not None and dep.autoscale is not None and not dep.hosts else None
-    return UpPlan(parts=with_vllm_logging(parts, log_dir), bootstraps=boots, served=served, timeout=timeout, token=token,
+    return Startup(parts=with_vllm_logging(parts, log_dir), bootstraps=boots, served=served, timeout=timeout, token=token,
                   uses_tiny=uses_tiny, autoscale=scaled, notes=notes)
 
 
@@ -196,19 +199,19 @@ def hand_out_key(token: str | None, parts: Sequence[Part]) -> list[str]:
     each side channel or bootstrap that is reachable beyond loopback without one."""
     token = token or token_from_env()
     if token:
-        os.environ[TOKEN_ENV] = token  # never in a plan's env: plans are printed (--dry-run)
+        os.environ[TOKEN_ENV] = token  # never in a part's env: those are printed (--dry-run)
     return exposure_warnings(parts, keyed=bool(token))
 
 
-def prepare(plan: UpPlan, log_dir: str | Path) -> None:
-    """StartError when a deployment started with `log_dir` still runs a part of the plan's names or ports (naming
+def prepare(startup: Startup, log_dir: str | Path) -> None:
+    """StartError when a deployment started with `log_dir` still runs a part of the startup's names or ports (naming
     them and the command that stops them); then the pre-flight checks (PreflightError listing every problem; the
     ports of the engines `[autoscale]` may add among them), and vLLM's logging configuration written into
     `log_dir`. The tiny model, if used, must be in its cache already (pdkv.tinymodel.ensure_tiny_model)."""
-    raise_conflicts(log_dir, plan.parts)
-    reserved = allocate_ports(plan.autoscale).reserved() if plan.autoscale is not None else []
-    raise_problems(preflight(plan.parts, plan.bootstraps, reserved=reserved))
-    write_logging_config(plan.parts, log_dir)
+    raise_conflicts(log_dir, startup.parts)
+    reserved = allocate_ports(startup.autoscale).reserved() if startup.autoscale is not None else []
+    raise_problems(preflight(startup.parts, startup.bootstraps, reserved=reserved))
+    write_logging_config(startup.parts, log_dir)
 
 
 def served_model(parts: Sequence[Part], served: str | None) -> str:
@@ -219,7 +222,7 @@ def served_model(parts: Sequence[Part], served: str | None) -> str:
 
 
 class PartsRun:
-    """Every part of a plan under one supervisor: `with PartsRun(...) as run: run.start(); run.warm_up(); run.watch()`.
+    """Every part of a startup under one supervisor: `with PartsRun(...) as run: run.start(); run.warm_up(); run.watch()`.
 
     Inside the `with`, SIGTERM and SIGHUP stop cleanly like Ctrl-C (KeyboardInterrupt), also when the shell
     started `pdkv up` with SIGINT ignored; leaving it stops every part with the three signals ignored (a second
@@ -240,15 +243,15 @@ class PartsRun:
         restart_with: dict[str, list[str]] = {}
         for p in self.parts:
             if p.registers_with:
-                restart_with.setdefault(p.registers_with, []).append(p.plan.name)
+                restart_with.setdefault(p.registers_with, []).append(p.launch.name)
         self.supervisor = Supervisor(
-            [p.plan for p in self.parts], log_dir, on_line=on_line, stages=start_stages(self.parts, _extensible_release()),
+            [p.launch for p in self.parts], log_dir, on_line=on_line, stages=start_stages(self.parts, _extensible_release()),
             restart=[RestartPolicy(restart or p.restart) for p in self.parts], restart_with=restart_with, on_event=on_event,
         )
         self._previous: dict[int, Any] = {}
         proxy = next((p for p in self.parts if p.kind == "proxy"), None)
         self.autoscaler = None if autoscale is None or proxy is None else Autoscaler(
-            autoscale, self.supervisor, self.parts, proxy.plan.url, log_dir, on_event=on_scale)
+            autoscale, self.supervisor, self.parts, proxy.launch.url, log_dir, on_event=on_scale)
         records = [PartRecord.of(p) for p in self.parts]
         self.lifeline = Lifeline(log_dir, command=list(command) if command is not None else sys.argv, parts=records,
                                  ports_of=self._ports_of)
@@ -258,7 +261,7 @@ class PartsRun:
         parts = list(self.parts)
         if self.autoscaler is not None:  # its slots hold the engines (and bootstraps) it added
             parts += [p for slots in self.autoscaler.slots.values() for slot in slots for p in slot.parts]
-        return next((ports_of(p) for p in parts if p.plan.name == name), [])
+        return next((ports_of(p) for p in parts if p.launch.name == name), [])
 
     def __enter__(self) -> PartsRun:
         self.lifeline.open()

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.ports import EngineSlot, PortPlan, Role
+from pdkv.deploy.ports import EngineSlot, PortAllocation, Role
 from pdkv.deploy.schema import Deployment, EngineEntry
 from pdkv.deploy.topology import Part, slot_parts
 from pdkv.errors import ConfigError
@@ -80,7 +80,7 @@ def least_bound_cores(busy: dict[int, int], want: int) -> str:
     return ",".join(map(str, chosen))
 
 
-def added_slot_parts(dep: Deployment, ports: PortPlan, role: Role, index: int, entry: EngineEntry) -> list[Part]:
+def added_slot_parts(dep: Deployment, ports: PortAllocation, role: Role, index: int, entry: EngineEntry) -> list[Part]:
     """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.ports):
     [bootstrap, prefill] (standalone bootstrap) or [engine]. ConfigError for a slot past the role's max."""
     name = f"{role}-{index}"

@@ -1,12 +1,12 @@
 """The deployment file's schema: one frozen Struct per table (pure; the loader is pdkv.deploy.loader).
 
-The same file drives `pdkv up -f` (pdkv.deploy.topology plans its parts),
+The same file drives `pdkv up -f` (pdkv.deploy.topology derives its parts),
 each host of a fleet (`[[hosts]]`, pdkv.deploy.fleet) and `pdkv k8s render`
 (the `[kubernetes]` table, checked by pdkv.k8s.settings).
 
     model = "/models/Qwen3-8B"   # every engine's default
     connector = "pdkv"           # or "mooncake"
-    protocol = "rdma"            # or "tcp", "socket" (pdkv's own TCP), "cma", "ipc" (one host)
+    transport = "rdma"           # or "tcp", "socket" (pdkv's own TCP), "cma", "ipc" (one host)
     [bootstrap]                  # mode = "standalone" | "in-worker" | "external"
     port = 8998
     [[prefill]]
@@ -64,7 +64,7 @@ class KubernetesEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     grace_period_s: int = 120  # SIGTERM to SIGKILL: the requests in flight finish
     mooncake_port: int = 17000  # first port of Mooncake's range (MC_MIN_RPC_PORT); 4 per GPU of a pod
     side_channel_port: int = 5600  # prefill pods: pdkv's side channel, TP rank r on side_channel_port + r
-    socket_port: int = 5700  # decode pods, protocol socket: the KV listener, TP rank r on socket_port + r
+    socket_port: int = 5700  # decode pods, transport socket: the KV listener, TP rank r on socket_port + r
     master_port: int = 29501  # torch.distributed between the nodes of one instance (TP across nodes)
     proxy_replicas: int = 1
     proxy_service_type: ServiceType = "ClusterIP"
@@ -95,7 +95,7 @@ class EngineEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     host: str | None = None  # a [[hosts]] name
     replicas: int = 1  # instances of this engine in Kubernetes (`pdkv k8s render`); `pdkv up` starts one
     kv_events_port: int | None = None  # its KV events publisher (replay on the next port); default: from kv_events_port
-    # A decode engine, protocol socket: its KV listener's port, TP rank r on socket_port + r (firewalls); default: a free one.
+    # A decode engine, transport socket: its KV listener's port, TP rank r on socket_port + r (firewalls); default: a free one.
     socket_port: int | None = None
 
 
@@ -169,8 +169,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model: str
     served_model_name: str | None = None
     connector: Connector = "pdkv"
-    # How the KV moves (pdkv.transport.TransportName); the file's key is Mooncake's word, `protocol`.
-    transport: TransportName = msgspec.field(default="rdma", name="protocol")
+    transport: TransportName = "rdma"  # how the KV moves (pdkv.transport.TransportName)
     device: str = ""
     platform: Platform = "gpu"
     host: str = "0.0.0.0"
@@ -197,5 +196,5 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_events: bool = True
     kv_events_port: int = 5557
     autoscale: AutoscaleEntry | None = None  # the planner starts and stops engines within bounds (pdkv.planner)
-    # Protocol socket: each P's TCP connections to each D (docs/socket.md); 0: the worker's cores, at most 4.
+    # Transport socket: each P's TCP connections to each D (docs/socket.md); 0: the worker's cores, at most 4.
     socket_connections: int = 0

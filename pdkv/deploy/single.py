@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.engine import EngineSpec, engine_plan, http_url, joining
+from pdkv.deploy.engine import EngineSpec, engine_launch, http_url, joining
 from pdkv.deploy.ports import ANY_ADDRESS, PortUse
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.topology import Part
@@ -31,19 +31,19 @@ def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[P
     if kw["bootstrap_url"] and role == "decode":
         raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
     spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
-    plan = engine_plan(spec, name=role)
+    launch = engine_launch(spec, name=role)
     if members:
         if spec.connector != "pdkv":
             raise UsageError("--members needs pdkv's connector",
                              hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
         from pdkv.proxy.config import parse_decode  # the proxy's parser of a URL; imported only for --members
 
-        reached = plan.url if spec.host not in ("0.0.0.0", "::", "") else http_url(plan.env["VLLM_HOST_IP"], spec.port)
-        plan = joining(plan, parse_decode(members), reached)
+        reached = launch.url if spec.host not in ("0.0.0.0", "::", "") else http_url(launch.env["VLLM_HOST_IP"], spec.port)
+        launch = joining(launch, parse_decode(members), reached)
     ports = [PortUse(role, "HTTP", spec.host, spec.port, "--port")]
     if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
         ports.append(PortUse(role, "bootstrap", ANY_ADDRESS, spec.bootstrap_port, "--bootstrap-port"))
-    return [Part(kind=role, plan=plan, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
+    return [Part(kind=role, launch=launch, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
 
 
 def with_cores(dep: Deployment, p_cores: str, d_cores: str) -> Deployment:

@@ -54,15 +54,15 @@ class StatusReport(msgspec.Struct, frozen=True):
 def status_targets(dep: Deployment) -> tuple[list[tuple[str, str, str]], list[str], str | None]:
     """(parts as (name, kind, url), bootstrap URLs, proxy URL) that `pdkv status -f` polls."""
     parts = deployment_parts(dep)
-    targets = [(p.plan.name, p.kind, p.plan.url) for p in parts]
+    targets = [(p.launch.name, p.kind, p.launch.url) for p in parts]
     boots = sorted({p.bootstrap_url for p in parts if p.bootstrap_url})
-    proxy = next((p.plan.url for p in parts if p.kind == "proxy"), None)
+    proxy = next((p.launch.url for p in parts if p.kind == "proxy"), None)
     return targets, boots, proxy
 
 
 def part_hosts(dep: Deployment) -> dict[str, str]:
     """Part name -> its [[hosts]] name, for a fleet file (empty for one host)."""
-    return {p.plan.name: p.host for p in deployment_parts(dep) if p.host}
+    return {p.launch.name: p.host for p in deployment_parts(dep) if p.host}
 
 
 def collect_status(

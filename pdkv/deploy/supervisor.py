@@ -13,7 +13,7 @@ import msgspec
 
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 from pdkv.errors import StartError
 
 log = logging.getLogger("pdkv.deploy")
@@ -39,12 +39,12 @@ def _last_line(proc: ManagedProcess) -> str:
 
 
 class Supervisor:
-    """Start several plans in order, stage by stage; restart the ones that die; stop them all in reverse.
+    """Start several launches in order, stage by stage; restart the ones that die; stop them all in reverse.
 
-    `stages` gives each plan a stage number (default: one stage per plan, so
-    each is healthy before the next starts). Plans of one stage start together
+    `stages` gives each launch a stage number (default: one stage per launch, so
+    each is healthy before the next starts). Launches of one stage start together
     and the next stage starts once all of them are healthy. `restart` gives
-    each plan its RestartPolicy (default: "no" for every plan).
+    each launch its RestartPolicy (default: "no" for every launch).
     `restart_with` names, for a part, the parts that must start again once it
     is back (a standalone bootstrap forgets who registered: its prefill must
     register again). `on_line(name, line)` receives every output line;
@@ -55,7 +55,7 @@ class Supervisor:
 
     def __init__(
         self,
-        plans: list[LaunchPlan],
+        launches: list[Launch],
         log_dir: str | Path,
         *,
         on_line: Callable[[str, str], None] | None = None,
@@ -66,21 +66,21 @@ class Supervisor:
         restart_with: dict[str, list[str]] | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
-        self.stages = stages if stages is not None else list(range(len(plans)))
-        self.policies = restart if restart is not None else [RestartPolicy("no") for _ in plans]
-        if len(self.stages) != len(plans) or len(self.policies) != len(plans):
-            raise ValueError("one stage and one restart policy per plan")
+        self.stages = stages if stages is not None else list(range(len(launches)))
+        self.policies = restart if restart is not None else [RestartPolicy("no") for _ in launches]
+        if len(self.stages) != len(launches) or len(self.policies) != len(launches):
+            raise ValueError("one stage and one restart policy per launch")
         self.restart_with = restart_with or {}
         self.on_change = on_change or (lambda: None)
         self.on_event = on_event or (lambda _e: None)
         self._on_line = on_line
         self.procs = [
-            ManagedProcess(plan, self.log_dir / f"{plan.name}.log",
-                           on_line=(lambda line, n=plan.name: on_line(n, line)) if on_line else None)
-            for plan in plans
+            ManagedProcess(launch, self.log_dir / f"{launch.name}.log",
+                           on_line=(lambda line, n=launch.name: on_line(n, line)) if on_line else None)
+            for launch in launches
         ]
         # Owned by the thread that calls start_all/watch/stop_all (one at a time).
-        self.states: dict[str, str] = {plan.name: "waiting" for plan in plans}
+        self.states: dict[str, str] = {launch.name: "waiting" for launch in launches}
         self.ready_s: dict[str, float] = {}
         self._due: dict[str, float] = {}  # restarting part -> when it starts again (time.monotonic())
         self._deadline: dict[str, float] = {}  # restarted part, not healthy yet -> when it has failed
@@ -134,31 +134,31 @@ class Supervisor:
                     time.sleep(interval)
         return time.monotonic() - t0
 
-    def launch(self, plan: LaunchPlan, *, stage: int, on_failure: Callable[[ManagedProcess, str], None]) -> None:
+    def launch(self, launch: Launch, *, stage: int, on_failure: Callable[[ManagedProcess, str], None]) -> None:
         """Start a part while the watch runs (an engine an autoscaler adds), or start a `retire`d one again with its
-        plan. The part is its launcher's: the watch reports it "started" once healthy; when it is not healthy within
+        launch. The part is its launcher's: the watch reports it "started" once healthy; when it is not healthy within
         the start timeout or exits, the watch reports it "exited", stops what is left of its process group, sets it
         "failed" and calls `on_failure(process, how)`. It is never restarted here and never ends the watch, whatever
         the restart policies of the parts `start_all` started. StartError (the part "failed") when its process
         cannot be started at all. From the watching thread."""
-        proc = next((p for p in self.procs if p.name == plan.name), None)
+        proc = next((p for p in self.procs if p.name == launch.name), None)
         if proc is None:
-            log_path = self.log_dir / f"{plan.name}.log"
-            proc = ManagedProcess(plan, log_path, on_line=(lambda line, n=plan.name: self._on_line(n, line)) if self._on_line else None)
+            log_path = self.log_dir / f"{launch.name}.log"
+            proc = ManagedProcess(launch, log_path, on_line=(lambda line, n=launch.name: self._on_line(n, line)) if self._on_line else None)
             self.procs.append(proc)
             self.stages.append(stage)
             self.policies.append(RestartPolicy("no"))  # never asked: a launched part's failure goes to on_failure
-        elif self.states[plan.name] in RUNNING:
-            raise ValueError(f"{plan.name} is running already")
-        self._launched[plan.name] = on_failure
-        self._set(plan.name, "starting")
-        self._added.add(plan.name)
+        elif self.states[launch.name] in RUNNING:
+            raise ValueError(f"{launch.name} is running already")
+        self._launched[launch.name] = on_failure
+        self._set(launch.name, "starting")
+        self._added.add(launch.name)
         try:
             proc.start()
         except StartError:
-            self._set(plan.name, "failed")
+            self._set(launch.name, "failed")
             raise
-        self._deadline[plan.name] = time.monotonic() + self._start_timeout
+        self._deadline[launch.name] = time.monotonic() + self._start_timeout
 
     def retire(self, name: str, grace: float | None = None) -> int | None:
         """Stop one part for good (an autoscaler's scale-down; its requests drained first): no restart. Its exit code."""
@@ -176,7 +176,7 @@ class Supervisor:
 
         Each exit is reported (`on_event`, with the exit code or signal and the
         log's last line) and handed to that part's policy. A restart keeps the
-        part's plan: its ports, cores and environment. A part past its restart
+        part's launch: its ports, cores and environment. A part past its restart
         bound stays "failed" while the others keep serving. Returns the part
         whose exit its policy does not restart (restart "no"), the
         last part to fail when none is left running, or None once `until()`

@@ -1,5 +1,5 @@
-"""The launch plan of every part of a deployment (pure, but for asking which address is routable): the
-planner from a `Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
+"""The launch of every part of a deployment (pure, but for asking which address is routable): from a
+`Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
 Every port comes from pdkv.deploy.ports, the one allocator (the engines
@@ -19,17 +19,17 @@ from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, plann
 from pdkv.deploy.engine import (
     Connector,
     EngineSpec,
-    LaunchPlan,
+    Launch,
     bootstrap_address,
     connect_host,
-    engine_plan,
+    engine_launch,
     http_url,
     joining,
     kv_events_endpoints,
 )
 from pdkv.deploy.fleet import host_address
 from pdkv.deploy.machine import rdma_devices
-from pdkv.deploy.ports import EngineSlot, PortPlan, PortUse, allocate_ports, engine_slots
+from pdkv.deploy.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
 from pdkv.deploy.restart import RestartMode
 from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
 from pdkv.peer_address import advertised_address
@@ -42,14 +42,14 @@ CPU_BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend accepts only multiples o
 
 
 class Part(msgspec.Struct, frozen=True):
-    """One process of the deployment: what it is, its launch plan, the ports it will hold, its restart policy.
+    """One process of the deployment: what it is, its launch, the ports it will hold, its restart policy.
 
     `registers_with` names the standalone bootstrap part a prefill registers
     with once (vLLM's connector): when that one restarts (and forgets), the prefill must start again.
     """
 
     kind: PartKind
-    plan: LaunchPlan
+    launch: Launch
     ports: list[PortUse]  # its HTTP port first (pdkv.deploy.ports)
     bootstrap_url: str | None = None
     spec: EngineSpec | None = None
@@ -106,7 +106,7 @@ def local_deployment(
     )
 
 
-# --- launch plans ----------------------------------------------------------------
+# --- launches ----------------------------------------------------------------
 
 
 def _pdkv_argv(*args: str) -> list[str]:
@@ -155,9 +155,9 @@ def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_
     return {"socket_connections": dep.socket_connections} if dep.socket_connections else {}
 
 
-def _reached_at(plan: LaunchPlan, address: str | None, port: int) -> LaunchPlan:
-    """A fleet part's plan with the URL its peers (and `pdkv status`) reach it at: its host's address."""
-    return plan if address is None else msgspec.structs.replace(plan, url=http_url(address, port))
+def _reached_at(launch: Launch, address: str | None, port: int) -> Launch:
+    """A fleet part's launch with the URL its peers (and `pdkv status`) reach it at: its host's address."""
+    return launch if address is None else msgspec.structs.replace(launch, url=http_url(address, port))
 
 
 def _advertised(dep: Deployment) -> str:
@@ -165,7 +165,7 @@ def _advertised(dep: Deployment) -> str:
     return dep.host_ip or (advertised_address() if dep.host in ("0.0.0.0", "::", "") and not dep.hosts else dep.host)
 
 
-def bootstrap_url_of(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> str | None:
+def bootstrap_url_of(dep: Deployment, slot: EngineSlot, ports: PortAllocation) -> str | None:
     """The bootstrap URL the prefill of `slot` registers with (and D is told), None for a decode."""
     if slot.role != "prefill":
         return None
@@ -178,13 +178,13 @@ def bootstrap_url_of(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> str 
     return http_url(host_address(dep, slot.entry.host) or _advertised(dep), port)
 
 
-def members_url(dep: Deployment, ports: PortPlan) -> str | None:
+def members_url(dep: Deployment, ports: PortAllocation) -> str | None:
     """pdkv's connector: the members registry every engine joins and the proxy follows (the first prefill's bootstrap)."""
     first = next((s for s in engine_slots(dep) if s.role == "prefill"), None)
     return bootstrap_url_of(dep, first, ports) if first is not None and dep.connector == "pdkv" else None
 
 
-def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> list[Part]:
+def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortAllocation) -> list[Part]:
     """The parts of one engine slot on the ports `ports` gives it: [bootstrap, prefill] (a standalone bootstrap) or
     [engine], joining the members registry with pdkv's connector.
 
@@ -200,21 +200,22 @@ def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortPlan) -> list[Part]
     in_worker = slot.role == "prefill" and dep.bootstrap.mode == "in-worker" and given.bootstrap is not None
     if slot.role == "prefill" and dep.bootstrap.mode == "standalone" and given.bootstrap is not None:
         boot = dep.bootstrap
-        plan = LaunchPlan(name=f"bootstrap-{slot.index}", argv=_pdkv_argv(*bootstrap_args(dep.host, given.bootstrap)), env={},
-                          url=http_url(host_address(dep, boot.host) or connect_host(dep.host), given.bootstrap))
-        parts.append(Part(kind="bootstrap", plan=plan, ports=ports.of(plan.name), restart=boot.restart or dep.restart, host=boot.host))
+        launch = Launch(name=f"bootstrap-{slot.index}", argv=_pdkv_argv(*bootstrap_args(dep.host, given.bootstrap)), env={},
+                        url=http_url(host_address(dep, boot.host) or connect_host(dep.host), given.bootstrap))
+        parts.append(Part(kind="bootstrap", launch=launch, ports=ports.of(launch.name), restart=boot.restart or dep.restart,
+                          host=boot.host))
         # vLLM's connector registers once, so its prefill starts again with a restarted (empty) bootstrap;
         # pdkv's renews its registration every few seconds (register_interval_s) and keeps serving.
-        registers_with = plan.name if dep.connector == "mooncake" else None
+        registers_with = launch.name if dep.connector == "mooncake" else None
     # In-worker mode: the engine serves the bootstrap itself; otherwise it is told where it is.
     spec = engine_spec(dep, entry, slot.role, None if in_worker else url, given.bootstrap if in_worker else None, host_ip=at,
                        kv_events_port=given.kv_events, side_channel_port=given.side_channel,
                        socket_port=given.socket)
-    plan = _reached_at(engine_plan(spec, name=slot.name), at, given.http)
+    launch = _reached_at(engine_launch(spec, name=slot.name), at, given.http)
     members = members_url(dep, ports)
     if members:
-        plan = joining(plan, members)
-    parts.append(Part(kind=slot.role, plan=plan, ports=ports.of(slot.name), bootstrap_url=url, spec=spec,
+        launch = joining(launch, members)
+    parts.append(Part(kind=slot.role, launch=launch, ports=ports.of(slot.name), bootstrap_url=url, spec=spec,
                       restart=entry.restart or dep.restart, registers_with=registers_with, host=entry.host))
     return parts
 
@@ -236,21 +237,21 @@ def deployment_parts(dep: Deployment) -> list[Part]:
         if members:
             argv += ["--members", members]
         for p in prefills:
-            argv += ["--prefill", f"{p.plan.url},{p.bootstrap_url}"]
+            argv += ["--prefill", f"{p.launch.url},{p.bootstrap_url}"]
         for d in decodes:
-            argv += ["--decode", d.plan.url]
+            argv += ["--decode", d.launch.url]
         for p in (*prefills, *decodes):
             # The proxy indexes one event stream per engine URL; a DP engine's ranks publish one each (the proxy then
             # routes it by its own view: docs/proxy.md).
             if p.spec is not None and p.spec.kv_events_port is not None and p.spec.dp_size == 1:
-                host = p.plan.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+                host = p.launch.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
-                argv += ["--kv-events", f"{p.plan.url}={pub},{replay}"]
+                argv += ["--kv-events", f"{p.launch.url}={pub},{replay}"]
         if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.autoscale)
             argv += planner_args(dep.autoscale)
         proxy_at = host_address(dep, dep.proxy.host) or connect_host(dep.host)
-        plan = LaunchPlan(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
-        parts.append(Part(kind="proxy", plan=plan, ports=ports.of("proxy"), restart=dep.proxy.restart or dep.restart,
+        launch = Launch(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
+        parts.append(Part(kind="proxy", launch=launch, ports=ports.of("proxy"), restart=dep.proxy.restart or dep.restart,
                           host=dep.proxy.host))
     return parts
 

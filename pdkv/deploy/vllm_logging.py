@@ -104,9 +104,9 @@ def with_vllm_logging(parts: Sequence[Part], log_dir: str | Path, environ: Mappi
     path = str(Path(log_dir).resolve() / CONFIG_NAME)
     out = []
     for part in parts:
-        if part.spec is not None and not _configures_vllm_logging(part.plan.env):
-            plan = msgspec.structs.replace(part.plan, env={**part.plan.env, "VLLM_LOGGING_CONFIG_PATH": path})
-            part = msgspec.structs.replace(part, plan=plan)
+        if part.spec is not None and not _configures_vllm_logging(part.launch.env):
+            launch = msgspec.structs.replace(part.launch, env={**part.launch.env, "VLLM_LOGGING_CONFIG_PATH": path})
+            part = msgspec.structs.replace(part, launch=launch)
         out.append(part)
     return out
 
@@ -114,7 +114,7 @@ def with_vllm_logging(parts: Sequence[Part], log_dir: str | Path, environ: Mappi
 def write_logging_config(parts: Sequence[Part], log_dir: str | Path) -> Path | None:
     """Write the logging configuration into `log_dir` (created if missing) when one of `parts` uses it; its path."""
     path = Path(log_dir).resolve() / CONFIG_NAME
-    if not any(p.plan.env.get("VLLM_LOGGING_CONFIG_PATH") == str(path) for p in parts):
+    if not any(p.launch.env.get("VLLM_LOGGING_CONFIG_PATH") == str(path) for p in parts):
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(logging_config(), indent=1) + "\n")

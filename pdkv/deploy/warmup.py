@@ -32,7 +32,7 @@ def warm_up_deployment(parts: Sequence[Part], model: str, *, timeout: float = WA
     if proxy is None:
         return []
     requests = max(sum(p.kind == "prefill" for p in parts), sum(p.kind == "decode" for p in parts))
-    return warm_up(proxy.plan.url, model, requests=max(1, requests), timeout=timeout)
+    return warm_up(proxy.launch.url, model, requests=max(1, requests), timeout=timeout)
 
 
 def warm_up(proxy_url: str, model: str, *, requests: int = 1, timeout: float = 60.0) -> list[float]:

@@ -79,8 +79,8 @@ def cma_verdict(scope: int | None, timeout_s: float) -> tuple[bool, str, str]:
 
 def check_cma(host: Host, options: DoctorOptions) -> CheckResult:
     name = "cma"
-    if options.protocol != "cma":
-        return CheckResult(name, Status.SKIP, f"protocol {options.protocol} does not write into another process's memory")
+    if options.transport != "cma":
+        return CheckResult(name, Status.SKIP, f"transport {options.transport} does not write into another process's memory")
     text = host.root.read("proc/sys/kernel/yama/ptrace_scope")
     ok, detail, fix = cma_verdict(int(text) if text and text.isdigit() else None, options.check_timeout_s)
     return CheckResult(name, Status.PASS if ok else Status.FAIL, detail, fix)

@@ -82,7 +82,7 @@ def check_alloc_conf(host: Host, options: DoctorOptions) -> CheckResult:
     seen = ", ".join(f"{k}={v}" for k, v in found.items())
     if not expandable:
         return CheckResult(name, Status.PASS, seen)
-    if options.protocol != "rdma":
+    if options.transport != "rdma":
         return CheckResult(name, Status.PASS, f"{seen} (expandable segments only break RDMA registration)")
     return CheckResult(
         name,
@@ -109,7 +109,7 @@ def check_mc_env(host: Host, options: DoctorOptions) -> CheckResult:
     if bad:
         hint = f"fix {bad[0]} (an integer; MC_MTU one of {'/'.join(_MC_MTUS)})"
         return CheckResult(name, Status.FAIL, f"{seen}: invalid {', '.join(bad)}", hint)
-    if options.protocol == "rdma" and mc.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
+    if options.transport == "rdma" and mc.get("MC_FORCE_TCP", "").lower() in ("1", "true", "yes", "on"):
         return CheckResult(name, Status.WARN, f"{seen}: MC_FORCE_TCP makes Mooncake use TCP despite rdma", "unset MC_FORCE_TCP")
     return CheckResult(name, Status.PASS, f"{seen} (they act only if set before the engine starts)")
 

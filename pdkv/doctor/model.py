@@ -18,7 +18,7 @@ from pdkv.bootstrap import DEFAULT_PORT
 from pdkv.doctor.sysroot import SysRoot
 from pdkv.errors import GpuLookupError  # noqa: F401 - exported here, where the doctor finds its types
 
-TransferProtocol = Literal["rdma", "tcp", "cma", "socket"]
+CheckedTransport = Literal["rdma", "tcp", "cma", "socket"]  # the transports `pdkv doctor` checks a host for
 
 # Proxy, bootstrap, and the P and D HTTP ports of docs/timeline.md's example.
 DEFAULT_PORTS: tuple[int, ...] = (8000, DEFAULT_PORT, 8010, 8020)
@@ -45,7 +45,7 @@ class CheckResult(msgspec.Struct, frozen=True):
 
 
 class DoctorOptions(msgspec.Struct, frozen=True):
-    protocol: TransferProtocol = "rdma"
+    transport: CheckedTransport = "rdma"
     device: str | None = None
     ports: tuple[int, ...] = DEFAULT_PORTS
     skip_mooncake: bool = False
@@ -56,7 +56,7 @@ class DoctorOptions(msgspec.Struct, frozen=True):
 
 class DoctorReport(msgspec.Struct, frozen=True):
     ok: bool
-    protocol: str
+    transport: str
     device: str | None
     sys_root: str
     elapsed_s: float

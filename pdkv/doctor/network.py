@@ -6,7 +6,7 @@ With VLLM_HOST_IP unset the check names the very address `pdkv up` advertises (p
 from __future__ import annotations
 
 from pdkv.doctor.model import CheckResult, DoctorOptions, Host, Status
-from pdkv.errors import StartError
+from pdkv.errors import ConfigError, StartError
 from pdkv.peer_address import advertised_candidates, choose_address, local_addresses, parse_ip
 
 
@@ -51,10 +51,14 @@ def check_vllm_host_ip(host: Host, options: DoctorOptions) -> CheckResult:
 
 def check_deployment_key(host: Host, options: DoctorOptions) -> CheckResult:
     """Side channels and bootstraps beyond loopback want the deployment key (docs/security.md)."""
-    from pdkv.auth import LEGACY_TOKEN_ENV, TOKEN_ENV
+    from pdkv.auth import TOKEN_ENV, token_from_env
 
     name = "deployment_key"
-    if host.env.get(TOKEN_ENV) or host.env.get(LEGACY_TOKEN_ENV):
+    try:
+        token = token_from_env(host.env)
+    except ConfigError as exc:  # a key under a name pdkv does not read: the parts would run without it
+        return CheckResult(name, Status.FAIL, exc.message, exc.hint or "")
+    if token:
         return CheckResult(name, Status.PASS, f"{TOKEN_ENV} is set: side-channel frames are sealed, bootstrap writes need it")
     value = host.env.get("VLLM_HOST_IP", "").strip()
     if value:

@@ -121,12 +121,12 @@ def target_devices(devices: list[RdmaDevice], options: DoctorOptions) -> list[Rd
 
 
 def skip_for_tcp(name: str, options: DoctorOptions) -> CheckResult | None:
-    if options.protocol == "tcp":
-        return CheckResult(name, Status.SKIP, "protocol tcp moves KV over sockets: no RDMA NIC involved")
-    if options.protocol == "cma":
-        return CheckResult(name, Status.SKIP, "protocol cma moves KV between processes of this host: no RDMA NIC involved")
-    if options.protocol == "socket":
-        return CheckResult(name, Status.SKIP, "protocol socket moves KV over pdkv's TCP connections: no RDMA NIC involved")
+    if options.transport == "tcp":
+        return CheckResult(name, Status.SKIP, "transport tcp moves KV over sockets: no RDMA NIC involved")
+    if options.transport == "cma":
+        return CheckResult(name, Status.SKIP, "transport cma moves KV between processes of this host: no RDMA NIC involved")
+    if options.transport == "socket":
+        return CheckResult(name, Status.SKIP, "transport socket moves KV over pdkv's TCP connections: no RDMA NIC involved")
     return None
 
 

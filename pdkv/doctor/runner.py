@@ -130,7 +130,7 @@ def run_doctor(
     counts = {s.value: sum(r.status is s for r in results) for s in Status}
     return DoctorReport(
         ok=counts[Status.FAIL.value] == 0,
-        protocol=options.protocol,
+        transport=options.transport,
         device=options.device,
         sys_root=str(host.root.root),
         elapsed_s=round(time.monotonic() - start, 3),

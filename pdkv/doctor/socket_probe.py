@@ -38,8 +38,8 @@ def probe_socket(host_ip: str, timeout_s: float) -> tuple[bool, str]:
 
 def check_socket(host: Host, options: DoctorOptions) -> CheckResult:
     name = "socket"
-    if options.protocol != "socket":
-        return CheckResult(name, Status.SKIP, f"protocol {options.protocol} does not use pdkv's socket transport")
+    if options.transport != "socket":
+        return CheckResult(name, Status.SKIP, f"transport {options.transport} does not use pdkv's socket transport")
     host_ip = host.env.get("VLLM_HOST_IP") or "127.0.0.1"
     ok, detail = probe_socket(host_ip, options.check_timeout_s)
     fix = "" if ok else "set VLLM_HOST_IP to an address of this host that P can reach, and let TCP through to D's socket_port"

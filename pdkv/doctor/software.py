@@ -1,4 +1,4 @@
-"""Software checks: Mooncake's TransferEngine starts with the chosen protocol and device; vLLM is in range.
+"""Software checks: Mooncake's TransferEngine starts with the chosen transport (Mooncake's protocol) and device; vLLM is in range.
 
 The TransferEngine is started in a child process with a timeout: a bad device
 can hang or crash it, and neither may take the doctor down.
@@ -68,15 +68,15 @@ def check_mooncake(host: Host, options: DoctorOptions) -> CheckResult:
     name = "mooncake"
     if options.skip_mooncake:
         return CheckResult(name, Status.SKIP, "--skip-mooncake given")
-    if options.protocol in ("cma", "socket"):
-        return CheckResult(name, Status.SKIP, f"protocol {options.protocol} moves KV without Mooncake")
+    if options.transport in ("cma", "socket"):
+        return CheckResult(name, Status.SKIP, f"transport {options.transport} moves KV without Mooncake")
     install = "pip install mooncake-transfer-engine (CUDA hosts) or mooncake-transfer-engine-non-cuda (CPU hosts)"
     if importlib.util.find_spec("mooncake") is None:
         return CheckResult(name, Status.FAIL, "Mooncake is not installed (no module mooncake)", install)
     device = options.device or ""
     hostname = host.env.get("VLLM_HOST_IP") or "127.0.0.1"
-    args = [sys.executable, "-c", _PROBE, options.protocol, device, hostname]
-    call = f"initialize({hostname!r}, 'P2PHANDSHAKE', {options.protocol!r}, {device!r})"
+    args = [sys.executable, "-c", _PROBE, options.transport, device, hostname]
+    call = f"initialize({hostname!r}, 'P2PHANDSHAKE', {options.transport!r}, {device!r})"
     try:
         done = subprocess.run(
             args,
@@ -111,7 +111,7 @@ def check_mooncake(host: Host, options: DoctorOptions) -> CheckResult:
             "fix the failures above (device, port, GID, memlock), then rerun",
         )
     hcas = topology_hcas(result.get("topology", ""))
-    if options.protocol == "rdma":
+    if options.transport == "rdma":
         # Mooncake falls back to TCP silently when it finds no usable NIC.
         if not hcas:
             return CheckResult(

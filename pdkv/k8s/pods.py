@@ -145,13 +145,13 @@ def engine_volumes(k: KubernetesEntry) -> list[dict[str, Any]]:
     return volumes
 
 
-def doctor_container(k: KubernetesEntry, protocol: str, device: str, ports: list[int], res: dict[str, Any]) -> dict[str, Any]:
-    """`pdkv doctor` before the engine: exit 4 on a node that cannot do this protocol, its error line the pod's reason.
+def doctor_container(k: KubernetesEntry, transport: str, device: str, ports: list[int], res: dict[str, Any]) -> dict[str, Any]:
+    """`pdkv doctor` before the engine: exit 4 on a node that cannot do this transport, its error line the pod's reason.
 
     stderr (the one-line "pdkv: error: ..." and its hint) goes to the termination log, which Kubernetes shows as the
     init container's message (`kubectl describe pod`); the check table stays in the container's log.
     """
-    argv = ["pdkv", "doctor", "--transport", protocol]
+    argv = ["pdkv", "doctor", "--transport", transport]
     if device:
         argv += ["--device", device]
     for p in ports:

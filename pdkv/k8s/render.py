@@ -18,7 +18,7 @@ so P replicas never share one DP-rank table; every engine registers its
 member record with the bootstrap Service, which the proxy follows, so
 scaling a role needs no proxy restart. With `[autoscale]` (pdkv.k8s.autoscale) an autoscaler owns each
 role's count, and the workload carries no `replicas` of its own. The engines' argv and kv-transfer-config
-are `pdkv.deploy.engine.engine_plan` of `topology.engine_spec`, as `pdkv up` runs them.
+are `pdkv.deploy.engine.engine_launch` of `topology.engine_spec`, as `pdkv up` runs them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.deploy.args import bootstrap_args, proxy_args
-from pdkv.deploy.engine import EngineSpec, LaunchPlan, engine_argv, engine_plan, http_url
+from pdkv.deploy.engine import EngineSpec, Launch, engine_argv, engine_launch, http_url
 from pdkv.deploy.preflight import pd_disagreements  # the P/D agreement rule of `pdkv up`'s pre-flight
 from pdkv.deploy.schema import Deployment, EngineEntry, KubernetesEntry
 from pdkv.deploy.topology import Part, engine_spec
@@ -59,11 +59,11 @@ class EngineGroup(msgspec.Struct, frozen=True):
     entry: EngineEntry
     layout: Layout
     spec: EngineSpec  # the leader's (or the one pod's)
-    plan: LaunchPlan
+    launch: Launch
 
     @property
     def kv_config(self) -> str:
-        return self.plan.argv[self.plan.argv.index(KV_FLAG) + 1]
+        return self.launch.argv[self.launch.argv.index(KV_FLAG) + 1]
 
 
 def _meta(name: str, ns: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -103,8 +103,8 @@ def engine_groups(dep: Deployment, *, source: str) -> list[EngineGroup]:
                                   hint=f"drop {owned[0]} from env (docs/k8s.md says what each pod gets)")
             layout = pods.engine_layout(entry.tp, dep.kubernetes, gpu=dep.platform == "gpu", label=label, source=source)
             spec = _k8s_spec(dep, entry, role)
-            plan = engine_plan(spec, name=f"{role}-{i}")
-            groups.append(EngineGroup(role=role, part=plan.name, entry=entry, layout=layout, spec=spec, plan=plan))
+            launch = engine_launch(spec, name=f"{role}-{i}")
+            groups.append(EngineGroup(role=role, part=launch.name, entry=entry, layout=layout, spec=spec, launch=launch))
     return groups
 
 
@@ -113,13 +113,13 @@ def _check_file(dep: Deployment, *, source: str) -> None:
         raise ConfigError(f"{source}: connector {dep.connector!r} in Kubernetes: engines join the proxy through pdkv's members "
                           "registry, which vLLM's MooncakeConnector does not write to", hint='use connector = "pdkv"')
     if dep.transport not in ("rdma", "tcp", "socket"):
-        raise ConfigError(f"{source}: protocol {dep.transport} moves KV inside one host; P and D pods may sit on any node",
-                          hint='use protocol = "rdma" (or "tcp", or "socket" without RDMA)')
+        raise ConfigError(f"{source}: transport {dep.transport} moves KV inside one host; P and D pods may sit on any node",
+                          hint='use transport = "rdma" (or "tcp", or "socket" without RDMA)')
 
 
 def _check_agreement(groups: list[EngineGroup], *, source: str) -> None:
     """Every D agrees with every P, by the rule `pdkv up`'s pre-flight applies (the model configs are the pods', unread)."""
-    as_parts = [Part(kind=g.role, plan=g.plan, ports=[], spec=g.spec) for g in groups]
+    as_parts = [Part(kind=g.role, launch=g.launch, ports=[], spec=g.spec) for g in groups]
     for d in (p for p in as_parts if p.kind == "decode"):
         for p in (p for p in as_parts if p.kind == "prefill"):
             problems = pd_disagreements(p, d, None, None)
@@ -133,9 +133,9 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     # P's worker pods register with their leader's bootstrap, which only Kubernetes' $(VAR) expansion of the argv can name.
     spec = _k8s_spec(dep, g.entry, g.role, leader_bootstrap=http_url(LEADER_ADDRESS, dep.bootstrap.port)) if (
         worker and g.role == "prefill") else g.spec
-    plan = engine_plan(spec, name=g.part)
-    argv = engine_argv(spec, python="python3")  # plan.argv, with the image's python rather than this one's
-    from_map = plan.argv[plan.argv.index(KV_FLAG) + 1] == g.kv_config
+    launch = engine_launch(spec, name=g.part)
+    argv = engine_argv(spec, python="python3")  # launch.argv, with the image's python rather than this one's
+    from_map = launch.argv[launch.argv.index(KV_FLAG) + 1] == g.kv_config
     if from_map:
         argv[argv.index(KV_FLAG) + 1] = f"$({pods.KV_CONFIG_ENV})"
     if worker and "--kv-events-config" in argv:  # the leader's engine core publishes them; a worker pod runs TP ranks only
@@ -155,7 +155,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
     if from_map:
         env.append({"name": pods.KV_CONFIG_ENV, "valueFrom": {"configMapKeyRef": {"name": config_map, "key": f"{g.part}.json"}}})
     env += pods.mooncake_env(k, layout.ranks) + pods.token_env(k)
-    env += [{"name": n, "value": v} for n, v in sorted(plan.env.items()) if n != pods.HOST_IP_ENV]
+    env += [{"name": n, "value": v} for n, v in sorted(launch.env.items()) if n != pods.HOST_IP_ENV]
     ports = [] if worker else [pods.port("http", spec.port)]
     if g.role == "prefill" and not worker:
         ports.append(pods.port("bootstrap", dep.bootstrap.port))

@@ -1,9 +1,9 @@
-"""The kv-aware policy behind the proxy's routing seam (pdkv.proxy.router): a request's block keys, the plan,
+"""The kv-aware policy behind the proxy's routing seam (pdkv.proxy.router): a request's block keys, the placement,
 the predictions.
 
 Token ids come from the proxy's own tokenizer or an engine's `/tokenize` (pdkv.proxy.engine_tokens); the
 block keys are chained over them (pdkv.proxy.kv.prefix) in the key space the event subscriber builds from
-BlockStored's token ids. The plan is pdkv.proxy.kv.policy's. Once routed, the request's blocks are predicted on
+BlockStored's token ids. The placement is pdkv.proxy.kv.policy's. Once routed, the request's blocks are predicted on
 the chosen engines until their events confirm them.
 
 Each engine's own /metrics (pdkv.proxy.engine_loads, read every `metrics_interval_s`): D's KV usage and its
@@ -38,10 +38,10 @@ from pdkv.proxy.kv import (
     KvMetrics,
     LocalTokenizer,
     PrefillCandidate,
-    RoutePlan,
+    Placement,
     block_keys,
     counter_delta,
-    plan_route,
+    place_request,
 )
 from pdkv.proxy.kv_self_check import SelfChecks
 from pdkv.proxy.router import Route
@@ -70,7 +70,7 @@ def parse_event_source(spec: str) -> EventSource:
 
 
 class KvChoice(msgspec.Struct):
-    plan: RoutePlan
+    placement: Placement
     keys: list[BlockKey]
     prefill: int | None  # index into Backends.routable()'s targets
     decode: BackendState
@@ -141,7 +141,7 @@ class KvRouter:
                 return size
         return None
 
-    # --- the plan
+    # --- the placement
     async def route(self, body: dict[str, Any], endpoint: str, t: ProxyTiming) -> Route | None:
         """Where this request goes (recorded as routed), or None when no P/D pair is up (the proxy's no-prefill
         path then decides)."""
@@ -154,8 +154,8 @@ class KvRouter:
         return None if chosen is None else Route(*chosen)
 
     async def _choose(self, body: dict[str, Any], endpoint: str, t: ProxyTiming) -> KvChoice | None:
-        """The plan for this request, or None when no P/D pair is up. A plan for D alone (`prefill` None) is
-        recorded as routed at once; a P/D plan once paired (`_pairing`)."""
+        """The placement for this request, or None when no P/D pair is up. A placement for D alone (`prefill` None) is
+        recorded as routed at once; a P/D placement once paired (`_pairing`)."""
         targets, _owners, decodes = self.backends.routable()
         if not decodes or not targets:
             return None
@@ -174,10 +174,10 @@ class KvRouter:
                                     self.backends.in_flight(t)) for t in targets]
         d_cands = [self._decode_candidate(d, keys if keyed else [], now) for d in decodes]
         self._cursor += 1
-        plan = plan_route(len(tokens) if tokens else 0, size or 1, p_cands, d_cands, self.weights, start=self._cursor, keyed=keyed)
-        self.metrics.route.labels(str(plan.reason)).inc()
-        choice = KvChoice(plan, keys, plan.prefill, decodes[plan.decode], tokenize_s)
-        if plan.prefill is None:
+        placement = place_request(len(tokens) if tokens else 0, size or 1, p_cands, d_cands, self.weights, start=self._cursor, keyed=keyed)
+        self.metrics.route.labels(str(placement.reason)).inc()
+        choice = KvChoice(placement, keys, placement.prefill, decodes[placement.decode], tokenize_s)
+        if placement.prefill is None:
             self.routed(choice, t, None)
         return choice
 
@@ -213,17 +213,17 @@ class KvRouter:
 
     def routed(self, choice: KvChoice, t: ProxyTiming, p_url: str | None) -> None:
         """The request is being sent: count its hits, predict its blocks where they will be, queue P's work."""
-        plan, keys, now = choice.plan, choice.keys, time.monotonic()
+        placement, keys, now = choice.placement, choice.keys, time.monotonic()
         d_url = choice.decode.url
         if keys:
-            self.metrics.prompt_tokens.inc(plan.prompt_tokens)
+            self.metrics.prompt_tokens.inc(placement.prompt_tokens)
             self._count_hits(d_url if p_url is None else p_url, keys, now)
             if p_url is not None:
                 self.index.predict(p_url, keys, now)
             self.index.predict(d_url, keys, now)  # D computes them, or pulls them into its own cache
         if p_url is not None:
-            self._inflight.setdefault(p_url, {})[t.request_id] = (t, plan.prompt_tokens - plan.p_hit_tokens)
-        t.route = plan.summary() + (f"; tokenized in {choice.tokenize_s * 1000:.1f} ms" if choice.tokenize_s else "")
+            self._inflight.setdefault(p_url, {})[t.request_id] = (t, placement.prompt_tokens - placement.p_hit_tokens)
+        t.route = placement.summary() + (f"; tokenized in {choice.tokenize_s * 1000:.1f} ms" if choice.tokenize_s else "")
 
     def _count_hits(self, engine: str, keys: list[BlockKey], now: float) -> None:
         size = self.block_size() or 0

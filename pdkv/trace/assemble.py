@@ -256,7 +256,7 @@ def assemble(
             at_start = [a for a, _, _ in chain].index("transfer_start")
             chain = (*chain[:at_start], *GPU_TAIL, *chain[at_start + 1 :])
     phases, notes = _phases(at, chain, received)
-    if proxy.route:  # why it went where it went (the kv-aware policy's plan)
+    if proxy.route:  # why it went where it went (the kv-aware policy's placement)
         notes.insert(0, f"routed by kv-aware: {proxy.route}" + (" (decode alone, no P)" if proxy.local_prefill == "kv_local" else ""))
     if crit is None:
         notes.append(connector_note or "connector-side steps (11-37) are not visible: only the proxy's own times are shown")

@@ -1,8 +1,8 @@
 """KV transport: how bytes move from P's registered memory into D's.
 
 `base` holds the Transport protocol (the one seam every caller uses) and
-region types; `planner` turns block ids into descriptors (pure), and
-`planned` is the seam's shared part for descriptor transports; `mooncake` implements the protocol over
+region types; `descriptors` turns block ids into descriptors (pure), and
+`descriptor_writes` is the seam's shared part for descriptor transports; `mooncake` implements the protocol over
 Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between
 GPUs of one host through CUDA IPC (ipc); `cma` moves KV in host memory
 between processes of one host with process_vm_writev (cma); `sockets` moves

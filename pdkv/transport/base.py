@@ -49,7 +49,7 @@ class Transport(Protocol):
     Every method may be called from several threads at once.
     """
 
-    protocol: str
+    name: str  # how it moves KV (pdkv.transport.TransportName)
 
     @property
     def session_address(self) -> str:

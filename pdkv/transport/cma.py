@@ -35,7 +35,7 @@ from pathlib import Path
 from pdkv.errors import StartError, TransferError
 from pdkv.transport.base import Descriptor, UncheckedWrites
 from pdkv.transport.host import PeerProcess, process_start_time, read_boot_id
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 
 __all__ = ["CmaTransport", "CmaPeer", "parse_session", "ptrace_scope", "process_start_time"]
 
@@ -112,7 +112,7 @@ class CmaPeer:
         self._process.close()
 
 
-class CmaTransport(PlannedWrites, UncheckedWrites):
+class CmaTransport(DescriptorWrites, UncheckedWrites):
     """The Transport protocol over process_vm_writev, for KV in host memory of processes on one host.
 
     `write` copies on the calling thread and returns when every byte has
@@ -124,7 +124,7 @@ class CmaTransport(PlannedWrites, UncheckedWrites):
     under `_lock`) and each peer's pidfd (guarded by the peer).
     """
 
-    protocol = "cma"
+    name = "cma"
 
     def __init__(self, proc_root: str | Path = "/proc", *, writable: bool = True) -> None:
         """`writable`: peers will write into this process (D); P's transport only writes and passes False."""

@@ -29,9 +29,9 @@ from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.base import Descriptor, Region, UncheckedWrites, Written
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session
-from pdkv.transport.ipc_plan import CHUNK_BYTES, SpanMap, block_array, plan_chunks
+from pdkv.transport.ipc_chunks import CHUNK_BYTES, SpanMap, block_array, plan_chunks
 from pdkv.transport.ipc_share import KvExporter, OpenedPeer, close_opened, open_export
-from pdkv.transport.planner import check_ranges, plan_descriptors
+from pdkv.transport.descriptors import check_ranges, plan_descriptors
 
 __all__ = ["CudaIpcTransport", "IpcAllocation", "IpcExport", "IpcRegion", "SpanMap", "plan_chunks"]
 
@@ -79,13 +79,13 @@ class CudaIpcTransport(UncheckedWrites):
     block) and when a peer is reconnected.
     """
 
-    protocol = "ipc"
+    name = "ipc"
 
     def __init__(self, device: int = 0, *, pull: bool = True, chunk_bytes: int = CHUNK_BYTES) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise StartError("no CUDA device visible", hint="the ipc transport needs GPUs; use --protocol tcp or rdma")
+            raise StartError("no CUDA device visible", hint="the ipc transport needs GPUs; use --transport tcp or rdma")
         self.torch = torch
         self.device = device
         self.pull = pull

@@ -49,7 +49,7 @@ from typing import Any
 
 from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport.base import Descriptor, UncheckedWrites
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 
 PROTOCOLS = ("tcp", "rdma")
 DEFAULT_WRITE_TIMEOUT_S = 30.0
@@ -90,14 +90,14 @@ def check_protocol(protocol: str, device_name: str, sysfs_root: str | Path = SYS
     deployment would then measure the wrong link.
     """
     if protocol not in PROTOCOLS:
-        raise UsageError(f"unknown transport protocol {protocol!r}", hint=f"use one of: {', '.join(PROTOCOLS)}")
+        raise UsageError(f"transport {protocol!r} is not one of Mooncake's", hint=f"use one of: {', '.join(PROTOCOLS)}")
     if protocol != "rdma":
         return
     found = rdma_devices(sysfs_root)
     if not found:
         raise StartError(
-            f"protocol rdma asked for, but {sysfs_root} lists no RDMA devices",
-            hint="load the NIC's driver (ibv_devices should list it) or use --protocol tcp",
+            f"transport rdma asked for, but {sysfs_root} lists no RDMA devices",
+            hint="load the NIC's driver (ibv_devices should list it) or use --transport tcp",
         )
     wanted = [d.strip() for d in device_name.split(",") if d.strip()]
     missing = [d for d in wanted if d not in found]
@@ -174,18 +174,18 @@ class _Worker:
         return not self._thread.is_alive()
 
 
-class MooncakeTransport(PlannedWrites, UncheckedWrites):
+class MooncakeTransport(DescriptorWrites, UncheckedWrites):
     """A Mooncake TransferEngine started with the P2P handshake; implements pdkv.transport.base.Transport.
 
     Raises StartError when the engine cannot start (wheel missing, no RDMA
-    device for `rdma`, initialize failing), UsageError for an unknown
-    protocol or a non-MC_* setting.
+    device for `rdma`, initialize failing), UsageError for a transport
+    Mooncake lacks or a non-MC_* setting. `transport` is what Mooncake calls the protocol: tcp or rdma.
     """
 
     def __init__(
         self,
         hostname: str = "127.0.0.1",
-        protocol: str = "tcp",
+        transport: str = "tcp",
         device_name: str = "",
         *,
         settings: Mapping[str, str] | None = None,
@@ -193,14 +193,14 @@ class MooncakeTransport(PlannedWrites, UncheckedWrites):
         max_batch: int = DEFAULT_MAX_BATCH,
         sysfs_root: str | Path = SYSFS_INFINIBAND,
     ) -> None:
-        check_protocol(protocol, device_name, sysfs_root)
+        check_protocol(transport, device_name, sysfs_root)
         if write_timeout_s <= 0:
             raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
         if max_batch <= 0:
             raise UsageError(f"max_batch must be positive, got {max_batch}")
         self.max_batch = max_batch
         self.hostname = hostname
-        self.protocol = protocol
+        self.name = transport
         self.device_name = device_name
         self.write_timeout_s = write_timeout_s
         self.mc_settings = apply_mc_settings(settings)
@@ -213,10 +213,10 @@ class MooncakeTransport(PlannedWrites, UncheckedWrites):
                 "it needs libibverbs1 and librdmacm1 even for tcp",
             ) from None
         self._engine: Any = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", transport, device_name)
         if rc != 0:
             raise StartError(
-                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {protocol}, {device_name!r}) returned {rc}",
+                f"Mooncake TransferEngine.initialize({hostname!r}, P2PHANDSHAKE, {transport}, {device_name!r}) returned {rc}",
                 hint="check that the hostname is an address of this host and that the RPC port range is free "
                 "(MC_MIN_RPC_PORT/MC_MAX_RPC_PORT); set MC_LOG_LEVEL=INFO to see Mooncake's reason",
             )
@@ -295,7 +295,7 @@ class MooncakeTransport(PlannedWrites, UncheckedWrites):
         if peer.startswith(("cma:", "socket://")):
             # host:port parsing would accept it and Mooncake would try to resolve "cma:<boot id>".
             raise TransferError(
-                f"decode's address {peer!r} is for {peer.split(':')[0]}, but this engine moves KV with Mooncake {self.protocol}: "
+                f"decode's address {peer!r} is for {peer.split(':')[0]}, but this engine moves KV with Mooncake {self.name}: "
                 "use the same mooncake_protocol on P and D"
             )
         if not descriptors:

@@ -80,9 +80,9 @@ def test_no_geometry_is_a_usage_error(capsys):
 
 
 def test_cma_between_two_processes_verified_beside_memmove(capsys):
-    assert run(["bench", *TINY, *QUICK, "--protocol", "cma", "--blocks", "4", "--layout", "all", "--baseline", "--json"]) == 0
+    assert run(["bench", *TINY, *QUICK, "--transport", "cma", "--blocks", "4", "--layout", "all", "--baseline", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["protocol"] == "cma" and (report["src"], report["dst"]) == ("cpu", "cpu")
+    assert report["transport"] == "cma" and (report["src"], report["dst"]) == ("cpu", "cpu")
     assert report["peer"].startswith("cma:")
     for c in report["cases"]:
         assert c["verified"] and c["baseline"]["bare"]["p50_ms"] > 0
@@ -90,5 +90,5 @@ def test_cma_between_two_processes_verified_beside_memmove(capsys):
 
 
 def test_cma_moves_host_memory_only(capsys):
-    assert run(["bench", *TINY, "--protocol", "cma", "--src", "cuda:0"]) == 2
+    assert run(["bench", *TINY, "--transport", "cma", "--src", "cuda:0"]) == 2
     assert "host memory" in capsys.readouterr().err

@@ -70,7 +70,7 @@ def test_serves_until_a_signal_then_exits_cleanly(sig):
 
 def test_port_comes_from_vllms_env_var_and_token_from_pdkv_env():
     port = free_port()
-    env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port), "PDKV_BOOTSTRAP_TOKEN": "s3cret"}
+    env = {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port), "PDKV_TOKEN": "s3cret"}
     with cli_server("--probe-interval", "0", env=env) as (proc, ready):
         assert ready["port"] == port and ready["token"] is True
         r = httpx.post(f"{ready['url']}/register", json={"engine_id": "e", "dp_rank": 0, "tp_rank": 0, "pp_rank": 0, "addr": "tcp://h:1"})
@@ -129,6 +129,9 @@ def test_deregister_needs_the_token_and_frees_the_rank(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert "(401)" in err and "PDKV_TOKEN" in err
         monkeypatch.setenv("PDKV_BOOTSTRAP_TOKEN", "s3cret")
+        assert run(["bootstrap", "deregister", "eng-a", "--url", svc.url]) == 2
+        assert "PDKV_BOOTSTRAP_TOKEN is set and PDKV_TOKEN is not" in capsys.readouterr().err
+        monkeypatch.setenv("PDKV_TOKEN", "s3cret")
         assert run(["bootstrap", "deregister", "eng-a", "--url", svc.url, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["removed"] == 1
         assert run(["bootstrap", "deregister", "eng-a", "--url", svc.url]) == 0

@@ -28,25 +28,25 @@ def _free_port() -> int:
 
 def checks_of(out: str) -> dict[str, dict]:
     data = json.loads(out)
-    assert set(data) >= {"ok", "protocol", "device", "sys_root", "elapsed_s", "counts", "checks"}
+    assert set(data) >= {"ok", "transport", "device", "sys_root", "elapsed_s", "counts", "checks"}
     for check in data["checks"]:
         assert set(check) == {"name", "status", "detail", "hint"}
     return {c["name"]: c for c in data["checks"]}
 
 
 def test_tcp_on_this_machine_passes_and_skips_rdma_checks(capsys, free_port):
-    code = run(["doctor", "--protocol", "tcp", "--skip-mooncake", "--port", str(free_port), "--json"])
+    code = run(["doctor", "--transport", "tcp", "--skip-mooncake", "--port", str(free_port), "--json"])
     checks = checks_of(capsys.readouterr().out)
     assert code == 0
     for name in ("rdma_devices", "rdma_device", "uverbs", "gpudirect_rdma", "memlock", "roce_gid", "gpu_nic_numa"):
-        assert checks[name]["status"] == "skip" and "protocol tcp" in checks[name]["detail"]
+        assert checks[name]["status"] == "skip" and "transport tcp" in checks[name]["detail"]
     assert checks["mooncake"]["status"] == "skip"
     assert checks["vllm"]["status"] == "pass" and "0.32" in checks["vllm"]["detail"]
     assert checks["ports"]["detail"] == f"free: {free_port}"
 
 
 def test_real_mooncake_tcp_engine_starts(capsys, free_port):
-    code = run(["doctor", "--protocol", "tcp", "--port", str(free_port), "--json"])
+    code = run(["doctor", "--transport", "tcp", "--port", str(free_port), "--json"])
     checks = checks_of(capsys.readouterr().out)
     assert code == 0
     assert checks["mooncake"]["status"] == "pass" and "'tcp'" in checks["mooncake"]["detail"]
@@ -85,7 +85,7 @@ def test_busy_port_fails(capsys, free_port):
     with socket.socket() as server:
         server.bind(("127.0.0.1", free_port))
         server.listen(1)
-        code = run(["doctor", "--protocol", "tcp", "--skip-mooncake", "--port", str(free_port), "--json"])
+        code = run(["doctor", "--transport", "tcp", "--skip-mooncake", "--port", str(free_port), "--json"])
     checks = checks_of(capsys.readouterr().out)
     assert code == 4
     assert checks["ports"]["status"] == "fail" and str(free_port) in checks["ports"]["detail"]

@@ -18,7 +18,7 @@ def write_fleet(
     boot, pp, dp, xp = ports
     text = f"""model = "/models/m"
 platform = "cpu"
-protocol = "tcp"
+transport = "tcp"
 block_size = 32
 {extra}
 {tables}
@@ -96,11 +96,10 @@ def test_host_alone_is_a_usage_error(capsys) -> None:
     assert "--host goes with -f FILE" in capsys.readouterr().err
 
 
-def test_role_host_is_still_the_listen_address(capsys) -> None:
-    (part,) = dry_run(capsys, "--role", "decode", "--model", "/models/m", "--platform", "cpu",
-                      "--host", "127.0.0.1", "--host-ip", "127.0.0.1")
-    argv = part["argv"]
-    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+def test_host_with_role_is_a_usage_error_naming_listen(capsys) -> None:
+    assert run(["up", "--role", "decode", "--model", "/models/m", "--platform", "cpu", "--host", "127.0.0.1", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--host goes with -f FILE" in err and "is --listen" in err
 
 
 def test_status_shows_every_hosts_parts(capsys, tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def test_dry_run_json_for_each_role_and_connector(capsys, connector: str, role: 
 
 def test_dry_run_prefill_with_standalone_bootstrap_and_extra_args(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "prefill", "--model", "m", "--platform", "gpu", "--bootstrap", "http://10.0.0.2:7000",
-                      "--protocol", "tcp", "--host-ip", "10.0.0.5", "--", "--enforce-eager", "--max-num-seqs", "8")
+                      "--transport", "tcp", "--host-ip", "10.0.0.5", "--", "--enforce-eager", "--max-num-seqs", "8")
     argv = part["argv"]
     assert argv[-3:] == ["--enforce-eager", "--max-num-seqs", "8"]
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
@@ -113,8 +113,8 @@ def test_preflight_port_taken(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
-                              "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(qwen3_8b), "--platform", "cpu",
+                              "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(port), "--log-dir", str(tmp_path))
     assert f"decode: port {port} on 127.0.0.1 (HTTP, from --port) is held by another process" in err
     assert "hint: stop what holds it" in err and "or change --port" in err
     assert not list(tmp_path.iterdir())  # no part was started, so no log was opened
@@ -128,7 +128,7 @@ def test_preflight_checks_the_ports_of_the_engines_autoscale_may_add_naming_the_
     boot, prefill = free_port(pair=True), free_port(pair=True)
     deploy = tmp_path / "deploy.toml"
     deploy.write_text(
-        f'model = "{qwen3_8b}"\nplatform = "cpu"\nprotocol = "cma"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
+        f'model = "{qwen3_8b}"\nplatform = "cpu"\ntransport = "cma"\nhost = "127.0.0.1"\nhost_ip = "127.0.0.1"\nblock_size = 32\n'
         f"kv_events = false\n[bootstrap]\nport = {boot}\n[[prefill]]\nport = {prefill}\nomp_bind = \"0\"\n"
         f"[[decode]]\nport = {free_port()}\nomp_bind = \"1\"\n[proxy]\nport = {free_port()}\n"
         '[autoscale]\nprofile = "tiny.profile.json"\nttft_ms = 300\nitl_ms = 40\n[autoscale.prefill]\nmin = 1\nmax = 2\n'
@@ -157,7 +157,7 @@ def test_preflight_mismatched_block_size(capsys, qwen3_8b: Path, tmp_path: Path)
 
 def test_preflight_unreachable_bootstrap(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
     closed = free_port()  # nothing listens here
-    err = preflight_fails(capsys, "--role", "prefill", "--model", str(qwen3_8b), "--platform", "cpu", "--host", "127.0.0.1",
+    err = preflight_fails(capsys, "--role", "prefill", "--model", str(qwen3_8b), "--platform", "cpu", "--listen", "127.0.0.1",
                           "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap", f"http://127.0.0.1:{closed}",
                           "--log-dir", str(tmp_path))
     assert f"bootstrap: http://127.0.0.1:{closed} is unreachable" in err
@@ -169,8 +169,9 @@ def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        err = preflight_fails(capsys, "--role", "decode", "--model", str(tmp_path / "no-model"), "--platform", "cpu", "--host", "127.0.0.1",
-                              "--host-ip", "127.0.0.1", "--port", str(port), "--block-size", "16", "--log-dir", str(tmp_path))
+        err = preflight_fails(capsys, "--role", "decode", "--model", str(tmp_path / "no-model"), "--platform", "cpu",
+                              "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(port), "--block-size", "16",
+                              "--log-dir", str(tmp_path))
     lines = err.strip().splitlines()
     assert lines[0] == "pdkv: error: pre-flight found 3 problems:"
     assert len([line for line in lines if "; fix: " in line]) == 3
@@ -179,20 +180,20 @@ def test_preflight_reports_every_problem_one_line_each(capsys, tmp_path: Path) -
 def test_ipc_needs_gpus_and_pdkvs_connector(capsys):
     from pdkv.cli import run
 
-    assert run(["up", "--protocol", "ipc", "--platform", "cpu", "--dry-run"]) == 2
+    assert run(["up", "--transport", "ipc", "--platform", "cpu", "--dry-run"]) == 2
     assert "between GPUs" in capsys.readouterr().err
     role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
-    assert run([*role, "--protocol", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
+    assert run([*role, "--transport", "ipc", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
-def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
+def test_ipc_role_dry_run_sets_the_transport_and_both_gpus(capsys):
     import json
 
     from pdkv.cli import run
 
     role = ["up", "--role", "prefill", "--model", "m", "--platform", "gpu"]
-    code = run([*role, "--protocol", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
+    code = run([*role, "--transport", "ipc", "--gpu", "0,1", "--host-ip", "127.0.0.1", "--dry-run", "--json"])
     assert code == 0
     part = json.loads(capsys.readouterr().out)["parts"][0]
     config = json.loads(part["argv"][part["argv"].index("--kv-transfer-config") + 1])
@@ -203,10 +204,10 @@ def test_ipc_role_dry_run_sets_the_protocol_and_both_gpus(capsys):
 def test_cma_needs_host_memory_and_pdkvs_connector(capsys):
     from pdkv.cli import run
 
-    assert run(["up", "--protocol", "cma", "--platform", "gpu", "--dry-run"]) == 2
+    assert run(["up", "--transport", "cma", "--platform", "gpu", "--dry-run"]) == 2
     assert "host memory" in capsys.readouterr().err
     role = ["up", "--role", "decode", "--model", "m", "--platform", "cpu"]
-    assert run([*role, "--protocol", "cma", "--connector", "mooncake", "--dry-run"]) == 2
+    assert run([*role, "--transport", "cma", "--connector", "mooncake", "--dry-run"]) == 2
     assert "pdkv's own transport" in capsys.readouterr().err
 
 
@@ -225,8 +226,8 @@ def test_local_cpu_dry_run_moves_kv_with_cma(capsys):
 
 def test_preflight_refuses_vllms_connector_on_a_cpu_host(capsys, qwen3_8b: Path, tmp_path: Path) -> None:
     err = preflight_fails(capsys, "--role", "prefill", "--connector", "mooncake", "--model", str(qwen3_8b), "--platform", "cpu",
-                          "--host", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(free_port()), "--bootstrap-port", str(free_port()),
-                          "--log-dir", str(tmp_path / "logs"))
+                          "--listen", "127.0.0.1", "--host-ip", "127.0.0.1", "--port", str(free_port()),
+                          "--bootstrap-port", str(free_port()), "--log-dir", str(tmp_path / "logs"))
     lines = err.strip().splitlines()
     assert lines[0].startswith("pdkv: error: pre-flight: prefill: vLLM's MooncakeConnector needs GPU KV caches")
     assert "Cannot access accelerator device when none is available" in lines[0]
@@ -263,7 +264,7 @@ def test_restart_policy_from_the_file_each_part_and_the_flag(capsys, tmp_path: P
 def _fleet_file(tmp_path: Path, token: str | None) -> Path:
     f = tmp_path / "deploy.toml"
     key = f'token = "{token}"\n' if token else ""
-    f.write_text(f'model = "m"\nplatform = "cpu"\nprotocol = "tcp"\nhost = "0.0.0.0"\nhost_ip = "10.0.0.5"\n{key}'
+    f.write_text(f'model = "m"\nplatform = "cpu"\ntransport = "tcp"\nhost = "0.0.0.0"\nhost_ip = "10.0.0.5"\n{key}'
                  "[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\n")
     return f
 
@@ -277,6 +278,13 @@ def test_up_warns_of_side_channels_and_bootstraps_beyond_loopback_without_a_key(
     assert any("prefill-0's KV side channel listens on 10.0.0.5 with no deployment key" in w for w in warnings), warnings
 
 
+def test_up_refuses_a_key_under_the_retired_name_and_names_pdkv_token(capsys, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("PDKV_TOKEN", raising=False)
+    monkeypatch.setenv("PDKV_BOOTSTRAP_TOKEN", "s3cret")
+    assert run(["up", "-f", str(_fleet_file(tmp_path, None)), "--dry-run", "--json"]) == 2
+    assert "PDKV_BOOTSTRAP_TOKEN is set and PDKV_TOKEN is not" in capsys.readouterr().err
+
+
 def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints_it_nowhere(capsys, tmp_path: Path,
                                                                                            monkeypatch) -> None:
     monkeypatch.setenv("PDKV_TOKEN", "")  # so that monkeypatch puts it back as it was once the test is over
@@ -288,11 +296,12 @@ def test_up_hands_the_files_key_to_every_part_through_the_environment_and_prints
     assert "warning" not in capsys.readouterr().err
 
 
-def test_listen_is_the_address_of_an_engine_started_by_role_and_host_its_older_name(capsys) -> None:
+def test_listen_is_the_address_of_an_engine_started_by_role_and_host_is_a_usage_error_there(capsys) -> None:
     (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--listen", "127.0.0.2", "--transport", "tcp")
     assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.2"
-    (part,) = dry_run(capsys, "--role", "decode", "--model", "m", "--platform", "gpu", "--host", "127.0.0.3", "--transport", "tcp")
-    assert part["argv"][part["argv"].index("--host") + 1] == "127.0.0.3"
+    assert run(["up", "--role", "decode", "--model", "m", "--host", "127.0.0.3", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--host goes with -f FILE" in err and "--listen" in err
     assert run(["up", "--listen", "127.0.0.1", "--dry-run"]) == 2
     assert "--listen goes with --role" in capsys.readouterr().err
 
@@ -305,7 +314,7 @@ def test_a_file_with_p_and_d_of_different_tp_starts_each_rank_on_its_own_cores(c
     (tmp_path / "d.toml").write_text(f"""
 model = "{model}"
 connector = "pdkv"
-protocol = "tcp"
+transport = "tcp"
 platform = "cpu"
 host_ip = "127.0.0.1"
 block_size = 32
@@ -325,3 +334,9 @@ omp_bind = "0-1"
     (tmp_path / "d.toml").write_text((tmp_path / "d.toml").read_text().replace('omp_bind = "0-1"', 'omp_bind = "1"'))
     assert run(["up", "-f", str(tmp_path / "d.toml"), "--dry-run"]) == 2
     assert "gives 1 core(s) to 2 TP ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["up", "--dry-run"], ["doctor"], ["bench"], ["bench", "serve"]])
+def test_protocol_is_no_option_of_up_doctor_or_bench(capsys, argv: list[str]) -> None:
+    assert run([*argv, "--protocol", "tcp"]) == 2
+    assert "--protocol" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 from support.ports import free_port
 
@@ -116,7 +116,7 @@ class EngineFactory:
             kv_events_port=kv_events_port,
         )
         label = name or f"{role}-{connector}-{len(self.started)}"
-        engine = ManagedProcess(engine_plan(spec, name=label), self.logs / f"{label}.log")
+        engine = ManagedProcess(engine_launch(spec, name=label), self.logs / f"{label}.log")
         engine.start()
         self.started.append(engine)
         _ENGINES.append(engine)

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdkv.geometry import geometry_from_model, plan_transfer
-from pdkv.deploy.engine import engine_plan
+from pdkv.geometry import geometry_from_model, size_transfer
+from pdkv.deploy.engine import engine_launch
 from pdkv.deploy.process import ManagedProcess
 from support.engines import BLOCK, LENGTHS, LOGPROB_TOL, PDKV_EXTRA, SHIM, START_S, answer, body, complete, prompt_ids, spec
 from support.ports import free_port
@@ -56,7 +56,7 @@ def prompts(vocab: int) -> dict[int, list[int]]:
 def colocated(tiny_model: Path, prompts, tmp_path_factory) -> dict[int, tuple[list[str], list[dict[str, float]], int]]:
     """Every prompt's answer from one colocated vLLM (started, asked, stopped before any P/D pair)."""
     logs = tmp_path_factory.mktemp("colocated")
-    engine = ManagedProcess(engine_plan(spec(tiny_model, "none", "pdkv", "0"), name="colocated"), logs / "colocated.log").start()
+    engine = ManagedProcess(engine_launch(spec(tiny_model, "none", "pdkv", "0"), name="colocated"), logs / "colocated.log").start()
     try:
         engine.wait_healthy(START_S)
         out = {}
@@ -82,21 +82,21 @@ class Pair:
 
 @pytest.fixture(scope="module", params=["pdkv", "pdkv-cma", "mooncake"])
 def pair(request, tiny_model: Path, colocated, tmp_path_factory) -> Iterator[Pair]:
-    connector, _, protocol = request.param.partition("-")
-    protocol = protocol or "tcp"
+    connector, _, transport = request.param.partition("-")
+    transport = transport or "tcp"
     logs = tmp_path_factory.mktemp(f"pd-{request.param}")
     bport = free_port()
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)} if connector == "mooncake" else {}
     extra = PDKV_EXTRA if connector == "pdkv" else {}
     p_args = ("--max-num-seqs", "2") if connector == "pdkv" else ()  # lets a test keep a P request queued
     p_spec = spec(
-        tiny_model, "prefill", connector, "0", protocol, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
+        tiny_model, "prefill", connector, "0", transport, bootstrap_port=bport, extra_env=env, connector_extra=extra, extra_args=p_args
     )
     # D fails a pull it cannot complete (vLLM's default policy): the paths that would hang must answer at once;
     # recompute, pdkv up's default for pdkv's connector, has tests/e2e/test_recompute.py.
-    d_spec = spec(tiny_model, "decode", connector, "1", protocol, extra_env=env, connector_extra=extra, load_failure="fail")
-    p = ManagedProcess(engine_plan(p_spec, name=f"p-{connector}"), logs / "p.log").start()
-    d = ManagedProcess(engine_plan(d_spec, name=f"d-{connector}"), logs / "d.log").start()
+    d_spec = spec(tiny_model, "decode", connector, "1", transport, extra_env=env, connector_extra=extra, load_failure="fail")
+    p = ManagedProcess(engine_launch(p_spec, name=f"p-{connector}"), logs / "p.log").start()
+    d = ManagedProcess(engine_launch(d_spec, name=f"d-{connector}"), logs / "d.log").start()
     try:
         p.wait_healthy(START_S)
         d.wait_healthy(START_S)
@@ -144,7 +144,7 @@ def test_pd_answer_equals_colocated_and_d_computes_one_token(pair: Pair, prompts
     assert delta.get("external_kv_transfer", 0) >= n - 1 and delta.get("local_compute", 0) <= 1, delta
     if pair.connector == "pdkv":
         trace = p_trace(pair, proxy_tid(pair, rid))
-        plan = plan_transfer(geometry_from_model(pair.model), prompt_tokens=n, block_size=BLOCK)
+        plan = size_transfer(geometry_from_model(pair.model), prompt_tokens=n, block_size=BLOCK)
         assert trace.bytes == plan.transfer_bytes
         assert trace.status == "sent"
         # D's own record of its first step after the KV arrived: the last prompt token only.

@@ -63,13 +63,13 @@ def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
 
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS), ids=list(DEPLOYMENTS))
 def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
-    connector, protocol = DEPLOYMENTS[request.param]
+    connector, transport = DEPLOYMENTS[request.param]
     shim = connector == "mooncake"
     bootstrap_port = free_port()
     prefill, decode = start_vllm.pair(
-        dict(role="prefill", connector=connector, transport=protocol, omp_bind="0", bootstrap_port=bootstrap_port,
+        dict(role="prefill", connector=connector, transport=transport, omp_bind="0", bootstrap_port=bootstrap_port,
              cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}"),
-        dict(role="decode", connector=connector, transport=protocol, omp_bind="1", cpu_accelerator_shim=shim,
+        dict(role="decode", connector=connector, transport=transport, omp_bind="1", cpu_accelerator_shim=shim,
              name=f"load-decode-{request.param}"),
     )
     model = str(tiny_model)

@@ -66,29 +66,29 @@ class Engines:
         self.bootstrap: dict[str, int] = {}
         self.alone: dict[str, Answer] = {}
 
-    def _prefill_args(self, protocol: str) -> dict:
-        port = self.bootstrap.setdefault(protocol, free_port())
-        return dict(role="prefill", transport=protocol, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{protocol}")
+    def _prefill_args(self, transport: str) -> dict:
+        port = self.bootstrap.setdefault(transport, free_port())
+        return dict(role="prefill", transport=transport, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{transport}")
 
     @staticmethod
-    def _decode_args(protocol: str, load_failure: str | None = None) -> dict:
+    def _decode_args(transport: str, load_failure: str | None = None) -> dict:
         extra = {"load_failure": load_failure} if load_failure else {}
-        return dict(role="decode", transport=protocol, omp_bind="1", name=f"recompute-decode-{protocol}-{load_failure}", **extra)
+        return dict(role="decode", transport=transport, omp_bind="1", name=f"recompute-decode-{transport}-{load_failure}", **extra)
 
-    def prefill(self, protocol: str) -> ManagedProcess:
-        return self.start_vllm(**self._prefill_args(protocol))
+    def prefill(self, transport: str) -> ManagedProcess:
+        return self.start_vllm(**self._prefill_args(transport))
 
-    def decode(self, protocol: str, load_failure: str | None = None) -> ManagedProcess:
-        return self.start_vllm(**self._decode_args(protocol, load_failure))
+    def decode(self, transport: str, load_failure: str | None = None) -> ManagedProcess:
+        return self.start_vllm(**self._decode_args(transport, load_failure))
 
-    def pair(self, p_protocol: str, d_protocol: str) -> tuple[ManagedProcess, ManagedProcess]:
+    def pair(self, p_transport: str, d_transport: str) -> tuple[ManagedProcess, ManagedProcess]:
         """A P and a D started at once (different cores), as the tests below ask for them."""
-        return self.start_vllm.pair(self._prefill_args(p_protocol), self._decode_args(d_protocol))
+        return self.start_vllm.pair(self._prefill_args(p_transport), self._decode_args(d_transport))
 
     @contextmanager
-    def proxy(self, p_protocol: str, decode: ManagedProcess, **config) -> Iterator[str]:
-        p = self.prefill(p_protocol)
-        cfg = build_config([f"{p.url},http://127.0.0.1:{self.bootstrap[p_protocol]}"], [decode.url], port=0, health_interval=0.5,
+    def proxy(self, p_transport: str, decode: ManagedProcess, **config) -> Iterator[str]:
+        p = self.prefill(p_transport)
+        cfg = build_config([f"{p.url},http://127.0.0.1:{self.bootstrap[p_transport]}"], [decode.url], port=0, health_interval=0.5,
                            prefill_timeout=60, decode_first_byte_timeout=90, **config)
         with BackgroundProxy(cfg) as proxy:
             end = time.monotonic() + 30
@@ -148,12 +148,12 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
     wait_usage_zero(d.url)
 
 
-@pytest.mark.parametrize("protocol", ["cma", "tcp", "socket"])
-def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, protocol: str):
-    engines.pair(protocol, protocol)
-    d = engines.decode(protocol)
-    with engines.proxy(protocol, d) as url:
-        p = engines.prefill(protocol)
+@pytest.mark.parametrize("transport", ["cma", "tcp", "socket"])
+def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, transport: str):
+    engines.pair(transport, transport)
+    d = engines.decode(transport)
+    with engines.proxy(transport, d) as url:
+        p = engines.prefill(transport)
         cases = streams(320)  # 8 in flight, several seconds of load on 2 cores: the kill, 1 s in, lands inside it
 
         async def load_and_kill() -> list[Answer]:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from pdkv.auth import new_binding
-from pdkv.deploy.engine import engine_plan
+from pdkv.deploy.engine import engine_launch
 from pdkv.deploy.process import ManagedProcess
 from support.engines import PDKV_EXTRA, START_S, answer, body, complete, prompt_ids, spec
 from support.ports import free_port
@@ -47,8 +47,8 @@ def keyed_pair(tiny_model: Path, tmp_path_factory) -> Iterator[dict]:
     env = {"PDKV_TOKEN": KEY}
     p_spec = spec(tiny_model, "prefill", "pdkv", "0", "tcp", bootstrap_port=bport, extra_env=env, connector_extra=PDKV_EXTRA)
     d_spec = spec(tiny_model, "decode", "pdkv", "1", "tcp", extra_env=env, connector_extra=PDKV_EXTRA, load_failure="fail")
-    p = ManagedProcess(engine_plan(p_spec, name="p-keyed"), logs / "p.log").start()
-    d = ManagedProcess(engine_plan(d_spec, name="d-keyed"), logs / "d.log").start()
+    p = ManagedProcess(engine_launch(p_spec, name="p-keyed"), logs / "p.log").start()
+    d = ManagedProcess(engine_launch(d_spec, name="d-keyed"), logs / "d.log").start()
     old = os.environ.get("PDKV_TOKEN")
     os.environ["PDKV_TOKEN"] = KEY  # the proxy below, and the bootstrap registration check, run in this process
     try:

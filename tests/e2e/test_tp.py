@@ -40,7 +40,7 @@ READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
 # first token's logprob far more (loadclient.FIRST_LOGPROB_TOL, checked on every answer).
 CROSS_TP_TIE = 2e-2
 BLOCK = 32
-# name -> (P's TP, D's TP, protocol, connector); vLLM's own connector runs on CPU behind the test-only shim.
+# name -> (P's TP, D's TP, transport, connector); vLLM's own connector runs on CPU behind the test-only shim.
 CASES = {"p1-d2-cma": (1, 2, "cma", "pdkv"), "p2-d1-cma": (2, 1, "cma", "pdkv"), "p1-d2-tcp": (1, 2, "tcp", "pdkv"),
          "p2-d1-tcp": (2, 1, "tcp", "pdkv"), "p1-d2-mooncake": (1, 2, "tcp", "mooncake")}
 SHIM = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
@@ -62,14 +62,14 @@ def cores(p_tp: int, d_tp: int) -> tuple[str, str]:
     return f"0-{p_tp - 1}", f"{n - d_tp}-{n - 1}"
 
 
-def fleet_file(path: Path, model: Path, p_tp: int, d_tp: int, protocol: str, connector: str) -> dict[str, int]:
+def fleet_file(path: Path, model: Path, p_tp: int, d_tp: int, transport: str, connector: str) -> dict[str, int]:
     ports = {"bootstrap": free_port(), "prefill": free_port(), "decode": free_port(), "proxy": free_port()}
     p_cores, d_cores = cores(p_tp, d_tp)
     path.write_text(f"""
 model = "{model}"
 served_model_name = "tiny"
 connector = "{connector}"
-protocol = "{protocol}"
+transport = "{transport}"
 platform = "cpu"
 host = "127.0.0.1"
 host_ip = "127.0.0.1"
@@ -128,11 +128,11 @@ def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> dict:
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
 def deployment(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    p_tp, d_tp, protocol, connector = CASES[request.param]
+    p_tp, d_tp, transport, connector = CASES[request.param]
     if connector == "mooncake" and (os.cpu_count() or 2) < p_tp + d_tp:
         pytest.skip(VLLM_STARVED.format(p_tp=p_tp, d_tp=d_tp, n=p_tp + d_tp, cores=os.cpu_count()))
     tmp = tmp_path_factory.mktemp(request.param)
-    ports = fleet_file(tmp / "fleet.toml", tiny_model, p_tp, d_tp, protocol, connector)
+    ports = fleet_file(tmp / "fleet.toml", tiny_model, p_tp, d_tp, transport, connector)
     logs = tmp / "logs"
     env = dict(os.environ)
     if connector == "mooncake":  # pdkv up's pre-flight lets vLLM's connector start on CPU only with the shim in sight

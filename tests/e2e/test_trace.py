@@ -26,8 +26,8 @@ import pytest
 
 from support.ports import free_port
 
-from pdkv.geometry import geometry_from_model, plan_transfer
-from pdkv.deploy.engine import EngineSpec, engine_plan
+from pdkv.geometry import geometry_from_model, size_transfer
+from pdkv.deploy.engine import EngineSpec, engine_launch
 from pdkv.deploy.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
@@ -74,8 +74,8 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
                           transport="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1",
                           omp_bind=omp, **kw)
 
-    p = ManagedProcess(engine_plan(spec("prefill", "0", bootstrap_url=burl), name="trace-p"), logs / "p.log").start()
-    d = ManagedProcess(engine_plan(spec("decode", "1"), name="trace-d"), logs / "d.log").start()
+    p = ManagedProcess(engine_launch(spec("prefill", "0", bootstrap_url=burl), name="trace-p"), logs / "p.log").start()
+    d = ManagedProcess(engine_launch(spec("decode", "1"), name="trace-d"), logs / "d.log").start()
     try:
         p.wait_healthy(START_S)
         d.wait_healthy(START_S)
@@ -120,7 +120,7 @@ def test_trace_phases_add_up_and_bytes_match_plan(deployment: Deployment, tmp_pa
     assert abs(trace.phases_ms - trace.client_ttft_ms) <= 0.05 * trace.client_ttft_ms, (trace.phases_ms, trace.client_ttft_ms)
     assert all(p.ms >= 0 for p in trace.phases)
     # The bytes moved are `pdkv plan`'s for the prompt's actual length.
-    plan = plan_transfer(geometry_from_model(deployment.model), prompt_tokens=trace.prompt_tokens, block_size=BLOCK)
+    plan = size_transfer(geometry_from_model(deployment.model), prompt_tokens=trace.prompt_tokens, block_size=BLOCK)
     assert trace.transfer is not None and trace.transfer.status == "sent"
     assert trace.transfer.bytes == plan.transfer_bytes
     assert trace.transfer.floor_ms == pytest.approx(plan.floor_ms)
@@ -185,7 +185,7 @@ def test_repeat_cli_and_html_chart_in_chromium(deployment: Deployment, tmp_path:
     # Every run sends a new text, so none hits a prefix cache: each moves its whole prompt.
     model = geometry_from_model(deployment.model)
     for t in doc["traces"]:
-        assert t["transfer"]["bytes"] == plan_transfer(model, prompt_tokens=t["prompt_tokens"], block_size=BLOCK).transfer_bytes
+        assert t["transfer"]["bytes"] == size_transfer(model, prompt_tokens=t["prompt_tokens"], block_size=BLOCK).transfer_bytes
     page = html.read_text()
     assert "<svg" in page
     assert not any(s in page for s in ("src=", "<link", "<script", "url(http", "@import")), "the page must be self-contained"

@@ -204,7 +204,7 @@ def test_sigint_stops_everything_and_no_part_logs_a_traceback(up: Up) -> None:
 @CPU_ONLY
 def test_readme_main_job_traces_one_request_and_stops(tmp_path: Path) -> None:
     """`pdkv up --trace --once`: bring up the local 1P1D, trace one request, stop everything, exit 0."""
-    from pdkv.geometry import geometry_from_model, plan_transfer
+    from pdkv.geometry import geometry_from_model, size_transfer
 
     env = {**os.environ, "PDKV_CACHE_DIR": str(tmp_path / "cache")}
     with (tmp_path / "up.stderr").open("w") as stderr:
@@ -229,7 +229,7 @@ def test_readme_main_job_traces_one_request_and_stops(tmp_path: Path) -> None:
         assert ttft > 0
         assert sum(p["ms"] for p in trace["phases"]) == pytest.approx(ttft, rel=0.05)
         geometry = geometry_from_model(tmp_path / "cache" / "tiny-model")
-        want = plan_transfer(geometry, prompt_tokens=trace["prompt_tokens"], block_size=32).transfer_bytes
+        want = size_transfer(geometry, prompt_tokens=trace["prompt_tokens"], block_size=32).transfer_bytes
         assert trace["transfer"]["bytes"] == want
         left = [p["pid"] for p in ready["parts"] if _alive(p["pid"])]
         assert not left, f"processes left after --once: {left}"

@@ -97,7 +97,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
         raise ValueError(f"PDKV_GPU_KV must be fixed or extensible, got {KV_SIZING!r}")
     sizing = (["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)] if KV_SIZING == "fixed"
               else ["--gpu-memory-utilization", str(KV_SHARE)])
-    connector, protocol = name.split("-")
+    connector, transport = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     p = PORTS[name]
     args = [
@@ -111,12 +111,12 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     env = '{ VLLM_BATCH_INVARIANT = "1", VLLM_USE_FLASHINFER_SAMPLER = "0" }'
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
-    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (KV cache {KV_SIZING}), KV over {protocol}, {graphs},
+    return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (KV cache {KV_SIZING}), KV over {transport}, {graphs},
 # D's scheduling {DECODE_SCHEDULING}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
 connector = "{connector}"
-protocol = "{protocol}"
+transport = "{transport}"
 platform = "gpu"
 host = "127.0.0.1"
 host_ip = "127.0.0.1"

@@ -1,4 +1,4 @@
-"""`pdkv bench --protocol ipc` on real GPUs: every layout's bytes verified through the bench's own checks."""
+"""`pdkv bench --transport ipc` on real GPUs: every layout's bytes verified through the bench's own checks."""
 
 from __future__ import annotations
 

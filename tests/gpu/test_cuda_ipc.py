@@ -44,7 +44,7 @@ def test_ipc_write_lands_exactly_and_refuses_out_of_range():
     from pdkv.errors import TransferError
     from pdkv.transport.base import Descriptor, Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
-    from pdkv.transport.planner import plan_descriptors
+    from pdkv.transport.descriptors import plan_descriptors
 
     p_dev, d_dev = _devices()
     ctx = mp.get_context("spawn")

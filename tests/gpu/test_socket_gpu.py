@@ -28,7 +28,7 @@ def _decode_side(conn, dst: str) -> None:
     import torch
 
     from pdkv.transport.base import Region
-    from pdkv.transport.planner import block_spans
+    from pdkv.transport.descriptors import block_spans
     from pdkv.transport.sockets import SocketTransport
 
     gpu = int(dst[5:]) if dst.startswith("cuda:") else None

@@ -145,7 +145,7 @@ def test_sixteen_mixed_requests_in_flight(dep: deps.Running) -> None:
 def test_seed_request_trace(dep: deps.Running) -> None:
     if not dep.name.startswith("pdkv"):
         pytest.skip("vLLM's MooncakeConnector records no transfer for pdkv trace")
-    from pdkv.geometry import geometry_from_model, plan_transfer
+    from pdkv.geometry import geometry_from_model, size_transfer
     from pdkv.trace import run_trace
 
     prompt = " ".join(f"t{i}" for i in prompt_ids(SEED_PROMPT, seed=424242 + len(dep.name)))
@@ -156,7 +156,7 @@ def test_seed_request_trace(dep: deps.Running) -> None:
         (OUT / f"trace-{dep.name}.json").write_bytes(msgspec.json.encode(trace))
     assert trace.connector_visible, trace.notes
     assert trace.prompt_tokens == SEED_PROMPT and trace.completion_tokens == SEED_OUTPUT
-    plan = plan_transfer(geometry_from_model(MODEL), prompt_tokens=SEED_PROMPT, block_size=deps.BLOCK_SIZE)
+    plan = size_transfer(geometry_from_model(MODEL), prompt_tokens=SEED_PROMPT, block_size=deps.BLOCK_SIZE)
     assert plan.blocks == 63 and plan.transfer_bytes == SEED_BYTES
     t = trace.transfer
     assert t is not None and t.status == "sent", t

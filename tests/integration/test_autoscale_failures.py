@@ -26,7 +26,7 @@ from support.proxy_stubs import PlannerStub
 
 from pdkv.deploy import RestartPolicy, Supervisor, deployment_parts
 from pdkv.deploy.autoscale import Autoscaler, ScaleEvent
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 from pdkv.deploy.loader import deployment_from_dict
 from pdkv.deploy.scaling import RetryBackoff
 from pdkv.deploy.topology import Part
@@ -40,7 +40,7 @@ def on_bootstraps(parts: list[Part]) -> list[Part]:
     for part in (p for p in parts if p.kind != "proxy"):
         port = free_port()
         argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)]
-        out.append(msgspec.structs.replace(part, plan=LaunchPlan(name=part.plan.name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")))
+        out.append(msgspec.structs.replace(part, launch=Launch(name=part.launch.name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")))
     return out
 
 
@@ -57,14 +57,14 @@ class Scaled:
 
     def __init__(self, tmp: Path, stub: PlannerStub) -> None:
         self.dep = deployment_from_dict({
-            "model": "/m", "platform": "cpu", "protocol": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "restart": "no",
+            "model": "/m", "platform": "cpu", "transport": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "restart": "no",
             "bootstrap": {"port": free_port()}, "prefill": [{"port": free_port()}, {"port": free_port()}],
             "decode": [{"port": free_port()}], "proxy": {"port": free_port()},
             "autoscale": {"profile": "p.json", "ttft_ms": 300, "itl_ms": 40, "interval_s": 0.2, "drain_timeout_s": DRAIN_TIMEOUT_S,
                           "prefill": {"min": 1, "max": 2}},
         })
         self.parts = on_bootstraps(deployment_parts(self.dep))
-        self.sup = Supervisor([p.plan for p in self.parts], tmp, restart=[RestartPolicy("no") for _ in self.parts])
+        self.sup = Supervisor([p.launch for p in self.parts], tmp, restart=[RestartPolicy("no") for _ in self.parts])
         self.events: list[tuple[float, ScaleEvent]] = []
         self.auto = Autoscaler(self.dep, self.sup, self.parts, stub.url, tmp, on_event=lambda e: self.events.append((time.monotonic(), e)))
         self.auto.backoff["prefill"] = RetryBackoff(initial_s=0.5, max_s=1.0)
@@ -77,7 +77,7 @@ class Scaled:
         self.sup.stop_all()
 
     def url(self, name: str) -> str:
-        return next(p.plan.url for p in self.parts if p.plan.name == name)
+        return next(p.launch.url for p in self.parts if p.launch.name == name)
 
     def kinds(self) -> list[str]:
         return [e.kind for _, e in self.events]

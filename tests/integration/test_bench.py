@@ -11,7 +11,7 @@ import pytest
 from pdkv.bench.control import BenchTarget, Checksum, Digest, Failed, Reply, TargetClient
 from pdkv.bench.runner import BenchSpec, run_bench, settings_from_env
 from pdkv.errors import RemoteError, StartError, TransferError, UnreachableError
-from pdkv.geometry import dense_geometry, plan_transfer
+from pdkv.geometry import dense_geometry, size_transfer
 
 pytest.importorskip("mooncake")
 
@@ -61,7 +61,7 @@ def served():
 def test_local_target_all_layouts_verified_with_bare_baseline():
     report = run_bench(spec(layouts=["all"], baseline=True))
     assert [c.layout for c in report.cases] == ["contiguous", "per-block", "scattered"]
-    want = plan_transfer(TINY, prompt_tokens=5 * 16).transfer_bytes
+    want = size_transfer(TINY, prompt_tokens=5 * 16).transfer_bytes
     for c in report.cases:
         assert c.bytes == c.plan_bytes == want == 5 * 2 * 4096
         assert c.verified and c.timing.iters == 3 and c.cold_ms > 0
@@ -188,11 +188,11 @@ def test_library_entry_point_without_the_cli():
     assert bad.returncode == 2 and "--iters" in bad.stderr
 
 
-@pytest.mark.parametrize(("tp", "protocol"), [((2, 1), "tcp"), ((1, 2), "tcp"), ((2, 1), "cma"), ((1, 2), "socket")])
-def test_p_and_d_of_different_tp_move_d_rank_0s_heads_verified(tp, protocol):
+@pytest.mark.parametrize(("tp", "transport"), [((2, 1), "tcp"), ((1, 2), "tcp"), ((2, 1), "cma"), ((1, 2), "socket")])
+def test_p_and_d_of_different_tp_move_d_rank_0s_heads_verified(tp, transport):
     from pdkv.geometry import rank_transfers
 
-    report = run_bench(spec(tp=tp, transport=protocol, layouts=["contiguous", "scattered"], block_size=32))
+    report = run_bench(spec(tp=tp, transport=transport, layouts=["contiguous", "scattered"], block_size=32))
     plan = rank_transfers(TINY, *tp, prompt_tokens=5 * 32, block_size=32)
     want = {str(r.p_rank): r.bytes for r in plan if r.d_rank == 0}
     for case in report.cases:

@@ -36,21 +36,21 @@ class Rank:
         return self.side.mem
 
 
-def make_rank(kv: KVHarness, tp: int, rank: int, protocol: str, fill: bool, heads: int = HEADS) -> Rank:
+def make_rank(kv: KVHarness, tp: int, rank: int, transport: str, fill: bool, heads: int = HEADS) -> Rank:
     first, count = rank_heads(heads, tp, rank)
-    return Rank(kv.side(fill=rank if fill else None, protocol=protocol, shape=(LAYERS, BLOCKS, count, UNIT)), first)
+    return Rank(kv.side(fill=rank if fill else None, transport=transport, shape=(LAYERS, BLOCKS, count, UNIT)), first)
 
 
 class Deployment:
     """P of TP p and D of TP d, every rank registered as the connector's workers do."""
 
     def __init__(
-        self, kv: KVHarness, p_tp: int, d_tp: int, protocol: str, *, heads: int = HEADS, d_kv_heads: int | None = None,
+        self, kv: KVHarness, p_tp: int, d_tp: int, transport: str, *, heads: int = HEADS, d_kv_heads: int | None = None,
         liveness_s: float = 3.0, bootstrap_timeout: float = 2.0,
     ) -> None:
         self.bootstrap = kv.bootstrap_url
-        self.ps = [make_rank(kv, p_tp, r, protocol, fill=True, heads=heads) for r in range(p_tp)]
-        self.ds = [make_rank(kv, d_tp, r, protocol, fill=False, heads=heads) for r in range(d_tp)]
+        self.ps = [make_rank(kv, p_tp, r, transport, fill=True, heads=heads) for r in range(p_tp)]
+        self.ds = [make_rank(kv, d_tp, r, transport, fill=False, heads=heads) for r in range(d_tp)]
         self.senders = [kv.sender(p.side, engine_id=ENGINE, tp_rank=r, tp_size=p_tp, kv_heads=heads) for r, p in enumerate(self.ps)]
         self.receivers = [kv.receiver(d.side, tp_rank=r, tp_size=d_tp, kv_heads=heads if d_kv_heads is None else d_kv_heads,
                                       liveness_s=liveness_s, bootstrap_timeout=bootstrap_timeout) for r, d in enumerate(self.ds)]
@@ -72,10 +72,10 @@ class Deployment:
 CASES = [(1, 2, "tcp"), (2, 1, "tcp"), (1, 2, "cma"), (2, 1, "cma"), (4, 2, "tcp"), (1, 4, "cma")]
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "protocol"), CASES, ids=[f"p{p}-d{d}-{t}" for p, d, t in CASES])
-def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(kv, p_tp, d_tp, protocol):
+@pytest.mark.parametrize(("p_tp", "d_tp", "transport"), CASES, ids=[f"p{p}-d{d}-{t}" for p, d, t in CASES])
+def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(kv, p_tp, d_tp, transport):
     p_blocks, d_blocks = [2, 3, 4, 9, 11], [5, 6, 7, 12, 0]  # a run, a jump, a block going back on D's side
-    dep = Deployment(kv, p_tp, d_tp, protocol)
+    dep = Deployment(kv, p_tp, d_tp, transport)
     for res in dep.transfer("x-tp", p_blocks, d_blocks):
         assert res.failed == {}
     assert_heads(dep, p_blocks, d_blocks)

@@ -31,12 +31,12 @@ from pdkv.connector.receiver import PullSpec
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.errors import TransferError
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 
 
-@pytest.mark.parametrize("protocol", ["tcp", "cma", "socket"])
-def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
-    pair = make_pair(protocol=protocol)
+@pytest.mark.parametrize("transport", ["tcp", "cma", "socket"])
+def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, transport):
+    pair = make_pair(transport=transport)
     pair.sender.apply_step(registered={"p1": "x1"})
     computed = time.time()
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3, 4, 9])}, ready_at={"p1": computed})
@@ -54,13 +54,13 @@ def test_pull_after_p_finished_copies_exactly_the_blocks(make_pair, protocol):
     for ev in ("registered", "p_computed", "p_finished", "pull_received", "transfer_start", "transfer_end", "reply_sent"):
         assert ev in trace.events
     assert trace.events["p_computed"] == computed <= trace.events["p_finished"]
-    if protocol == "socket":
+    if transport == "socket":
         assert len(pair.d.transport.grants) == 0  # the concluded pull's grant is gone
 
 
-@pytest.mark.parametrize(("wait_write_s", "protocol"), [(0.0, "tcp"), (0.5, "tcp"), (0.5, "cma"), (0.5, "socket")])
-def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s, protocol):
-    pair = make_pair(wait_write_s=wait_write_s, protocol=protocol)
+@pytest.mark.parametrize(("wait_write_s", "transport"), [(0.0, "tcp"), (0.5, "tcp"), (0.5, "cma"), (0.5, "socket")])
+def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pair, wait_write_s, transport):
+    pair = make_pair(wait_write_s=wait_write_s, transport=transport)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
     pair.sender.apply_step(registered={"p1": "x1"})
     wait_parked(pair.sender, "x1")
@@ -80,9 +80,9 @@ def test_computed_prompt_is_sent_before_p_finishes_and_freed_only_after(make_pai
     assert ev["p_forward_done"] <= ev["transfer_start"] <= ev["transfer_end"] <= ev["p_finished"]
 
 
-@pytest.mark.parametrize(("p_protocol", "d_protocol"), [("tcp", "cma"), ("cma", "tcp"), ("socket", "tcp"), ("tcp", "socket")])
-def test_p_and_d_on_different_transports_fail_the_pull_at_once_with_the_reason(make_pair, p_protocol, d_protocol):
-    pair = make_pair(protocol=p_protocol, d_protocol=d_protocol)
+@pytest.mark.parametrize(("p_transport", "d_transport"), [("tcp", "cma"), ("cma", "tcp"), ("socket", "tcp"), ("tcp", "socket")])
+def test_p_and_d_on_different_transports_fail_the_pull_at_once_with_the_reason(make_pair, p_transport, d_transport):
+    pair = make_pair(transport=p_transport, d_transport=d_transport)
     pair.sender.apply_step(registered={"p1": "x1"})
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
     start = time.monotonic()
@@ -296,10 +296,10 @@ def test_unequal_tp_fails_the_pull_at_once_with_the_reason(kv, make_pair):
     assert "unequal TP" in res.failed["d1"]
 
 
-class _HalfThenStall(PlannedWrites):
+class _HalfThenStall(DescriptorWrites):
     """P's transport for one test: writes the first half of a transfer's descriptors, then stalls until released."""
 
-    protocol = "tcp"
+    transport = "tcp"
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -368,7 +368,7 @@ def test_socket_d_lets_a_pull_write_only_its_own_blocks_and_nothing_after_it_con
     before a byte lands, and once a pull concluded (here: it failed on D's side) a late write of it is refused."""
     from pdkv.connector.pulls import write_key
 
-    pair = make_pair(protocol="socket", liveness_s=30.0)
+    pair = make_pair(transport="socket", liveness_s=30.0)
     pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6]), pair.spec("d2", "x2", [9])])
     grants = pair.d.transport.grants
     wait_for(lambda: len(grants) == 2, 5, "D to grant both pulls")

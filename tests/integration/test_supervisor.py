@@ -16,7 +16,7 @@ import pytest
 
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 from support.ports import free_port
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.
@@ -34,15 +34,15 @@ HEALTH_SERVER = (
 )
 
 
-def bootstrap_plan(name: str) -> LaunchPlan:
+def bootstrap_plan(name: str) -> Launch:
     port = free_port()
     argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)]
-    return LaunchPlan(name=name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")
+    return Launch(name=name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")
 
 
-def server_plan(name: str, crash_file: Path, cpus: list[int] | None = None) -> LaunchPlan:
+def server_plan(name: str, crash_file: Path, cpus: list[int] | None = None) -> Launch:
     port = free_port()
-    return LaunchPlan(name=name, argv=[sys.executable, "-c", HEALTH_SERVER, str(port)], url=f"http://127.0.0.1:{port}",
+    return Launch(name=name, argv=[sys.executable, "-c", HEALTH_SERVER, str(port)], url=f"http://127.0.0.1:{port}",
                       env={"PDKV_TEST_VALUE": f"{name}-42", "PDKV_TEST_CRASH": str(crash_file)}, cpus=cpus)
 
 
@@ -203,7 +203,7 @@ def test_a_part_that_cannot_start_fails_start_all(tmp_path: Path) -> None:
     held.bind(("127.0.0.1", 0))
     held.listen()
     port = held.getsockname()[1]
-    taken = LaunchPlan(name="taken", argv=[sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)],
+    taken = Launch(name="taken", argv=[sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)],
                        env={}, url="http://127.0.0.1:1")
     try:
         with Supervisor([bootstrap_plan("ok"), taken], tmp_path) as sup, pytest.raises(StartError, match="taken exited"):
@@ -236,7 +236,7 @@ def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path)
     from pdkv.errors import PdkvError
 
     plan = bootstrap_plan("bootstrap-0")
-    part = Part(kind="bootstrap", plan=plan, ports=[], restart="no")
+    part = Part(kind="bootstrap", launch=plan, ports=[], restart="no")
     before_term, before_hup = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
     with PartsRun([part], tmp_path, restart="no") as run:
         assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
@@ -271,7 +271,7 @@ def test_a_part_launched_while_watching_is_reported_started_and_a_retired_one_st
         assert sup.retire("added", grace=5) is not None and sup.states["added"] == "stopped" and not _alive(pid)
         assert sup.watch(interval=0.05, until=lambda: True) is None  # nothing restarts a retired part
         with pytest.raises(ValueError, match="running already"):
-            sup.launch(sup.procs[0].plan, stage=0, on_failure=lambda proc, how: failures.append(how))
+            sup.launch(sup.procs[0].launch, stage=0, on_failure=lambda proc, how: failures.append(how))
         sup.launch(added, stage=1, on_failure=lambda proc, how: failures.append(how))  # started again: the same plan, port and log
         assert sup.watch(interval=0.05, until=events.until("added", ["started", "started"])) is None
         assert sup.procs[1].pid != pid and len(sup.procs) == 2 and "restarted" not in events.kinds("added")
@@ -307,7 +307,7 @@ def test_a_launched_part_that_fails_goes_to_its_launcher_and_never_ends_the_watc
         assert sup.states == {"static": "ready", "added": "failed"} and "restarting" not in events.kinds("added")
         assert httpx.get(static.url + "/health", timeout=5).status_code == 200
         # A part whose process cannot be started at all: StartError to the launcher, at once.
-        missing = LaunchPlan(name="missing", argv=[str(tmp_path / "no-such-program")], env={}, url="http://127.0.0.1:1")
+        missing = Launch(name="missing", argv=[str(tmp_path / "no-such-program")], env={}, url="http://127.0.0.1:1")
         with pytest.raises(StartError, match="cannot run"):
             sup.launch(missing, stage=1, on_failure=on_failure)
         assert sup.states["missing"] == "failed" and len(failed) == 2

@@ -16,7 +16,7 @@ from pdkv.errors import StartError, TransferError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
 from pdkv.transport.cma import IOV_MAX, CmaTransport, parse_session, process_start_time
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 BL = 4096
 LAYERS, BLOCKS = 3, 8

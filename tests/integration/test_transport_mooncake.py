@@ -19,7 +19,7 @@ from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
 from pdkv.transport.mooncake import MooncakeTransport, check_protocol, link_gbps_of
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 pytest.importorskip("mooncake")
 
@@ -203,7 +203,7 @@ def test_closed_transport_refuses_work():
 
 def test_rdma_without_a_device_is_refused_not_silently_tcp():
     with pytest.raises(StartError, match="RDMA"):
-        MooncakeTransport(protocol="rdma", device_name="mlx5_0", sysfs_root="/nonexistent/infiniband")
+        MooncakeTransport(transport="rdma", device_name="mlx5_0", sysfs_root="/nonexistent/infiniband")
 
 
 def test_rdma_device_names_are_checked_against_sysfs(tmp_path):
@@ -218,9 +218,9 @@ def test_rdma_device_names_are_checked_against_sysfs(tmp_path):
     assert link_gbps_of("mlx5_1", tmp_path) is None
 
 
-def test_bad_protocol_and_settings_are_usage_errors():
-    with pytest.raises(UsageError, match="protocol"):
-        MooncakeTransport(protocol="nvlink2")
+def test_bad_transport_and_settings_are_usage_errors():
+    with pytest.raises(UsageError, match="transport"):
+        MooncakeTransport(transport="nvlink2")
     with pytest.raises(UsageError, match="not a Mooncake setting"):
         MooncakeTransport(settings={"LOG_LEVEL": "ERROR"})
 

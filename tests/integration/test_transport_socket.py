@@ -21,7 +21,7 @@ from support.waiting import wait_for
 from pdkv.errors import TransferError
 from pdkv.transport import open_transport
 from pdkv.transport.base import Descriptor, Region, Transport
-from pdkv.transport.planner import block_spans
+from pdkv.transport.descriptors import block_spans
 from pdkv.transport.sockets import SocketTransport, wire
 
 BL = 64 * 1024
@@ -90,7 +90,7 @@ def _writer(token: str | None = None, **kw) -> SocketTransport:
 
 def test_it_is_a_transport_chosen_by_name_and_imports_without_torch():
     with open_transport("socket", writable=False) as t:
-        assert isinstance(t, Transport) and t.protocol == "socket" and t.session_address == ""
+        assert isinstance(t, Transport) and t.name == "socket" and t.session_address == ""
     with open_transport("socket") as t:
         assert t.session_address.startswith("socket://127.0.0.1:")
     import subprocess

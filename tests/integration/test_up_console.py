@@ -14,13 +14,13 @@ from support.waiting import wait_for
 
 from pdkv.cli.up_console import UpConsole
 from pdkv.deploy import RestartPolicy, Supervisor
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 
 
-def _bootstrap(name: str) -> LaunchPlan:
+def _bootstrap(name: str) -> Launch:
     port = free_port()
     argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)]
-    return LaunchPlan(name=name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")
+    return Launch(name=name, argv=argv, env={}, url=f"http://127.0.0.1:{port}")
 
 
 def _text(screen: UpConsole) -> str:

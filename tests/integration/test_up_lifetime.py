@@ -30,7 +30,7 @@ from support.up_events import UpEvents
 from support.waiting import wait_for, waited_for
 
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 from pdkv.deploy.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
 from pdkv.deploy.lifeline import WATCHDOG_BOUND_S, Lifeline
 from pdkv.deploy.preflight import port_free
@@ -75,7 +75,7 @@ class Fleet:
         self.file.write_text(textwrap.dedent(f"""
             model = "{self.root / 'model'}"
             served_model_name = "tiny"
-            protocol = "tcp"
+            transport = "tcp"
             platform = "cpu"
             host = "127.0.0.1"
             restart = "no"
@@ -316,8 +316,8 @@ SPLITS = (
 )
 
 
-def _plan(name: str, code: str) -> LaunchPlan:
-    return LaunchPlan(name=name, argv=[sys.executable, "-c", code], env={}, url="http://127.0.0.1:1")
+def _plan(name: str, code: str) -> Launch:
+    return Launch(name=name, argv=[sys.executable, "-c", code], env={}, url="http://127.0.0.1:1")
 
 
 def test_the_watchdog_kills_what_ignores_sigterm_after_its_grace(tmp_path: Path) -> None:
@@ -347,7 +347,7 @@ def test_the_watchdog_stops_a_process_that_left_its_group(tmp_path: Path) -> Non
 def test_a_restarted_part_is_followed_under_its_new_pid(tmp_path: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", str(port)]
-    plan = LaunchPlan(name="bootstrap-0", argv=argv, env={}, url=f"http://127.0.0.1:{port}")
+    plan = Launch(name="bootstrap-0", argv=argv, env={}, url=f"http://127.0.0.1:{port}")
     events: list[PartEvent] = []
     with Lifeline(tmp_path, command=["pdkv", "up"], grace=2) as line:
         sup = Supervisor([plan], tmp_path, on_event=events.append, restart=[RestartPolicy(initial_s=0.1)])
@@ -374,16 +374,16 @@ def test_a_part_the_autoscaler_adds_dies_with_pdkv_up(tmp_path: Path) -> None:
     port = free_port()
     driver = textwrap.dedent(f"""
         import sys, time
-        from pdkv.deploy.engine import LaunchPlan
+        from pdkv.deploy.engine import Launch
         from pdkv.deploy.ports import PortUse
         from pdkv.deploy.run import PartsRun
         from pdkv.deploy.topology import Part
         argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", "{port}"]
-        boot = Part(kind="bootstrap", plan=LaunchPlan(name="bootstrap-0", argv=argv, env={{}}, url="http://127.0.0.1:{port}"),
+        boot = Part(kind="bootstrap", launch=Launch(name="bootstrap-0", argv=argv, env={{}}, url="http://127.0.0.1:{port}"),
                     ports=[PortUse(part="bootstrap-0", what="bootstrap", bind="127.0.0.1", port={port}, setting="--port")])
         with PartsRun([boot], sys.argv[1], restart="no") as run:
             run.start(30)
-            run.supervisor.launch(LaunchPlan(name="prefill-1", argv=[sys.executable, "-c", {SPLITS!r}], env={{}},
+            run.supervisor.launch(Launch(name="prefill-1", argv=[sys.executable, "-c", {SPLITS!r}], env={{}},
                                   url="http://127.0.0.1:1"), stage=1, on_failure=lambda proc, how: None)
             print("started", *run.supervisor.pids(), flush=True)
             time.sleep(120)

@@ -25,7 +25,7 @@ from support.loadclient import Answer, same_greedy_answer
 from support.waiting import waited_for
 from netns import NetnsHost
 
-from pdkv.geometry import geometry_from_model, plan_transfer
+from pdkv.geometry import geometry_from_model, size_transfer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
@@ -39,7 +39,7 @@ FLEET = """\
 model = "{model}"
 served_model_name = "tiny"
 connector = "pdkv"
-protocol = "{transport}"
+transport = "{transport}"
 platform = "cpu"
 block_size = {block}
 max_model_len = 2048
@@ -171,7 +171,7 @@ def test_answer_across_hosts_equals_p_alone(measured: dict, n: int) -> None:
 def test_kv_crosses_hosts_with_plans_bytes(fleet: Fleet, measured: dict) -> None:
     trace = measured["trace"]
     assert trace["transfer"] is not None and trace["transfer"]["status"] == "sent", trace["notes"]
-    plan = plan_transfer(geometry_from_model(str(fleet.model)), prompt_tokens=trace["prompt_tokens"], block_size=BLOCK)
+    plan = size_transfer(geometry_from_model(str(fleet.model)), prompt_tokens=trace["prompt_tokens"], block_size=BLOCK)
     assert trace["transfer"]["bytes"] == plan.transfer_bytes
     c, b = fleet.hosts["C"].address, fleet.hosts["B"].address
     sessions = {t.get("session", "") for t in trace["connector"]}
@@ -239,7 +239,7 @@ def test_a_decode_engine_started_later_on_another_host_takes_requests_then_leave
     a, c, e = fleet.hosts["A"].address, fleet.hosts["C"].address, fleet.spare.address
     d1, d2 = f"http://{c}:8200", f"http://{e}:8200"
     cmd = fleet.spare.argv(sys.executable, "-m", "pdkv", "up", "--role", "decode", "--model", str(fleet.model), "--platform", "cpu",
-                           "--protocol", TRANSPORT, "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
+                           "--transport", TRANSPORT, "--block-size", str(BLOCK), "--members", f"http://{a}:8998", "--host-ip", e,
                            "--port", "8200", "--omp-bind", "1", "--restart", "no", "--json", "--log-dir", str(fleet.logs / "E"),
                            "--", "--served-model-name", "tiny", "--max-model-len", "2048")
     events: list[dict] = []

@@ -43,8 +43,8 @@ def body(model: str, ids: list[int], **kw) -> dict:
     }
 
 
-def spec(model: Path, role: str, connector: str, omp: str, protocol: str = "tcp", **kw) -> EngineSpec:
+def spec(model: Path, role: str, connector: str, omp: str, transport: str = "tcp", **kw) -> EngineSpec:
     return EngineSpec(
         model=str(model), host="127.0.0.1", port=free_port(), role=role, connector=connector,  # type: ignore[arg-type]
-        transport=protocol, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
+        transport=transport, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
     )

@@ -4,7 +4,7 @@ KVReceiver, and bounded waits on what they report.
 No vLLM: a test applies the scheduler's news by hand, as the connector's worker hooks would.
 
     with KVHarness() as kv:
-        pair = kv.pair(protocol="cma")                  # P and D, P registered under ENGINE
+        pair = kv.pair(transport="cma")                  # P and D, P registered under ENGINE
         pair.sender.apply_step(registered={"p1": "x1"}, ready={"p1": ("x1", [2, 3])})
         pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
         assert wait_results(pair.receiver, {"d1"}).failed == {}
@@ -78,14 +78,14 @@ class KVHarness:
         self.stack.callback(bs.stop)
         self.bootstrap_url = bs.url
 
-    def side(self, fill: int | None, protocol: str = "tcp", shape: tuple[int, ...] = (LAYERS, BLOCKS, BLOCK_LEN),
+    def side(self, fill: int | None, transport: str = "tcp", shape: tuple[int, ...] = (LAYERS, BLOCKS, BLOCK_LEN),
              mem: np.ndarray | None = None) -> Side:
         """Memory of `shape` (random non-zero bytes seeded by `fill`, or zeros for None; or `mem` as given),
-        registered with a transport of `protocol`."""
+        registered with a transport of `transport`."""
         if mem is None:
             rng = np.random.default_rng(fill)
             mem = rng.integers(1, 255, size=shape, dtype=np.uint8) if fill is not None else np.zeros(shape, np.uint8)
-        t = self.stack.enter_context(open_transport(protocol, "127.0.0.1", write_timeout_s=3.0))
+        t = self.stack.enter_context(open_transport(transport, "127.0.0.1", write_timeout_s=3.0))
         t.register([(mem.ctypes.data, mem.nbytes)])
         return Side(mem, t)
 
@@ -100,11 +100,11 @@ class KVHarness:
         """D's worker over `side`; `kw` as KVReceiver's."""
         return self.stack.enter_context(KVReceiver(side.transport.session_address, side.regions, liveness_s=liveness_s, **kw))
 
-    def pair(self, limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, protocol: str = "tcp",
-             d_protocol: str | None = None, p_sealer: Any = None, d_sealer: Any = None) -> Pair:
+    def pair(self, limits: SendLimits | None = None, liveness_s: float = 2.0, wait_write_s: float = 0.0, transport: str = "tcp",
+             d_transport: str | None = None, p_sealer: Any = None, d_sealer: Any = None) -> Pair:
         """P (random KV) and D (zeros), TP 1 each, P registered under ENGINE."""
-        p = self.side(fill=1, protocol=protocol)
-        d = self.side(fill=None, protocol=d_protocol or protocol)
+        p = self.side(fill=1, transport=transport)
+        d = self.side(fill=None, transport=d_transport or transport)
         sender = self.sender(p, limits=limits, wait_write_s=wait_write_s, sealer=p_sealer)
         receiver = self.receiver(d, liveness_s=liveness_s, sealer=d_sealer, transport=d.transport)
         return Pair(p, d, sender, receiver, self.bootstrap_url)

@@ -28,7 +28,7 @@ def write_tiny_deployment(path: Path, model: Path, *, proxy: Mapping[str, Any] |
     for its HTTP port and its bootstrap."""
     ports = {"bootstrap": free_port(pair=True), "prefill": free_port(pair=True), "decode": free_port(), "proxy": free_port()}
     top = {
-        "model": str(model), "served_model_name": "tiny", "protocol": "cma", "platform": "cpu", "host": "127.0.0.1",
+        "model": str(model), "served_model_name": "tiny", "transport": "cma", "platform": "cpu", "host": "127.0.0.1",
         "host_ip": "127.0.0.1", "block_size": 32, "max_model_len": 2048, **settings,
     }
     lines = [*_keys(top), "[bootstrap]", *_keys({"port": ports["bootstrap"]}),

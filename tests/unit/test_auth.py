@@ -8,6 +8,7 @@ import pytest
 
 from pdkv.auth import TRAILER, FrameSealer, NonceCache, bearer_ok, binding_matches, new_binding, token_from_env
 from pdkv.connector.send_table import Phase, Reply, SendTable, StartSend
+from pdkv.errors import ConfigError
 
 
 def test_a_sealed_frame_opens_once_and_only_with_the_same_key_and_direction():
@@ -55,7 +56,8 @@ def test_bearer_tokens_and_the_key_from_the_environment():
     assert bearer_ok("Bearer sk-1", ("sk-0", "sk-1")) and bearer_ok("bearer  sk-1 ", "sk-1")
     assert not bearer_ok("Bearer sk-2", ("sk-0", "sk-1")) and not bearer_ok(None, "x") and not bearer_ok("Basic sk-1", "sk-1")
     assert token_from_env({"PDKV_TOKEN": "a", "PDKV_BOOTSTRAP_TOKEN": "b"}) == "a"
-    assert token_from_env({"PDKV_BOOTSTRAP_TOKEN": "b"}) == "b"
+    with pytest.raises(ConfigError, match="PDKV_BOOTSTRAP_TOKEN is set and PDKV_TOKEN is not: pdkv reads the .* from PDKV_TOKEN only"):
+        token_from_env({"PDKV_BOOTSTRAP_TOKEN": "b"})
     assert token_from_env({"PDKV_TOKEN": ""}) is None
 
 

@@ -21,7 +21,7 @@ AUTO = {"profile": "tiny.profile.json", "ttft_ms": 300, "itl_ms": 40, "interval_
 
 
 def dep_dict(**kw) -> dict:
-    base = {"model": "/m", "platform": "cpu", "host": "127.0.0.1", "host_ip": "127.0.0.1", "protocol": "cma", "block_size": 32,
+    base = {"model": "/m", "platform": "cpu", "host": "127.0.0.1", "host_ip": "127.0.0.1", "transport": "cma", "block_size": 32,
             "bootstrap": {"port": 9000}, "prefill": [{"port": 8100, "omp_bind": "0", "extra_args": ["--enforce-eager"]}],
             "decode": [{"port": 8200, "omp_bind": "1"}], "proxy": {"port": 8000}, "autoscale": AUTO}
     return {**base, **kw}
@@ -33,7 +33,7 @@ def flag(argv: list[str], name: str) -> str:
 
 def test_the_proxy_runs_the_planner_with_the_tables_targets_bounds_and_waits():
     proxy = deployment_parts(deployment_from_dict(dep_dict()))[-1]
-    argv = proxy.plan.argv
+    argv = proxy.launch.argv
     assert flag(argv, "--planner-profile") == "tiny.profile.json" and flag(argv, "--slo") == "ttft=300,itl=40"
     assert flag(argv, "--planner-bounds") == "prefill=1:3,decode=1:1" and flag(argv, "--planner-interval") == "2"
     assert flag(argv, "--planner-waits") == "up=0,down=20,margin=0.8"
@@ -43,7 +43,7 @@ def test_the_proxy_runs_the_planner_with_the_tables_targets_bounds_and_waits():
     assert (planner.ttft_ms, planner.itl_ms, planner.min_prefill, planner.max_prefill, planner.max_decode) == (300, 40, 1, 3, 1)
     assert (planner.down_after_s, planner.down_margin, planner.interval_s) == (20, 0.8, 2)
     without = deployment_parts(deployment_from_dict(dep_dict(autoscale=None)))[-1]
-    assert "--planner-profile" not in without.plan.argv
+    assert "--planner-profile" not in without.launch.argv
 
 
 @pytest.mark.parametrize(("slo", "bounds", "waits", "match"), [
@@ -77,25 +77,25 @@ def test_an_added_prefill_takes_the_roles_settings_its_reserved_ports_cores_and_
     entry = added_entry(dep, "prefill", 1, {0: 1, 1: 1})
     assert (entry.omp_bind, entry.extra_args) == ("2-3", ["--enforce-eager"])
     boot, engine = added_slot_parts(dep, ports, "prefill", 2, entry)
-    assert (boot.plan.name, engine.plan.name) == ("bootstrap-2", "prefill-2")
+    assert (boot.launch.name, engine.launch.name) == ("bootstrap-2", "prefill-2")
     assert [(u.port, u.what) for u in boot.ports] == [(9002, "bootstrap")] and engine.bootstrap_url == "http://127.0.0.1:9002"
-    assert engine.plan.url == "http://127.0.0.1:8102" and engine.plan.cpus == [2, 3]
+    assert engine.launch.url == "http://127.0.0.1:8102" and engine.launch.cpus == [2, 3]
     # KV events after the listed engines' (prefill-0 5557-8, decode-0 5559-60) and prefill-1's, then the side channels.
     assert engine.spec.kv_events_port == 5563 and engine.spec.connector_extra == {"side_channel_port": 5567}
     assert engine.ports == ports.of("prefill-2")
     listed = deployment_parts(dep)
-    first = next(p for p in listed if p.plan.name == "prefill-0")
+    first = next(p for p in listed if p.launch.name == "prefill-0")
     # It joins the members registry the listed engines join, so the proxy routes to it without a restart.
-    assert engine.plan.env["PDKV_MEMBERS_URL"] == first.plan.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
-    assert engine.plan.env["PDKV_ADVERTISE_URL"] == engine.plan.url
+    assert engine.launch.env["PDKV_MEMBERS_URL"] == first.launch.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
+    assert engine.launch.env["PDKV_ADVERTISE_URL"] == engine.launch.url
     (decode,) = added_slot_parts(dep, ports, "decode", 1, added_entry(dep, "decode", 0, {})) if "decode-1" in ports.slots else (None,)
     assert decode is None  # [autoscale.decode] max is 1: no decode is ever added, so none has ports
     with pytest.raises(ConfigError, match="past"):
         added_slot_parts(dep, ports, "decode", 1, added_entry(dep, "decode", 0, {}))
     grown = deployment_from_dict(dep_dict(autoscale={**AUTO, "decode": {"min": 1, "max": 2}}))
     (decode,) = added_slot_parts(grown, allocate_ports(grown), "decode", 1, added_entry(grown, "decode", 0, {}))
-    assert decode.plan.name == "decode-1" and decode.plan.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
-    assert decode.plan.url == "http://127.0.0.1:8201"
+    assert decode.launch.name == "decode-1" and decode.launch.env["PDKV_MEMBERS_URL"] == "http://127.0.0.1:9000"
+    assert decode.launch.url == "http://127.0.0.1:8201"
 
 
 def test_without_a_core_list_an_added_engine_takes_the_least_bound_cores(monkeypatch):
@@ -107,7 +107,7 @@ def test_without_a_core_list_an_added_engine_takes_the_least_bound_cores(monkeyp
 
 
 def test_on_a_gpu_host_each_added_engine_needs_its_gpus(tmp_path: Path):
-    gpu = dep_dict(platform="gpu", protocol="tcp", prefill=[{"port": 8100, "gpu": "0"}], decode=[{"port": 8200, "gpu": "1"}])
+    gpu = dep_dict(platform="gpu", transport="tcp", prefill=[{"port": 8100, "gpu": "0"}], decode=[{"port": 8200, "gpu": "1"}])
     write_profile(tmp_path / "tiny.profile.json")
     (tmp_path / "deploy.toml").touch()
     with pytest.raises(ConfigError, match=r"may add 2 engine\(s\) and names 0 gpu"):
@@ -125,11 +125,11 @@ def test_the_profile_is_found_beside_the_file_and_must_load(tmp_path: Path):
     dep, _ = autoscaled(deployment_from_dict(dep_dict()), deploy)
     assert dep.autoscale is not None and dep.autoscale.profile == str(tmp_path.resolve() / "tiny.profile.json")
     with pytest.raises(ConfigError, match='connector = "pdkv"'):
-        autoscaled(deployment_from_dict(dep_dict(connector="mooncake", protocol="tcp")), deploy)
+        autoscaled(deployment_from_dict(dep_dict(connector="mooncake", transport="tcp")), deploy)
     fleet = dep_dict(hosts=[{"name": "a", "address": "10.0.0.1"}], prefill=[{"port": 8100, "host": "a"}],
                      decode=[{"port": 8200, "host": "a"}], proxy={"port": 8000, "host": "a"}, bootstrap={"port": 9000, "host": "a"})
     same, notes = autoscaled(deployment_from_dict(fleet), deploy)
-    assert "pdkv k8s render" in notes[0] and "--planner-profile" not in deployment_parts(same)[-1].plan.argv
+    assert "pdkv k8s render" in notes[0] and "--planner-profile" not in deployment_parts(same)[-1].launch.argv
 
 
 def test_scale_steps_stay_within_the_bounds():

@@ -1,4 +1,4 @@
-"""`pdkv bench --protocol ipc` choices that need no GPU: argument checks and the logged fallback."""
+"""`pdkv bench --transport ipc` choices that need no GPU: argument checks and the logged fallback."""
 
 from __future__ import annotations
 

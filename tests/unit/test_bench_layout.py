@@ -16,9 +16,9 @@ from pdkv.bench.layout import (
 )
 from pdkv.bench.runner import BenchSpec, link_rate
 from pdkv.errors import UsageError
-from pdkv.geometry import dense_geometry, plan_transfer
+from pdkv.geometry import dense_geometry, size_transfer
 from pdkv.transport.base import Region
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 QWEN3_8B = dense_geometry(36, 8, 128, "bfloat16")
 
@@ -35,7 +35,7 @@ def test_qwen3_8b_63_blocks(layout, descriptors):
     local, remote = block_ids(layout, 63, seed=3)
     ds = plan_descriptors(local, remote, regions(0, nb, bl, 36), regions(1 << 40, nb, bl, 36), coalesce=coalesces(layout))
     assert len(ds) == descriptors
-    assert sum(d.length for d in ds) == plan_transfer(QWEN3_8B, prompt_tokens=63 * 16).transfer_bytes == 148635648
+    assert sum(d.length for d in ds) == size_transfer(QWEN3_8B, prompt_tokens=63 * 16).transfer_bytes == 148635648
 
 
 def test_contiguous_and_per_block_use_the_same_ids():

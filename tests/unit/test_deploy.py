@@ -19,26 +19,26 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deploy.toml"
 
 
 def kv_config(part) -> dict:
-    argv = part.plan.argv
+    argv = part.launch.argv
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
 
 def test_example_file_loads_and_plans_in_start_order() -> None:
     dep = load_deployment(EXAMPLE)
     parts = deployment_parts(dep)
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     boot, prefill, decode, proxy = parts
-    assert boot.plan.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
-    assert prefill.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.plan.env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert boot.launch.argv[-6:] == ["-m", "pdkv", "bootstrap", "--host", "0.0.0.0", "--port", "8998"][-6:]
+    assert prefill.launch.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.launch.env["CUDA_VISIBLE_DEVICES"] == "2"
     assert kv_config(prefill)["kv_connector_extra_config"] == {
-        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.plan.env["VLLM_HOST_IP"],
+        "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.launch.env["VLLM_HOST_IP"],
         "side_channel_port": 5561,  # after the two engines' KV events (pdkv.deploy.ports)
     }
     assert kv_config(decode)["kv_role"] == "kv_consumer"
-    i = proxy.plan.argv.index("--prefill")
-    assert proxy.plan.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
-    assert proxy.plan.argv[proxy.plan.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
-    assert proxy.plan.argv[proxy.plan.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
+    i = proxy.launch.argv.index("--prefill")
+    assert proxy.launch.argv[i + 1] == f"http://127.0.0.1:8100,{prefill.bootstrap_url}"
+    assert proxy.launch.argv[proxy.launch.argv.index("--decode") + 1] == "http://127.0.0.1:8200"
+    assert proxy.launch.argv[proxy.launch.argv.index("--connector") + 1] == "pdkv"  # what the proxy may let through (n > 1)
 
 
 AUTO = {"profile": "p.json", "ttft_ms": 500, "itl_ms": 50, "prefill": {"min": 1, "max": 3}}
@@ -77,7 +77,7 @@ def test_in_worker_bootstrap_sets_the_port_env_per_prefill() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(bootstrap={"mode": "in-worker", "port": 9000})))
     assert not [p for p in parts if p.kind == "bootstrap"]
     prefills = [p for p in parts if p.kind == "prefill"]
-    assert [p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
+    assert [p.launch.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] for p in prefills] == ["9000", "9001"]
     assert all("bootstrap_server_address" not in kv_config(p)["kv_connector_extra_config"] for p in prefills)
     assert [("0.0.0.0", 9001), ("0.0.0.0", 5559), ("0.0.0.0", 5560)] == [(u.bind, u.port) for u in prefills[1].ports[1:4]]
     assert [u.what for u in prefills[1].ports] == ["HTTP", "bootstrap", "KV events publisher", "KV events replay", "side channel"]
@@ -117,7 +117,7 @@ def test_bad_deployments_are_config_errors(data: dict, match: str) -> None:
 def test_restart_is_deployment_wide_and_per_part() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(
         restart="no", bootstrap={"restart": "on-failure"}, decode=[{"port": 8200, "restart": "on-failure"}], proxy={"port": 8000})))
-    assert {p.plan.name: p.restart for p in parts} == {
+    assert {p.launch.name: p.restart for p in parts} == {
         "bootstrap-0": "on-failure", "bootstrap-1": "on-failure", "prefill-0": "no", "prefill-1": "no", "decode-0": "on-failure",
         "proxy": "no"}
     assert {p.restart for p in deployment_parts(deployment_from_dict(_dep()))} == {"on-failure"}  # the default
@@ -133,6 +133,15 @@ def test_each_prefill_names_the_standalone_bootstrap_it_registers_with() -> None
     assert [p.registers_with for p in in_worker if p.kind == "prefill"] == [None, None]  # P serves its own
 
 
+def test_the_key_protocol_is_a_config_error_naming_transport(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.toml"
+    path.write_text('model = "/m"\nprotocol = "tcp"\n[[prefill]]\nport = 8100\n[[decode]]\nport = 8200\n')
+    with pytest.raises(ConfigError, match=r"deploy.toml: the key `protocol` is now `transport`") as caught:
+        load_deployment(path)
+    assert caught.value.hint is not None and 'transport = "tcp"' in caught.value.hint
+    assert deployment_from_dict(_dep(transport="tcp")).transport == "tcp"
+
+
 def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
     path = tmp_path / "deploy.toml"
     path.write_text("model = \n")
@@ -145,15 +154,15 @@ def test_bad_toml_is_a_config_error(tmp_path: Path) -> None:
 def test_local_cpu_topology() -> None:
     dep = local_deployment(gpus=0)
     parts = deployment_parts(dep)
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     prefill, decode = parts[1], parts[2]
     for part, core in ((prefill, "0"), (decode, "1")):
-        assert part.plan.env["VLLM_CPU_OMP_THREADS_BIND"] == core
-        assert part.plan.env["VLLM_HOST_IP"] == "127.0.0.1"
-        assert part.plan.env["HF_HUB_OFFLINE"] == "1"
+        assert part.launch.env["VLLM_CPU_OMP_THREADS_BIND"] == core
+        assert part.launch.env["VLLM_HOST_IP"] == "127.0.0.1"
+        assert part.launch.env["HF_HUB_OFFLINE"] == "1"
         assert kv_config(part)["kv_connector"] == "PdkvConnector"
         assert kv_config(part)["kv_connector_extra_config"]["mooncake_protocol"] == "cma"  # both engines on this host
-        argv = part.plan.argv
+        argv = part.launch.argv
         assert argv[argv.index("--block-size") + 1] == "32"
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
 
@@ -169,15 +178,15 @@ def test_cma_with_vllms_connector_is_refused() -> None:
     from pdkv.errors import UsageError
     from pdkv.deploy.engine import EngineSpec, kv_transfer_config
 
-    with pytest.raises(UsageError, match="protocol cma is pdkv's own transport"):
+    with pytest.raises(UsageError, match="cma is pdkv's own transport"):
         kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", transport="cma", platform="cpu"))
 
 
 def test_local_gpu_topology_splits_gpus() -> None:
     parts = deployment_parts(local_deployment(gpus=2, model="/models/q"))
-    assert [p.plan.env.get("CUDA_VISIBLE_DEVICES") for p in parts if p.spec] == ["0", "1"]
+    assert [p.launch.env.get("CUDA_VISIBLE_DEVICES") for p in parts if p.spec] == ["0", "1"]
     one = deployment_parts(local_deployment(gpus=1, model="/models/q"))
-    assert all("--gpu-memory-utilization" in p.plan.argv for p in one if p.spec)
+    assert all("--gpu-memory-utilization" in p.launch.argv for p in one if p.spec)
 
 
 # --- engine agreement (reads config.json files only) ------------------------------
@@ -293,17 +302,17 @@ def test_cpu_block_size_must_be_a_multiple_of_32(tmp_path: Path) -> None:
 
 def test_cma_is_refused_for_engines_that_keep_the_kv_on_a_gpu(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    problems = check_engines(_parts({}, {}, model=model, platform="gpu", protocol="cma"))
+    problems = check_engines(_parts({}, {}, model=model, platform="gpu", transport="cma"))
     assert {p.part for p in problems} == {"prefill-0", "decode-0"}
     assert all("host memory" in p.what and "ipc" in p.fix for p in problems)
-    assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")) == []
+    assert check_engines(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="cma")) == []
 
 
 def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    cma = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="cma")
+    cma = _parts({}, {}, model=model, platform="cpu", block_size=32, transport="cma")
     assert check_cma(cma) == []  # the live probe: a real child process written into, bytes checked
-    assert check_cma(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), proc_root=str(tmp_path / "none")) == []
+    assert check_cma(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp"), proc_root=str(tmp_path / "none")) == []
     yama = tmp_path / "proc" / "sys/kernel/yama"
     yama.mkdir(parents=True)
     (yama / "ptrace_scope").write_text("3\n")
@@ -313,18 +322,18 @@ def test_cma_preflight_probes_this_host_once_and_refuses_a_forbidding_yama(tmp_p
 
 def test_vllms_connector_on_cpu_is_one_problem_unless_the_shim_is_on_the_pythonpath(tmp_path: Path) -> None:
     model = _model(tmp_path, "m")
-    parts = _parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake")
+    parts = _parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp", connector="mooncake")
     [problem] = check_connector(parts, environ={})
     assert problem.part == "prefill-0, decode-0"
     assert "Cannot access accelerator device" in problem.what and "--connector pdkv" in problem.fix
     shim = Path(__file__).resolve().parents[1] / "shims" / "cpu_accelerator"
     assert check_connector(parts, environ={"PYTHONPATH": f"/elsewhere:{shim}"}) == []  # the caller's PYTHONPATH
     with_env = _parts(
-        {}, {}, model=model, platform="cpu", block_size=32, protocol="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)}
+        {}, {}, model=model, platform="cpu", block_size=32, transport="tcp", connector="mooncake", env={"PYTHONPATH": str(shim)}
     )
     assert check_connector(with_env, environ={}) == []  # the deployment's env
     assert len(check_connector(parts, environ={"PYTHONPATH": str(tmp_path)})) == 1  # another folder is not the shim
-    assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, protocol="tcp"), environ={}) == []
+    assert check_connector(_parts({}, {}, model=model, platform="cpu", block_size=32, transport="tcp"), environ={}) == []
     assert check_connector(_parts({}, {}, model=model, platform="gpu", connector="mooncake"), environ={}) == []
 
 
@@ -366,16 +375,16 @@ def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows
 
     parts = deployment_parts(deployment_from_dict(_dep(proxy={"port": 8000, "policy": "kv-aware", "local_prefill_tokens": 128})))
     engines = [p for p in parts if p.kind in ("prefill", "decode")]
-    configs = [json.loads(p.plan.argv[p.plan.argv.index("--kv-events-config") + 1]) for p in engines]
+    configs = [json.loads(p.launch.argv[p.launch.argv.index("--kv-events-config") + 1]) for p in engines]
     assert configs == [kv_events_config(5557 + 2 * k) for k in range(len(engines))]
     assert configs[0] == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
-    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    proxy = next(p for p in parts if p.kind == "proxy").launch.argv
     follows = [proxy[i + 1] for i, a in enumerate(proxy) if a == "--kv-events"]
     assert len(follows) == len(engines)
     assert follows[0] == "http://127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558"
     assert proxy[proxy.index("--policy") + 1] == "kv-aware" and proxy[proxy.index("--local-prefill-tokens") + 1] == "128"
     off = deployment_parts(deployment_from_dict(_dep(kv_events=False)))
-    assert not any("--kv-events-config" in p.plan.argv or "--kv-events" in p.plan.argv for p in off)
+    assert not any("--kv-events-config" in p.launch.argv or "--kv-events" in p.launch.argv for p in off)
 
 
 def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_routes_it_by_its_own_view() -> None:
@@ -385,13 +394,13 @@ def test_a_data_parallel_engine_takes_two_events_ports_per_rank_and_the_proxy_ro
     bound = sorted(u.port for p in engines for u in p.ports if u.what.startswith("KV events"))
     assert bound == [5557, 5558, 5559, 5560, 5561, 5562, 5563, 5564]  # DP 2: four; the others: two each
     assert len(set(bound)) == len(bound)
-    proxy = next(p for p in parts if p.kind == "proxy").plan.argv
+    proxy = next(p for p in parts if p.kind == "proxy").launch.argv
     follows = [proxy[i + 1].split("=", 1)[0] for i, a in enumerate(proxy) if a == "--kv-events"]
     assert follows == ["http://127.0.0.1:8101", "http://127.0.0.1:8200"]
 
 
 def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() -> None:
-    dep = deployment_from_dict(_dep(protocol="socket", platform="cpu", socket_connections=3,
+    dep = deployment_from_dict(_dep(transport="socket", platform="cpu", socket_connections=3,
                                     decode=[{"port": 8200, "tp": 2, "socket_port": 7100}]))
     parts = {p.kind: p for p in deployment_parts(dep)}
     assert kv_config(parts["prefill"])["kv_connector_extra_config"]["socket_connections"] == 3
@@ -401,7 +410,7 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
     assert [(u.bind, u.port, u.setting) for u in listeners] == [("0.0.0.0", 7100, "[[decode]] 1 socket_port"),
                                                                  ("0.0.0.0", 7101, "[[decode]] 1 socket_port")]
     # without socket_port in the file the allocator gives the listener ports after the others, not the system
-    derived = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(protocol="socket", platform="cpu",
+    derived = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu",
                                                                              decode=[{"port": 8200}])))}
     given = kv_config(derived["decode"])["kv_connector_extra_config"]["socket_port"]
     assert given > 0 and any(u.port == given and u.what == "KV listener" for u in derived["decode"].ports)

@@ -16,7 +16,7 @@ from pdkv.deploy.engine import (
     bootstrap_address,
     engine_argv,
     engine_env,
-    engine_plan,
+    engine_launch,
     http_url,
     kv_transfer_config,
     parse_cores,
@@ -117,8 +117,8 @@ def test_cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_cpu_engines_are_bound_to_their_omp_cores(bind, cores) -> None:
     spec = EngineSpec(model="m", role="decode", platform="cpu", host_ip="127.0.0.1", omp_bind=bind, launcher="module")
-    assert engine_plan(spec).cpus == cores
-    assert engine_plan(msgspec.structs.replace(spec, platform="gpu")).cpus is None
+    assert engine_launch(spec).cpus == cores
+    assert engine_launch(msgspec.structs.replace(spec, platform="gpu")).cpus is None
 
 
 @pytest.mark.parametrize(("bind", "tp", "env"), [("0-1", 2, "0|1"), ("0-3", 2, "0,1|2,3"), ("0-4", 2, "0,1|2,3"), ("0|1", 2, "0|1"),
@@ -163,7 +163,7 @@ def test_http_url_reaches_wildcard_binds_locally() -> None:
 
 def test_plan_rejects_bad_port() -> None:
     with pytest.raises(UsageError):
-        engine_plan(EngineSpec(model="m", port=70000))
+        engine_launch(EngineSpec(model="m", port=70000))
 
 
 def test_kv_events_publish_on_a_wildcard_and_replay_on_the_next_port() -> None:

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from pdkv.errors import StartError
-from pdkv.deploy.engine import LaunchPlan
+from pdkv.deploy.engine import Launch
 from pdkv.deploy.process import ManagedProcess
 from support.waiting import wait_for
 
@@ -31,8 +31,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _plan(code: str, name: str = "child") -> LaunchPlan:
-    return LaunchPlan(name=name, argv=[sys.executable, "-c", code], env={"PDKV_TEST_VALUE": "42"}, url="http://127.0.0.1:1")
+def _plan(code: str, name: str = "child") -> Launch:
+    return Launch(name=name, argv=[sys.executable, "-c", code], env={"PDKV_TEST_VALUE": "42"}, url="http://127.0.0.1:1")
 
 
 def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
@@ -83,7 +83,7 @@ def test_context_manager_stops_on_error(tmp_path: Path) -> None:
 
 
 def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
-    plan = LaunchPlan(name="ghost", argv=["/nonexistent/vllm"], env={}, url="http://127.0.0.1:1")
+    plan = Launch(name="ghost", argv=["/nonexistent/vllm"], env={}, url="http://127.0.0.1:1")
     with pytest.raises(StartError, match="cannot run"):
         ManagedProcess(plan, tmp_path / "ghost.log").start()
 
@@ -91,7 +91,7 @@ def test_missing_executable_is_a_start_error(tmp_path: Path) -> None:
 def test_cpu_engine_processes_are_bound_to_their_cores(tmp_path: Path) -> None:
     # The child and what it starts later (vLLM's engine core and workers) run only on the plan's cores.
     core = sorted(os.sched_getaffinity(0))[-1]
-    plan = LaunchPlan(name="bound", argv=[sys.executable, "-c", FAMILY], env={}, url="http://127.0.0.1:1", cpus=[core])
+    plan = Launch(name="bound", argv=[sys.executable, "-c", FAMILY], env={}, url="http://127.0.0.1:1", cpus=[core])
     lines: list[str] = []
     proc = ManagedProcess(plan, tmp_path / "bound.log", on_line=lines.append).start()
     try:

@@ -104,9 +104,9 @@ def env_host(env: dict[str, str], addrs: dict[str, list[str]] | None = None) -> 
 def test_expandable_segments_fails_rdma_only():
     assert parse_alloc_conf("expandable_segments:True,max_split_size_mb:512") == {"expandable_segments": "True", "max_split_size_mb": "512"}
     env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"}
-    rdma = check_alloc_conf(env_host(env), DoctorOptions(protocol="rdma"))
+    rdma = check_alloc_conf(env_host(env), DoctorOptions(transport="rdma"))
     assert rdma.status is Status.FAIL and "expandable_segments:True" in rdma.hint
-    assert check_alloc_conf(env_host(env), DoctorOptions(protocol="tcp")).status is Status.PASS
+    assert check_alloc_conf(env_host(env), DoctorOptions(transport="tcp")).status is Status.PASS
     assert check_alloc_conf(env_host({"PYTORCH_ALLOC_CONF": "expandable_segments:true"}), DoctorOptions()).status is Status.FAIL
     assert check_alloc_conf(env_host({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}), DoctorOptions()).status is Status.PASS
 
@@ -138,8 +138,8 @@ def test_mc_env_reported_and_validated():
     bad = check_mc_env(env_host({"MC_GID_INDEX": "three"}), DoctorOptions())
     assert bad.status is Status.FAIL and "MC_GID_INDEX" in bad.hint
     assert check_mc_env(env_host({"MC_MTU": "9000"}), DoctorOptions()).status is Status.FAIL
-    assert check_mc_env(env_host({"MC_FORCE_TCP": "1"}), DoctorOptions(protocol="rdma")).status is Status.WARN
-    assert check_mc_env(env_host({"MC_FORCE_TCP": "1"}), DoctorOptions(protocol="tcp")).status is Status.PASS
+    assert check_mc_env(env_host({"MC_FORCE_TCP": "1"}), DoctorOptions(transport="rdma")).status is Status.WARN
+    assert check_mc_env(env_host({"MC_FORCE_TCP": "1"}), DoctorOptions(transport="tcp")).status is Status.PASS
 
 
 def test_deployment_ports_follow_the_bootstrap_env():

@@ -48,7 +48,7 @@ def host_for(scenario: str, *, env: dict[str, str] | None = None, gpus=fake_no_n
     )
 
 
-RDMA = DoctorOptions(protocol="rdma", device="mlx5_0", skip_mooncake=True)
+RDMA = DoctorOptions(transport="rdma", device="mlx5_0", skip_mooncake=True)
 
 # (scenario, check, options, status, words in the detail, words in the hint)
 VERDICTS = [
@@ -141,12 +141,12 @@ def test_mc_gid_index_pointing_at_a_link_local_gid_fails():
 
 
 def test_tcp_skips_every_rdma_only_check_with_the_reason():
-    tcp = DoctorOptions(protocol="tcp", device="mlx5_0")
+    tcp = DoctorOptions(transport="tcp", device="mlx5_0")
     for check in (
         check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa
     ):
         result = check(host_for("port_down"), tcp)
-        assert result.status is Status.SKIP and "protocol tcp" in result.detail
+        assert result.status is Status.SKIP and "transport tcp" in result.detail
 
 
 def test_healthy_host_passes_every_host_check():
@@ -170,15 +170,15 @@ def test_report_lists_failures_first_then_warnings():
     assert report.counts["fail"] == 1 and report.counts["warn"] == 1
 
 
-@pytest.mark.parametrize("protocol", ["cma", "socket"])
-def test_cma_and_socket_skip_every_rdma_only_check_and_mooncake(protocol):
-    options = DoctorOptions(protocol=protocol)
+@pytest.mark.parametrize("transport", ["cma", "socket"])
+def test_cma_and_socket_skip_every_rdma_only_check_and_mooncake(transport):
+    options = DoctorOptions(transport=transport)
     for check in (
         check_rdma_devices, check_rdma_device, check_uverbs, check_gpudirect_rdma, check_memlock, check_roce_gid, check_gpu_nic_numa,
         check_mooncake,
     ):
         result = check(host_for("port_down"), options)
-        assert result.status is Status.SKIP and f"protocol {protocol}" in result.detail
+        assert result.status is Status.SKIP and f"transport {transport}" in result.detail
 
 
 def test_socket_probe_writes_through_a_real_listener_on_the_advertised_address(tmp_path):
@@ -187,12 +187,12 @@ def test_socket_probe_writes_through_a_real_listener_on_the_advertised_address(t
     def host(ip: str) -> Host:
         return Host(root=SysRoot(tmp_path), env={"VLLM_HOST_IP": ip}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
 
-    result = check_socket(host("127.0.0.1"), DoctorOptions(protocol="socket"))
+    result = check_socket(host("127.0.0.1"), DoctorOptions(transport="socket"))
     assert result.status is Status.PASS and "D's listener on 127.0.0.1 took a 4 MiB write" in result.detail, result.detail
     # An address of no interface here (TEST-NET-3): the listener cannot bind it, and the fix says what to set.
-    bad = check_socket(host("203.0.113.7"), DoctorOptions(protocol="socket"))
+    bad = check_socket(host("203.0.113.7"), DoctorOptions(transport="socket"))
     assert bad.status is Status.FAIL and "203.0.113.7" in bad.detail and "VLLM_HOST_IP" in bad.hint
-    assert check_socket(host("127.0.0.1"), DoctorOptions(protocol="tcp")).status is Status.SKIP
+    assert check_socket(host("127.0.0.1"), DoctorOptions(transport="tcp")).status is Status.SKIP
 
 
 @pytest.mark.parametrize("scope", ["2", "3"])
@@ -203,7 +203,7 @@ def test_cma_fails_where_yama_forbids_writing_into_another_process(tmp_path, sco
     yama.mkdir(parents=True)
     (yama / "ptrace_scope").write_text(scope + "\n")
     host = Host(root=SysRoot(tmp_path), env={}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
-    result = check_cma(host, DoctorOptions(protocol="cma"))
+    result = check_cma(host, DoctorOptions(transport="cma"))
     assert result.status is Status.FAIL and f"ptrace_scope is {scope}" in result.detail
     assert "--transport tcp" in result.hint
 
@@ -213,10 +213,10 @@ def test_cma_writes_into_a_real_child_process_and_checks_the_bytes(tmp_path):
     from pdkv.doctor.cma import check_cma
 
     host = Host(root=SysRoot(tmp_path), env={}, gpus=fake_no_nvml, net_addrs=lambda: {}, dmabuf=fake_dmabuf(None))
-    result = check_cma(host, DoctorOptions(protocol="cma"))
+    result = check_cma(host, DoctorOptions(transport="cma"))
     assert result.status is Status.PASS, result.detail
     assert "bytes verified" in result.detail
-    assert check_cma(host, DoctorOptions(protocol="tcp")).status is Status.SKIP
+    assert check_cma(host, DoctorOptions(transport="tcp")).status is Status.SKIP
 
 
 def test_no_deployment_key_on_a_networked_host_is_a_warning_with_the_fix():
@@ -225,6 +225,6 @@ def test_no_deployment_key_on_a_networked_host_is_a_warning_with_the_fix():
     exposed = check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2"}), RDMA)
     assert exposed.status is Status.WARN and "PDKV_TOKEN" in exposed.hint and "transfer id" in exposed.detail
     assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_TOKEN": "k"}), RDMA).status is Status.PASS
-    assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_BOOTSTRAP_TOKEN": "k"}), RDMA).status \
-        is Status.PASS
+    retired = check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "10.0.0.2", "PDKV_BOOTSTRAP_TOKEN": "k"}), RDMA)
+    assert retired.status is Status.FAIL and "PDKV_TOKEN is not" in retired.detail and "export PDKV_TOKEN" in retired.hint
     assert check_deployment_key(host_for("healthy_ndr", env={"VLLM_HOST_IP": "127.0.0.1"}), RDMA).status is Status.PASS

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from pdkv.engine_api import EngineLoad
 from pdkv.engine_api import parse_engine_load as parse_engine_metrics
 from pdkv.proxy.kv.metrics import counter_delta
-from pdkv.proxy.kv.policy import DecodeCandidate, KvConfig, KvWeights, plan_route
+from pdkv.proxy.kv.policy import DecodeCandidate, KvConfig, KvWeights, place_request
 
 # The shape of vLLM 0.32's exposition: HELP/TYPE lines, one sample per engine core, _created samples, histograms.
 TWO_CORES = b"""# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -96,4 +96,4 @@ def test_a_d_busy_with_other_clients_work_is_not_chosen_over_an_idle_one():
     router.loads.readings["http://d1"] = (EngineLoad(), now)
     decodes = [router._decode_candidate(_D(u, 0), [], now) for u in ("http://d0", "http://d1")]
     for start in range(4):  # whatever the round-robin cursor says
-        assert plan_route(500, 32, [], decodes, KvWeights(local_prefill_tokens=0), start=start).decode == 1
+        assert place_request(500, 32, [], decodes, KvWeights(local_prefill_tokens=0), start=start).decode == 1

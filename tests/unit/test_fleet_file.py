@@ -19,7 +19,7 @@ HOSTS = [{"name": "A", "address": "10.0.0.1"}, {"name": "B", "address": "10.0.0.
 
 def fleet(**over) -> dict:
     data = {
-        "model": "m", "platform": "cpu", "protocol": "tcp", "hosts": HOSTS,
+        "model": "m", "platform": "cpu", "transport": "tcp", "hosts": HOSTS,
         "bootstrap": {"host": "A"}, "proxy": {"host": "A", "port": 8000},
         "prefill": [{"host": "B", "port": 8100}], "decode": [{"host": "C", "port": 8200}],
     }
@@ -27,31 +27,31 @@ def fleet(**over) -> dict:
 
 
 def kv_config(part) -> dict:
-    argv = part.plan.argv
+    argv = part.launch.argv
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
 
 def test_each_part_is_reached_at_and_advertises_its_hosts_address() -> None:
-    parts = {p.plan.name: p for p in deployment_parts(deployment_from_dict(fleet()))}
+    parts = {p.launch.name: p for p in deployment_parts(deployment_from_dict(fleet()))}
     boot, p, d, proxy = parts["bootstrap-0"], parts["prefill-0"], parts["decode-0"], parts["proxy"]
     assert [x.host for x in (boot, p, d, proxy)] == ["A", "B", "C", "A"]
-    assert boot.plan.url == "http://10.0.0.1:8998" and proxy.plan.url == "http://10.0.0.1:8000"
-    assert p.plan.url == "http://10.0.0.2:8100" and d.plan.url == "http://[fd00::3]:8200"
-    assert p.plan.env["VLLM_HOST_IP"] == "10.0.0.2" and d.plan.env["VLLM_HOST_IP"] == "fd00::3"
+    assert boot.launch.url == "http://10.0.0.1:8998" and proxy.launch.url == "http://10.0.0.1:8000"
+    assert p.launch.url == "http://10.0.0.2:8100" and d.launch.url == "http://[fd00::3]:8200"
+    assert p.launch.env["VLLM_HOST_IP"] == "10.0.0.2" and d.launch.env["VLLM_HOST_IP"] == "fd00::3"
     assert kv_config(p)["kv_connector_extra_config"]["bootstrap_server_address"] == "10.0.0.1:8998"
     assert p.bootstrap_url == "http://10.0.0.1:8998"
-    argv = proxy.plan.argv
+    argv = proxy.launch.argv
     assert argv[argv.index("--prefill") + 1] == "http://10.0.0.2:8100,http://10.0.0.1:8998"
     assert argv[argv.index("--decode") + 1] == "http://[fd00::3]:8200"
     # The deployment-wide listen address keeps its meaning.
-    assert p.plan.argv[p.plan.argv.index("--host") + 1] == "0.0.0.0"
-    assert boot.plan.argv[boot.plan.argv.index("--host") + 1] == "0.0.0.0"
+    assert p.launch.argv[p.launch.argv.index("--host") + 1] == "0.0.0.0"
+    assert boot.launch.argv[boot.launch.argv.index("--host") + 1] == "0.0.0.0"
 
 
 def test_in_worker_bootstrap_is_on_ps_host() -> None:
     dep = deployment_from_dict(fleet(bootstrap={"mode": "in-worker", "port": 8998}))
     p = next(x for x in deployment_parts(dep) if x.kind == "prefill")
-    assert p.bootstrap_url == "http://10.0.0.2:8998" and p.plan.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
+    assert p.bootstrap_url == "http://10.0.0.2:8998" and p.launch.env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "8998"
 
 
 def test_single_host_file_is_unchanged() -> None:
@@ -63,7 +63,7 @@ def test_single_host_file_is_unchanged() -> None:
     dep = deployment_from_dict({**data, "host": "127.0.0.1", "host_ip": "127.0.0.1"})
     parts = deployment_parts(dep)
     assert {p.host for p in parts} == {None}
-    assert [p.plan.url for p in parts] == ["http://127.0.0.1:8998", "http://127.0.0.1:8100", "http://127.0.0.1:8200", "http://127.0.0.1:8000"]
+    assert [p.launch.url for p in parts] == ["http://127.0.0.1:8998", "http://127.0.0.1:8100", "http://127.0.0.1:8200", "http://127.0.0.1:8000"]
     assert chosen_hosts(dep, None, ["10.9.9.9"]) is None
     assert select_parts(parts, None) == parts
 
@@ -83,7 +83,7 @@ def test_single_host_file_is_unchanged() -> None:
         ({"hosts": [*HOSTS[:2], {"name": "C", "address": "10.0.0.300"}]}, "not an IPv4 or IPv6 address"),
         ({"hosts": [*HOSTS[:2], {"name": "C", "address": "0.0.0.0"}]}, "which no peer can reach"),
         ({"hosts": [{"name": "A"}]}, "missing required field `address`"),
-        ({"protocol": "cma"}, "protocol cma moves KV inside one host, and the engines are on 2"),
+        ({"transport": "cma"}, "transport cma moves KV inside one host, and the engines are on 2"),
     ],
 )
 def test_bad_fleet_files_are_one_line_config_errors(over: dict, match: str) -> None:
@@ -100,7 +100,7 @@ def test_a_host_key_without_hosts_is_an_error() -> None:
 
 
 def test_cma_is_fine_when_the_engines_share_a_host() -> None:
-    deployment_from_dict(fleet(protocol="cma", decode=[{"host": "B", "port": 8200}]))
+    deployment_from_dict(fleet(transport="cma", decode=[{"host": "B", "port": 8200}]))
 
 
 def test_host_selection_by_name_and_by_this_machines_addresses() -> None:
@@ -109,8 +109,8 @@ def test_host_selection_by_name_and_by_this_machines_addresses() -> None:
     assert chosen_hosts(dep, "B", []) == {"B"}
     assert chosen_hosts(dep, None, ["127.0.0.1", "10.0.0.1", "fe80::1%eth0"]) == {"A"}
     assert chosen_hosts(dep, None, ["10.0.0.2", "fd00:0:0::3"]) == {"B", "C"}
-    assert [p.plan.name for p in select_parts(parts, {"A"})] == ["bootstrap-0", "proxy"]
-    assert [p.plan.name for p in select_parts(parts, {"B", "C"})] == ["prefill-0", "decode-0"]
+    assert [p.launch.name for p in select_parts(parts, {"A"})] == ["bootstrap-0", "proxy"]
+    assert [p.launch.name for p in select_parts(parts, {"B", "C"})] == ["prefill-0", "decode-0"]
     with pytest.raises(UsageError, match=r"--host Z: no such host in the deployment file \(hosts: A, B, C\)"):
         chosen_hosts(dep, "Z", [])
     with pytest.raises(UsageError, match="no host of the deployment file has an address of this machine"):
@@ -136,4 +136,4 @@ def test_a_host_with_no_parts_is_a_usage_error() -> None:
 def test_example_fleet_file_loads() -> None:
     dep = load_deployment(EXAMPLE)
     assert [h.name for h in dep.hosts] == ["A", "B", "C"]
-    assert {p.plan.name: p.host for p in deployment_parts(dep)} == {"bootstrap-0": "A", "prefill-0": "B", "decode-0": "C", "proxy": "A"}
+    assert {p.launch.name: p.host for p in deployment_parts(dep)} == {"bootstrap-0": "A", "prefill-0": "B", "decode-0": "C", "proxy": "A"}

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 
 from pdkv.errors import ConfigError, UnsupportedModelError, UsageError
-from pdkv.geometry import dense_geometry, geometry_from_config, geometry_from_model, load_config, plan_transfer, rank_transfers
+from pdkv.geometry import dense_geometry, geometry_from_config, geometry_from_model, load_config, size_transfer, rank_transfers
 
 
 def test_seed_numbers_for_qwen3_8b(qwen3_8b):
-    plan = plan_transfer(geometry_from_model(qwen3_8b), prompt_tokens=1000, output_tokens=128)
+    plan = size_transfer(geometry_from_model(qwen3_8b), prompt_tokens=1000, output_tokens=128)
     assert plan.bytes_per_token == 147456
     assert plan.bytes_per_block == 2359296
     assert plan.blocks == 63
@@ -79,12 +79,12 @@ def test_plan_rejects_bad_numbers(qwen3_8b):
     for kwargs in ({"block_size": 0}, {"prompt_tokens": -1}, {"link_gbps": 0}):
         args = {"prompt_tokens": 10, **kwargs}
         with pytest.raises(UsageError):
-            plan_transfer(g, **args)
+            size_transfer(g, **args)
 
 
 def test_rank_transfers_add_up_to_the_whole_prompt():
     g = dense_geometry(36, 8, 128, "bfloat16")
-    whole = plan_transfer(g, prompt_tokens=1000).transfer_bytes
+    whole = size_transfer(g, prompt_tokens=1000).transfer_bytes
     for p_tp, d_tp in ((1, 2), (2, 1), (1, 4), (4, 2), (2, 2)):
         ranks = rank_transfers(g, p_tp, d_tp, prompt_tokens=1000, block_size=16)
         assert sum(r.bytes for r in ranks) == whole, (p_tp, d_tp)

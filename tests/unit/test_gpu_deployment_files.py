@@ -21,8 +21,8 @@ def test_each_file_loads_and_its_engines_share_gpu_0(tmp_path, name: str, graphs
     engines = [p for p in parts if p.kind in ("prefill", "decode")]
     assert [p.spec.port for p in engines] == [PORTS[name].prefill, PORTS[name].decode]
     for part in engines:
-        argv = part.plan.argv
-        assert part.plan.env["CUDA_VISIBLE_DEVICES"] == "0" and part.plan.env["VLLM_BATCH_INVARIANT"] == "1"
+        argv = part.launch.argv
+        assert part.launch.env["CUDA_VISIBLE_DEVICES"] == "0" and part.launch.env["VLLM_BATCH_INVARIANT"] == "1"
         if graphs == "eager":
             assert "--enforce-eager" in argv and "--compilation-config" not in argv
         else:
@@ -38,7 +38,7 @@ def test_decode_scheduling_changes_d_alone(tmp_path, monkeypatch, scheduling: st
     monkeypatch.setattr(deployments, "DECODE_SCHEDULING", scheduling)
     path = tmp_path / "pdkv-ipc.toml"
     path.write_text(deployment_toml("pdkv-ipc", "/models/qwen3-8b"))
-    argv = {p.kind: p.plan.argv for p in deployment_parts(load_deployment(path)) if p.kind in ("prefill", "decode")}
+    argv = {p.kind: p.launch.argv for p in deployment_parts(load_deployment(path)) if p.kind in ("prefill", "decode")}
     assert "--no-async-scheduling" not in argv["prefill"]
     assert ("--no-async-scheduling" in argv["decode"]) == (scheduling == "sync")
     monkeypatch.setattr(deployments, "DECODE_SCHEDULING", "synch")

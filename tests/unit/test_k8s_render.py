@@ -26,11 +26,11 @@ FILES = {"1p1d": EXAMPLES / "k8s-1p1d.toml", "4p2d": EXAMPLES / "k8s-4p2d.toml"}
 VARIANTS = {
     **{name: None for name in FILES},
     "tcp-no-doctor-token": deployment_text(
-        top='protocol = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
+        top='transport = "tcp"', kubernetes='doctor = false\ntoken_secret = "tok"\nanti_affinity = "required"'),
     "tp2-mixed": deployment_text(
         prefill="tp = 8\nreplicas = 3", decode="tp = 8\nreplicas = 2", kubernetes="gpus_per_node = 8\nmodel_pvc = 'weights'"),
-    "cpu-tcp": deployment_text(top='platform = "cpu"\nprotocol = "tcp"\nblock_size = 32'),
-    "socket-tp2": deployment_text(top='protocol = "socket"\nblock_size = 16', decode="tp = 2", kubernetes="socket_port = 6100"),
+    "cpu-tcp": deployment_text(top='platform = "cpu"\ntransport = "tcp"\nblock_size = 32'),
+    "socket-tp2": deployment_text(top='transport = "socket"\nblock_size = 16', decode="tp = 2", kubernetes="socket_port = 6100"),
     "tp-p1-d2": deployment_text(prefill="tp = 1", decode="tp = 2"),  # P and D of different TP sizes
     "no-kv-events": deployment_text(top='block_size = 16\nkv_events = false', decode="kv_events_port = 7000"),
     "external-bootstrap": deployment_text(tables='[bootstrap]\nmode = "external"\nurl = "http://registry.example:8998"'),
@@ -248,7 +248,7 @@ def test_the_kv_transfer_config_is_the_one_pdkv_up_passes():
     path = FILES["1p1d"]
     objects = render_file(path)
     data = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
-    up = {p.plan.name: p.spec for p in deployment_parts(load_deployment(path)) if p.spec is not None}
+    up = {p.launch.name: p.spec for p in deployment_parts(load_deployment(path)) if p.spec is not None}
     assert json.loads(data["decode-0.json"]) == kv_transfer_config(up["decode-0"])
     p_up = kv_transfer_config(up["prefill-0"])
     del p_up["kv_connector_extra_config"]["bootstrap_server_address"]  # pdkv up's standalone bootstrap; the pod's is in-worker
@@ -290,7 +290,7 @@ def test_namespace_override_reaches_every_object_and_the_members_url():
         (deployment_text(kubernetes='name = "Qwen_3"'), "is not a Kubernetes name"),
         (deployment_text(kubernetes='shm_size = "lots"'), "is not a Kubernetes quantity"),
         (deployment_text(top='connector = "mooncake"'), "members"),
-        (deployment_text(top='protocol = "cma"\nplatform = "cpu"\nblock_size = 32'), "inside one host"),
+        (deployment_text(top='transport = "cma"\nplatform = "cpu"\nblock_size = 32'), "inside one host"),
         (deployment_text(prefill='bootstrap_url = "http://10.0.0.9:8998"'), "bootstrap_url"),
         (deployment_text(decode="block_size = 32"), "block size differs: P 16, D 32"),
         (deployment_text(prefill="replicas = 0"), "replicas = 0"),
@@ -305,7 +305,7 @@ def test_bad_input_is_one_config_error(tmp_path: Path, text: str, words: str):
 
 def test_pdkv_up_reads_the_file_and_refuses_replicas(tmp_path: Path):
     parts = deployment_parts(load_deployment(FILES["1p1d"]))
-    assert [p.plan.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
+    assert [p.launch.name for p in parts] == ["bootstrap-0", "prefill-0", "decode-0", "proxy"]
     with pytest.raises(ConfigError, match="pdkv up starts one engine per table"):
         deployment_parts(load_deployment(FILES["4p2d"]))
 

@@ -74,7 +74,7 @@ def random_file(rng: random.Random) -> dict[str, Any]:
         bootstrap["port"] = written.draw(prefill[0].get("host"))
     proxy_host = place()
     data: dict[str, Any] = {
-        "model": "/m", "platform": "cpu", "protocol": "tcp", "host": "0.0.0.0", "host_ip": "127.0.0.1",
+        "model": "/m", "platform": "cpu", "transport": "tcp", "host": "0.0.0.0", "host_ip": "127.0.0.1",
         "connector": rng.choice(["pdkv", "pdkv", "mooncake"]), "kv_events": kv_events, "bootstrap": bootstrap,
         "prefill": prefill, "decode": decode, "proxy": {"port": written.draw(proxy_host), **({"host": proxy_host} if proxy_host else {})},
     }
@@ -93,7 +93,7 @@ def flag(argv: list[str], name: str) -> str:
 
 def bound_ports(part: Part) -> set[int]:
     """The ports `part`'s command line and environment make it bind, read back from them."""
-    argv, env = part.plan.argv, part.plan.env
+    argv, env = part.launch.argv, part.launch.env
     ports = {int(flag(argv, "--port"))}
     if part.spec is None:
         return ports
@@ -132,27 +132,27 @@ def test_every_port_of_every_part_ever_started_comes_from_the_allocator_and_is_d
         parts = every_part(dep)
         for part in parts:
             uses = part.ports
-            assert {u.port for u in uses} == bound_ports(part), (part.plan.name, where)
-            assert all(u.part == part.plan.name and u.host == part.host and u.setting and 0 < u.port < 65536 for u in uses), where
+            assert {u.port for u in uses} == bound_ports(part), (part.launch.name, where)
+            assert all(u.part == part.launch.name and u.host == part.host and u.setting and 0 < u.port < 65536 for u in uses), where
         # Every port the allocator gives is bound by exactly the part it names: none is planned and never bound.
         assert sorted((u.part, u.port) for p in parts for u in p.ports) == sorted((u.part, u.port) for u in plan.uses), where
         # The ports written in the file stay as written.
-        by_name = {p.plan.name: p for p in parts}
+        by_name = {p.launch.name: p for p in parts}
         for role in ("prefill", "decode"):
             for i, t in enumerate(data[role]):
                 engine = by_name[f"{role}-{i}"]
-                assert int(flag(engine.plan.argv, "--port")) == t["port"], where
+                assert int(flag(engine.launch.argv, "--port")) == t["port"], where
                 if dep.kv_events and "kv_events_port" in t:
                     assert engine.spec.kv_events_port == t["kv_events_port"], where
-        assert int(flag(by_name["proxy"].plan.argv, "--port")) == data["proxy"]["port"]
+        assert int(flag(by_name["proxy"].launch.argv, "--port")) == data["proxy"]["port"]
         first = next((u for u in plan.uses if u.what == "bootstrap"), None)
         assert first is None or first.port == data["bootstrap"]["port"], where
         # The proxy follows each engine's KV events where that engine publishes them.
-        proxy = by_name["proxy"].plan.argv
+        proxy = by_name["proxy"].launch.argv
         for i, arg in enumerate(proxy):
             if arg == "--kv-events":
                 url, endpoints = proxy[i + 1].split("=", 1)
-                engine = next(p for p in parts if p.plan.url == url)
+                engine = next(p for p in parts if p.launch.url == url)
                 assert int(endpoints.split(",")[0].rsplit(":", 1)[1]) == engine.spec.kv_events_port, where
         # On one host every engine [autoscale] may add has its ports reserved; a fleet adds none here.
         added = {s.name for s in engine_slots(dep) if s.added}
@@ -166,7 +166,7 @@ def test_every_port_of_every_part_ever_started_comes_from_the_allocator_and_is_d
 def test_the_added_prefills_kv_events_never_take_the_port_of_the_added_bootstrap():
     """The shape of examples/autoscale.toml on one host: bootstrap 8998, KV events at their default, P 1..2."""
     dep = deployment_from_dict({
-        "model": "/m", "platform": "cpu", "protocol": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "bootstrap": {"port": 8998},
+        "model": "/m", "platform": "cpu", "transport": "cma", "host": "127.0.0.1", "host_ip": "127.0.0.1", "bootstrap": {"port": 8998},
         "prefill": [{"port": 8100}], "decode": [{"port": 8200}], "proxy": {"port": 8000},
         "autoscale": {"profile": "p.json", "ttft_ms": 300, "itl_ms": 40, "prefill": {"min": 1, "max": 2}},
     })

@@ -14,18 +14,18 @@ def _parts(prefill: list[dict], decode: list[dict], platform: str = "gpu"):
 
 
 def _stages(parts, extensible: bool) -> dict[str, int]:
-    return {p.plan.name: s for p, s in zip(parts, start_stages(parts, extensible), strict=True)}
+    return {p.launch.name: s for p, s in zip(parts, start_stages(parts, extensible), strict=True)}
 
 
 def test_engines_on_one_gpu_start_one_after_another_where_vllm_measures_the_cache():
     parts = _parts([{"port": 8100, "gpu": "0"}], [{"port": 8200, "gpu": "0"}])
     stages = _stages(parts, extensible=True)
     engines = [p for p in parts if p.kind in ("prefill", "decode")]
-    assert sorted(stages[p.plan.name] for p in engines) == [1, 2]
+    assert sorted(stages[p.launch.name] for p in engines) == [1, 2]
     proxy = next(p for p in parts if p.kind == "proxy")
-    assert stages[proxy.plan.name] == 3
+    assert stages[proxy.launch.name] == 3
     # vLLM before 0.34 reserves a fixed share: together, as always.
-    assert sorted(_stages(parts, extensible=False)[p.plan.name] for p in engines) == [1, 1]
+    assert sorted(_stages(parts, extensible=False)[p.launch.name] for p in engines) == [1, 1]
 
 
 def test_engines_on_separate_gpus_or_with_a_fixed_cache_start_together():
@@ -42,7 +42,7 @@ def test_engines_on_separate_gpus_or_with_a_fixed_cache_start_together():
 
 def test_a_gpu_list_overlapping_another_and_an_engine_with_every_gpu():
     parts = _parts([{"port": 8100, "gpu": "0,1", "tp": 2}, {"port": 8101, "gpu": "2"}], [{"port": 8200, "gpu": "1,2", "tp": 2}])
-    engines = {p.plan.name: s for p, s in zip(parts, start_stages(parts, True), strict=True) if p.kind in ("prefill", "decode")}
+    engines = {p.launch.name: s for p, s in zip(parts, start_stages(parts, True), strict=True) if p.kind in ("prefill", "decode")}
     assert sorted(engines.values()) == [1, 1, 2]  # the two prefills share nothing; the decode waits for both
     anywhere = _parts([{"port": 8100}], [{"port": 8200, "gpu": "3"}])
     assert sorted(s for p, s in zip(anywhere, start_stages(anywhere, True), strict=True) if p.kind in ("prefill", "decode")) == [1, 2]

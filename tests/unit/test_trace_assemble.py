@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdkv.geometry import plan_transfer
+from pdkv.geometry import size_transfer
 from pdkv.trace.assemble import assemble, link_floor_ms, percentile, summarize
 from pdkv.trace.collect import one_host
 from support.trace_records import (
@@ -108,7 +108,7 @@ def test_clock_skew_is_clamped_and_said() -> None:
 
 def test_transfer_facts_match_plan_and_link_floor() -> None:
     t = assemble(proxy_record(), [connector_record()], client_timing(), link_gbps=400)
-    plan = plan_transfer(TINY, prompt_tokens=REAL_CLIENT["prompt_tokens"], block_size=32, link_gbps=400)
+    plan = size_transfer(TINY, prompt_tokens=REAL_CLIENT["prompt_tokens"], block_size=32, link_gbps=400)
     assert t.transfer.bytes == plan.transfer_bytes == 29 * 32 * 2 * 2 * 2 * 32 * 2
     assert t.transfer.floor_ms == near(plan.floor_ms)
     write_ms = E("transfer_end") - E("transfer_start")

@@ -71,7 +71,7 @@ def test_after_a_shutdown_another_error_keeps_its_traceback(vllm_log: io.StringI
 def test_every_engine_gets_the_file_and_nothing_else_does(tmp_path: Path) -> None:
     parts = with_vllm_logging(deployment_parts(local_deployment(gpus=0)), tmp_path, environ={})
     path = str(tmp_path.resolve() / "vllm-logging.json")
-    assert {p.plan.name: p.plan.env.get("VLLM_LOGGING_CONFIG_PATH") for p in parts} == {
+    assert {p.launch.name: p.launch.env.get("VLLM_LOGGING_CONFIG_PATH") for p in parts} == {
         "bootstrap-0": None, "prefill-0": path, "decode-0": path, "proxy": None}
     assert write_logging_config(parts, tmp_path) == Path(path) and Path(path).exists()
     assert write_logging_config(deployment_parts(local_deployment(gpus=0)), tmp_path / "unused") is None

@@ -20,10 +20,10 @@ from pdkv.proxy.kv.policy import (
     KvConfig,
     KvWeights,
     PrefillCandidate,
-    RoutePlan,
+    Placement,
     RouteReason,
     hit_tokens,
-    plan_route,
+    place_request,
 )
 from pdkv.proxy.kv.prefix import ROOT_KEY, BlockKey, block_keys, cacheable_blocks, chain_key
 from pdkv.proxy.kv.subscriber import EventSource, KvEventSubscriber, StreamObserver
@@ -47,7 +47,7 @@ __all__ = [
     "KvWeights",
     "LocalTokenizer",
     "PrefillCandidate",
-    "RoutePlan",
+    "Placement",
     "RouteReason",
     "StreamObserver",
     "block_keys",
@@ -58,5 +58,5 @@ __all__ = [
     "decode_batch",
     "hit_tokens",
     "parse_seq",
-    "plan_route",
+    "place_request",
 ]

@@ -60,7 +60,7 @@ class DecodeCandidate(msgspec.Struct, frozen=True):
     kv_usage: float = 0.0  # 0..1, as the engine last reported it
 
 
-class RoutePlan(msgspec.Struct, frozen=True):
+class Placement(msgspec.Struct, frozen=True):
     decode: int
     prefill: int | None  # None: D computes the prompt alone
     reason: RouteReason
@@ -109,7 +109,7 @@ def prefill_cost(c: PrefillCandidate, prompt_tokens: int, block_size: int, w: Kv
     return prompt_tokens - hit_tokens(c.hit_blocks, block_size, prompt_tokens) + w.queue_weight * c.queued_tokens
 
 
-def plan_route(
+def place_request(
     prompt_tokens: int,
     block_size: int,
     prefills: Sequence[PrefillCandidate],
@@ -118,7 +118,7 @@ def plan_route(
     *,
     start: int = 0,
     keyed: bool = True,
-) -> RoutePlan:
+) -> Placement:
     """Where one request goes. `prefills` may be empty (then D computes alone); `decodes` may not."""
     if not decodes:
         raise ValueError("no decode candidates")
@@ -128,7 +128,7 @@ def plan_route(
     missing = prompt_tokens - d_hit
     if (keyed and missing <= weights.local_prefill_tokens) or not prefills:
         reason = RouteReason.LOCAL_PREFILL if keyed else RouteReason.UNKEYED
-        return RoutePlan(d, None, reason, prompt_tokens, d_hit_tokens=d_hit, d_costs=d_costs)
+        return Placement(d, None, reason, prompt_tokens, d_hit_tokens=d_hit, d_costs=d_costs)
     by_load = not (keyed and any(hit_tokens(c.hit_blocks, block_size, prompt_tokens) > 0 for c in prefills))
     if by_load:  # nothing to gain anywhere: as least-outstanding
         p_costs = tuple(float(c.outstanding) for c in prefills)
@@ -140,7 +140,7 @@ def plan_route(
         reason = RouteReason.UNKEYED
     else:
         reason = RouteReason.PREFIX_HIT if p_hit > 0 else RouteReason.LEAST_COST
-    return RoutePlan(d, p, reason, prompt_tokens, p_hit, d_hit, p_costs, d_costs, by_load)
+    return Placement(d, p, reason, prompt_tokens, p_hit, d_hit, p_costs, d_costs, by_load)
 
 
 class KvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

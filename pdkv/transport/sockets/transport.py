@@ -17,7 +17,7 @@ from typing import Any
 from pdkv.auth import token_from_env
 from pdkv.errors import TransferError, UsageError
 from pdkv.transport.base import Descriptor
-from pdkv.transport.planned import PlannedWrites
+from pdkv.transport.descriptor_writes import DescriptorWrites
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
@@ -42,11 +42,11 @@ def default_connections() -> int:
     return max(1, min(DEFAULT_CONNECTIONS, cores))
 
 
-class SocketTransport(PlannedWrites):
+class SocketTransport(DescriptorWrites):
     """Implements pdkv.transport.base.Transport over TCP. Every method may be called from several threads at once:
     `_lock` guards the peer table and the registered spans (replaced whole); the grants guard themselves."""
 
-    protocol = "socket"
+    name = "socket"
 
     def __init__(
         self, hostname: str = "127.0.0.1", *, port: int = 0, gpu: int | None = None, writable: bool = True,

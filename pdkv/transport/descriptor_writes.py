@@ -6,14 +6,14 @@ from typing import Any
 
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region, Written
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 from pdkv.tp_heads import HeadShare
 
 
-class PlannedWrites:
-    """`write_blocks` as the planner's coalesced descriptors handed to the transport's own `write`; no hello."""
+class DescriptorWrites:
+    """`write_blocks` as plan_descriptors' coalesced descriptors handed to the transport's own `write`; no hello."""
 
-    protocol: str
+    name: str
 
     def write(self, peer: str, descriptors: list[Descriptor], *, transfer: str = "") -> None:  # provided by the transport
         raise NotImplementedError
@@ -24,7 +24,7 @@ class PlannedWrites:
     def connect(self, peer: str, hello: Any) -> None:
         if hello is not None:
             raise TransferError(
-                f"decode sent CUDA IPC handles, but this engine moves KV with {self.protocol}",
+                f"decode sent CUDA IPC handles, but this engine moves KV with {self.name}",
                 hint="use the same mooncake_protocol on P and D",
             )
 

@@ -1,4 +1,4 @@
-"""Descriptor planning (step 28): block ids and region layouts in, (src, dst, length) out.
+"""Descriptor planning: block ids and region layouts in, (src, dst, length) out.
 
 Pure: no I/O, no torch. Runs of blocks that are consecutive on both sides
 coalesce into one descriptor per region, so 63 contiguous blocks of a

@@ -4,7 +4,7 @@ import pytest
 
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region
-from pdkv.transport.planner import block_runs, plan_descriptors
+from pdkv.transport.descriptors import block_runs, plan_descriptors
 
 BL = 64 * 1024  # Qwen3-8B: one layer, one 16-token block
 

@@ -8,7 +8,7 @@ import pytest
 from pdkv.errors import TransferError
 from pdkv.transport.base import Descriptor, Region
 from pdkv.transport.cuda_ipc import IpcAllocation, IpcExport, IpcRegion, SpanMap, plan_chunks
-from pdkv.transport.planner import plan_descriptors
+from pdkv.transport.descriptors import plan_descriptors
 
 KIB = 1024
 
