@@ -202,7 +202,9 @@ def test_a_d_that_stalls_fails_the_write_within_its_bound_and_its_peers_writes_g
             os.kill(stalled.proc.pid, signal.SIGSTOP)
             try:
                 t0 = time.monotonic()
-                with pytest.raises(TransferError, match="no progress|no answer"):
+                # Stopped before or after P's connection finished its handshake (a loaded host decides which):
+                # either way the write fails within its bound.
+                with pytest.raises(TransferError, match="no progress|no answer|handshake with decode's socket listener .* timed out"):
                     p.write_blocks(stalled.session, blocks, blocks, local, stalled.regions, transfer="a")
                 assert time.monotonic() - t0 < 5
                 p.write_blocks(healthy.session, blocks, blocks, local, healthy.regions, transfer="a")

@@ -24,6 +24,11 @@ def test_a_head_is_read_back_and_anything_else_is_refused():
             wire.read_head(data, (wire.Kind.ACK,))
     with pytest.raises(wire.FrameError, match="at most"):
         wire.read_head(wire.head(wire.Kind.WRITE, wire.MAX_BODY + 1), (wire.Kind.WRITE,))
+    # A handshake or ACK body shorter than its one size is refused at the head, before anything unpacks it.
+    for kind in wire.FIXED_BODY - {wire.Kind.READY}:
+        with pytest.raises(wire.FrameError, match="always"):
+            wire.read_head(wire.head(kind, wire.BODY_LIMIT[kind] - 1), (kind,))
+    assert wire.read_head(wire.head(wire.Kind.HELLO, wire.HELLO.size), (wire.Kind.HELLO,)) == (wire.Kind.HELLO, wire.HELLO.size)
 
 
 def test_a_write_body_round_trips_and_every_inconsistent_length_is_refused():

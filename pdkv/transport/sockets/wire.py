@@ -62,6 +62,9 @@ BODY_LIMIT = {
     Kind.WRITE: MAX_BODY, Kind.ACK: ACK.size, Kind.REFUSE: MAX_REASON_BYTES,
 }
 
+# The kinds whose body has one size: a head announcing another is refused, so no body is unpacked short.
+FIXED_BODY = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.PROOF, Kind.READY, Kind.ACK})
+
 
 def head(kind: Kind, body_len: int) -> bytes:
     return HEAD.pack(MAGIC, VERSION, kind, 0, body_len)
@@ -72,7 +75,8 @@ def frame(kind: Kind, body: bytes = b"") -> bytes:
 
 
 def read_head(data: bytes, expect: Iterable[Kind]) -> tuple[Kind, int]:
-    """(kind, body length) of a 12-byte head; FrameError for a wrong magic, version or kind, or a body too long."""
+    """(kind, body length) of a 12-byte head; FrameError for a wrong magic, version or kind, a body too long, or a
+    handshake or ACK body of any size but its own."""
     magic, version, kind, flags, length = HEAD.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"not a pdkv socket frame (magic {magic!r})")
@@ -85,6 +89,8 @@ def read_head(data: bytes, expect: Iterable[Kind]) -> tuple[Kind, int]:
         raise FrameError(f"frame flags {flags:#x} are not defined in version {VERSION}")
     if length > BODY_LIMIT[Kind(kind)]:
         raise FrameError(f"{Kind(kind).name} body of {length} B, at most {BODY_LIMIT[Kind(kind)]} B")
+    if kind in FIXED_BODY and length != BODY_LIMIT[Kind(kind)]:
+        raise FrameError(f"{Kind(kind).name} body of {length} B, where it is always {BODY_LIMIT[Kind(kind)]} B")
     return Kind(kind), length
 
 
