@@ -36,7 +36,8 @@ import msgspec
 
 from pdkv.auth import new_binding
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
+from pdkv.proxy_api import CompletionFields, ProxyTiming
+from pdkv.wire import new_transfer_id
 from pdkv.proxy.admin import AdminRoutes
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
 from pdkv.proxy.config import KvConnector, Policy, ProxyConfig

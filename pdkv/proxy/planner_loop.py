@@ -27,7 +27,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from pdkv.planner import DesiredCounts, PlannerGauges, RequestSample, ScalePolicy, Slo, load_profile, observe_window
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.backends import Backends
 from pdkv.proxy.config import PlannerConfig
 from pdkv.proxy.engine_loads import EngineLoads

@@ -1,7 +1,8 @@
 """The proxy's own HTTP surface, shared by its server (pdkv.proxy) and every tool that reads or steers it
 (`pdkv up`'s autoscaler and warm-up, `pdkv status`, `pdkv top`, `pdkv trace`).
 
-- `messages`: the routes and their msgspec messages (`ProxyHealth`, `PlannerView`, `DrainRequest`, ...), pure;
+- `messages`: the routes and their msgspec messages (`ProxyHealth`, `PlannerView`, `DrainRequest`, ...), pure,
+  the proxy's per-request record (`ProxyTiming`) and the completions fields it reads (`CompletionFields`) among them;
 - `client`: `ProxyClient`, and the headers that carry the admin and API keys.
 
 Importing this package imports httpx and msgspec, not the proxy.
@@ -14,12 +15,14 @@ from pdkv.proxy_api.messages import (
     API_KEY_ENV,
     BackendHealth,
     BackendRoute,
+    CompletionFields,
     DrainAnswer,
     DrainRequest,
     LatencyMs,
     PlannerObservation,
     PlannerView,
     ProxyHealth,
+    ProxyTiming,
     RoleBounds,
     RoleCounts,
     TargetsMs,
@@ -31,6 +34,7 @@ __all__ = [
     "API_KEY_ENV",
     "BackendHealth",
     "BackendRoute",
+    "CompletionFields",
     "DrainAnswer",
     "DrainRequest",
     "LatencyMs",
@@ -38,6 +42,7 @@ __all__ = [
     "PlannerView",
     "ProxyClient",
     "ProxyHealth",
+    "ProxyTiming",
     "RoleBounds",
     "RoleCounts",
     "TargetsMs",

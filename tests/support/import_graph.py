@@ -21,10 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # layers, never one of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("pdkv", "pdkv.errors", "pdkv.bounds"),
-    ("pdkv.tp_heads",),
-    ("pdkv.protocol", "pdkv.geometry", "pdkv.metrics", "pdkv.auth", "pdkv.peer_address", "pdkv.service", "pdkv.tinymodel",
-     "pdkv.randmodel"),
-    ("pdkv.side_channel", "pdkv.transport", "pdkv.bootstrap", "pdkv.engine_api", "pdkv.proxy_api"),
+    ("pdkv.tp_heads", "pdkv.auth"),
+    ("pdkv.wire", "pdkv.geometry", "pdkv.metrics", "pdkv.peer_address", "pdkv.service", "pdkv.tinymodel", "pdkv.randmodel"),
+    ("pdkv.transport", "pdkv.bootstrap", "pdkv.engine_api", "pdkv.proxy_api"),
     ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv", "pdkv.planner"),
     ("pdkv.proxy",),
     ("pdkv.trace",),
