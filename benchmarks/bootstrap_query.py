@@ -35,7 +35,7 @@ import msgspec
 import psutil
 
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 
 
 class Result(msgspec.Struct):

@@ -102,8 +102,7 @@ PHASES = (
 
 def connector_records(bootstrap_url: str) -> dict[str, dict[str, float]]:
     """transfer_id -> events, from every P worker registered at `bootstrap_url`."""
-    from pdkv.side_channel import request_once
-    from pdkv.protocol import StatsQuery, StatsReply
+    from pdkv.wire import StatsQuery, StatsReply, request_once
 
     engines = httpx.get(f"{bootstrap_url}/query", timeout=5).json()
     out: dict[str, dict[str, float]] = {}
@@ -236,8 +235,7 @@ def key_cost_us(n: int = 20_000) -> dict[str, float]:
     and P opens it, P seals its DONE reply and D opens it (pdkv's own messages, 63 blocks as in the seed).
     Interleaved with the same encoding without the key, so that both see the same machine; microseconds."""
     from pdkv.auth import FrameSealer, new_binding
-    from pdkv.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
-    from pdkv.protocol import PullReply, PullRequest, PullStatus
+    from pdkv.wire import TO_D, TO_P, PullReply, PullRequest, PullStatus, decode_reply, decode_request, encode
 
     pull = PullRequest(transfer_id=f"xfer-{'ab' * 16}", d_req_id="cmpl-" + "c" * 40, session="127.0.0.1:15000", tp_rank=0,
                        tp_size=1, block_ids=list(range(100, 163)), binding=new_binding()[0])

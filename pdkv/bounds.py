@@ -1,4 +1,4 @@
-"""The bounds every number pdkv decodes carries: each wire type of pdkv.protocol is built from these.
+"""The bounds every number pdkv decodes carries: each wire type of pdkv.wire is built from these.
 
 Every number on every wire pdkv decodes has one of these types, so a frame
 or body with an out-of-range value fails decoding (msgspec names the field)

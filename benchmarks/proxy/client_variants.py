@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from pdkv.auth import new_binding
-from pdkv.protocol import new_transfer_id
+from pdkv.wire import new_transfer_id
 from pdkv.proxy.rewrite import decode_request, prefill_request
 from pdkv.proxy.routing import PrefillTarget
 

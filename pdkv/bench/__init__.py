@@ -7,7 +7,16 @@ channel), `baseline` (bare TransferEngine calls, transfer_engine_bench),
 `pdkv bench`'s options, for the CLI and `python -m pdkv.bench` alike).
 """
 
+from pdkv.bench.control import BenchTarget
 from pdkv.bench.options import parse_settings, spec_from_options
 from pdkv.bench.runner import BenchReport, BenchSpec, run_bench, settings_from_env
 
-__all__ = ["BenchReport", "BenchSpec", "parse_settings", "run_bench", "settings_from_env", "spec_from_options"]
+__all__ = [
+    "BenchReport",
+    "BenchSpec",
+    "BenchTarget",
+    "parse_settings",
+    "run_bench",
+    "settings_from_env",
+    "spec_from_options",
+]

@@ -16,7 +16,8 @@ import msgspec
 
 from pdkv.errors import PdkvError, RemoteError, StartError, UnreachableError
 from pdkv.peer_address import advertised_address
-from pdkv.protocol import Address, BlockCount, IpcExport, Length, check_span
+from pdkv.bounds import Address, BlockCount, Length, check_span
+from pdkv.wire import IpcExport
 from pdkv.transport.base import Region
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0

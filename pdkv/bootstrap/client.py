@@ -23,7 +23,7 @@ import msgspec
 
 from pdkv.bootstrap.members import LeaveRequest, MemberRecord, MembersResponse
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
-from pdkv.protocol import DeregisterRequest, DeregisterResponse, EngineEntry, RegisterRequest
+from pdkv.wire import DeregisterRequest, DeregisterResponse, EngineEntry, RegisterRequest
 
 _RETRY_STATUS = frozenset({502, 503, 504})
 _BACKOFF_FIRST = 0.1

@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from pdkv.protocol import Rank, RankCount
+from pdkv.bounds import Rank, RankCount
 
 Role = Literal["prefill", "decode"]
 MemberId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]

@@ -20,7 +20,7 @@ from enum import StrEnum
 import msgspec
 
 from pdkv.errors import RegistryConflict
-from pdkv.protocol import EngineEntry, EngineId, RegisterRequest, WorkerAddr
+from pdkv.wire import EngineEntry, EngineId, RegisterRequest, WorkerAddr
 
 
 class Outcome(StrEnum):

@@ -11,7 +11,7 @@ Routes:
     POST /pdkv/members/leave  LeaveRequest -> 200 {"status": "ok", "removed": 0|1}
     GET  /pdkv/members        {"version": n, "members": [{"record": MemberRecord, "expires_in_s": s}]}
 Errors answer {"detail": message}: 400 malformed JSON, 422 wrong fields (a
-rank outside [0, 65536) among them: pdkv.protocol.MAX_RANK), 401 missing or
+rank outside [0, 65536) among them: pdkv.bounds.MAX_RANK), 401 missing or
 wrong token, 409 conflict; the registry is unchanged by any of them.
 
 Liveness: an engine is dead when none of its side-channel addresses accepts a
@@ -38,7 +38,7 @@ from pdkv.bootstrap.members import MAX_MEMBERS, LeaveRequest, MemberRecord, Memb
 from pdkv.bootstrap.registry import BootstrapRegistry, Conflict, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
 from pdkv.metrics import CONTENT_TYPE, render
-from pdkv.protocol import (
+from pdkv.wire import (
     DeregisterRequest,
     DeregisterResponse,
     ErrorResponse,

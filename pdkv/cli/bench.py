@@ -88,8 +88,7 @@ def bench(
 ) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    from pdkv.bench.options import spec_from_options
-    from pdkv.bench.runner import run_bench
+    from pdkv.bench import run_bench, spec_from_options
 
     spec = spec_from_options(
         model=model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, blocks=blocks,
@@ -215,9 +214,7 @@ def serve(
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.bench.control import BenchTarget
-    from pdkv.bench.options import parse_settings
-    from pdkv.bench.runner import settings_from_env
+    from pdkv.bench import BenchTarget, parse_settings, settings_from_env
 
     with BenchTarget(
         host, port, advertise=advertise, transport=transport, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))

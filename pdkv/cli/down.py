@@ -42,7 +42,7 @@ def down(
         help="Seconds a running `pdkv up` has to stop its parts before they are stopped directly.")] = 60.0,
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.deploy.leftovers import stop_recorded
+    from pdkv.deploy import stop_recorded
 
     stopped = stop_recorded(log_dir, pid, grace=grace, timeout=timeout)
     failed = any(s.left for s in stopped)

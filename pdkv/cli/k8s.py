@@ -52,7 +52,7 @@ NamespaceOpt = Annotated[
 def render_command(file: FileOpt, out: OutOpt = None, namespace: NamespaceOpt = None, json_out: JsonOpt = False) -> None:
     import sys
 
-    from pdkv.deploy.loader import load_deployment
+    from pdkv.deploy import load_deployment
     from pdkv.k8s import adapter_rules, file_name, render, write_manifests, yaml_stream
 
     dep = load_deployment(file)

@@ -135,9 +135,7 @@ def _int(text: str, flag: str) -> int:
 
 def _plan_slo(slo: str, profile: Path | None, rate: float | None, trace: Path | None, prompt_tokens: str, output_tokens: str,
               quantile: float, max_engines: int, json_out: bool) -> None:  # fmt: skip
-    from pdkv.planner.capacity import plan_capacity
-    from pdkv.planner.profile import load_profile
-    from pdkv.planner.workload import make_workload, parse_slo
+    from pdkv.planner import load_profile, make_workload, parse_slo, plan_capacity
 
     if profile is None:
         raise UsageError("--slo needs --profile FILE", hint="measure one with `pdkv profile`")

@@ -43,7 +43,7 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 def render_profile(profile, out=None) -> None:
     """The profile's measurements and fitted curves as tables."""
-    from pdkv.planner.profile import median
+    from pdkv.planner import median
 
     out = out or console
     m, h = profile.model, profile.hardware
@@ -92,8 +92,7 @@ def profile(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds one request may take.")] = 300.0,
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.planner.measure import ProfileSettings, run_profile
-    from pdkv.planner.profile import save_profile, unbatched_runs
+    from pdkv.planner import ProfileSettings, run_profile, save_profile, unbatched_runs
 
     kv_bytes = None
     if model is not None:

@@ -184,10 +184,8 @@ def proxy(
     ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.proxy.guard import load_guard, server_ssl
+    from pdkv.proxy import build_config, load_guard, planner_values, serve, server_ssl
     from pdkv.errors import UsageError
-    from pdkv.proxy.config import build_config, planner_values
-    from pdkv.proxy.server import serve
 
     guard = load_guard(api_key, api_key_file, admin_key)
     ssl_ctx = server_ssl(ssl_certfile, ssl_keyfile)

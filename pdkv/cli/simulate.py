@@ -62,11 +62,7 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     from pdkv.errors import UsageError
-    from pdkv.planner.day import DAY_LEVELS, DayLoad, compare_day
-    from pdkv.planner.profile import load_profile
-    from pdkv.planner.signal import ScalePolicy
-    from pdkv.planner.simulate import SimConfig
-    from pdkv.planner.workload import make_workload, parse_slo
+    from pdkv.planner import DAY_LEVELS, DayLoad, ScalePolicy, SimConfig, compare_day, load_profile, make_workload, parse_slo
 
     targets = parse_slo(slo, quantile)
     prof = load_profile(profile)

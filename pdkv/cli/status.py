@@ -70,8 +70,7 @@ def status(
     admin_key: AdminKeyOpt = None,
     json_out: JsonOpt = False,
 ) -> int:
-    from pdkv.deploy import collect_status, load_deployment, status_targets
-    from pdkv.deploy.status import part_hosts
+    from pdkv.deploy import collect_status, load_deployment, part_hosts, status_targets
     from pdkv.errors import UsageError
 
     if proxy and file:

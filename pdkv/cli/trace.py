@@ -103,8 +103,7 @@ def trace(
     admin_key: AdminKeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.trace.collect import run_traces
-    from pdkv.trace.html import render_html
+    from pdkv.trace import render_html, run_traces
 
     with err_console.status("tracing") as status:
         result = run_traces(proxy, repeat=repeat, prompt_tokens=prompt_tokens, prompt=prompt, max_tokens=max_tokens,

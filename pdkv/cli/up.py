@@ -21,9 +21,7 @@ from pdkv.cli.output import console, err_console, print_json
 from pdkv.cli.up_console import UpConsole
 
 if TYPE_CHECKING:
-    from pdkv.deploy import Part, PartEvent, Supervisor
-    from pdkv.deploy.autoscale import ScaleEvent
-    from pdkv.deploy.run import Startup
+    from pdkv.deploy import Part, PartEvent, ScaleEvent, Startup, Supervisor
 
 HELP = """Start vLLM engines for P/D serving: one role, a deployment file, or a whole local 1P1D.
 
@@ -119,7 +117,7 @@ def _run_trace_hook(parts: list[Part], emit: Callable[..., None], json_out: bool
     import msgspec
 
     from pdkv.cli.trace import render_trace
-    from pdkv.trace.collect import run_trace
+    from pdkv.trace import run_trace
 
     proxy = next((p for p in parts if p.kind == "proxy"), None)
     if proxy is None:
@@ -137,7 +135,7 @@ def _supervise(startup: Startup, *, log_dir: Path, json_out: bool, show_logs: bo
     """Start, warm up, (trace,) watch and stop the startup's parts, rendering each step: line by line, or with
     `live_view` (a terminal, not --json) as the console (pdkv.cli.up_console: the parts and the deployment's live
     view, the logs to files only)."""
-    from pdkv.deploy.run import PartsRun
+    from pdkv.deploy import PartsRun
 
     parts = startup.parts
     kinds = {p.launch.name: p.kind for p in parts}
@@ -286,8 +284,7 @@ def up(
     extra: Annotated[list[str] | None, typer.Argument(help="Extra vLLM arguments, after --.", show_default=False)] = None,
 ) -> None:
     from pdkv.auth import TOKEN_ENV
-    from pdkv.deploy import shared_cores
-    from pdkv.deploy.run import UpOptions, hand_out_key, prepare, resolve
+    from pdkv.deploy import UpOptions, hand_out_key, prepare, resolve, shared_cores
     from pdkv.tinymodel import ensure_tiny_model, tiny_model_path
 
     options = UpOptions(file=file, role=role, model=model, connector=connector, transport=transport, device=device,

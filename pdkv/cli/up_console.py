@@ -85,7 +85,7 @@ class UpConsole:
                 before = now
 
     def _parts(self) -> Table:
-        from pdkv.top.parts import part_rows
+        from pdkv.top import part_rows
 
         table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1))
         for col in ("part", "state", "pid", "uptime", "restarts", "url"):

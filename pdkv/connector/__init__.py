@@ -10,7 +10,7 @@ Loaded by vLLM through
     checks.py          what P checks of an announcement and a pull (pure)
     layout.py          vLLM KV tensors -> transport regions, start-up refusals
     side_channel.py    the side channel's server (P) and peer (D) on a private asyncio loop
-                       (its wire and one-shot client: pdkv.side_channel)
+                       (its wire and one-shot client: pdkv.wire.side_channel)
     registration.py    the standing registrations with the bootstrap server
     sender.py          P's worker: hold blocks, push them to D
     receiver.py        D's worker: ask P, wait within bounds

@@ -8,7 +8,7 @@ pull names; a pull names blocks, never addresses.
 from __future__ import annotations
 
 from pdkv.errors import TransferError
-from pdkv.protocol import Announce, PullRequest
+from pdkv.wire import Announce, PullRequest
 from pdkv.transport.base import Region
 from pdkv.transport.descriptors import check_blocks, check_share
 from pdkv.tp_heads import HeadShare, head_shares

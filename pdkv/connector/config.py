@@ -17,7 +17,7 @@ import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
-from pdkv.protocol import DecodeParams, PrefillParams
+from pdkv.wire import DecodeParams, PrefillParams
 from pdkv.transport import TRANSPORTS, TransportName
 from pdkv.transport.sockets import MAX_CONNECTIONS
 

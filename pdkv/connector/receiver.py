@@ -21,7 +21,7 @@ from pdkv.connector.side_channel import EventLoopThread, SideChannelPeer
 from pdkv.connector.pulls import PullOutcome, PullSpec, PullTracker, write_key
 from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
-from pdkv.protocol import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
+from pdkv.wire import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 from pdkv.tp_heads import head_shares, pullers
 from pdkv.transport.base import Transport
 from pdkv.transport.descriptors import block_spans

@@ -27,7 +27,7 @@ from typing import Any
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params
 from pdkv.connector.pulls import PullSpec
 from pdkv.geometry import blocks_for
-from pdkv.protocol import DecodeParams, PrefillParams
+from pdkv.wire import DecodeParams, PrefillParams
 
 log = logging.getLogger("pdkv.connector")
 

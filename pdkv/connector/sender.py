@@ -25,17 +25,7 @@ from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartS
 from pdkv.connector.timing import TraceLog
 from pdkv.connector.writers import WriterPools, write_transfer
 from pdkv.errors import PdkvError
-from pdkv.protocol import (
-    Announce,
-    ErrorReply,
-    PullReply,
-    PullRequest,
-    PullStatus,
-    Release,
-    StatsQuery,
-    StatsReply,
-    TraceReport,
-)
+from pdkv.wire import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Release, StatsQuery, StatsReply, TraceReport
 from pdkv.transport.base import Region, Transport
 from pdkv.tp_heads import HeadShare, pullers
 

@@ -1,8 +1,10 @@
-"""The ZMQ side channel between D's and P's workers, on a private asyncio loop thread.
+"""The connector's ends of the ZMQ side channel between D's and P's workers, on a private asyncio loop thread.
 
 P binds a ROUTER (`SideChannelServer`); D keeps one DEALER per P worker
-(`SideChannelPeer`). Frames are single msgpack messages from
-pdkv.protocol's side-channel section. With the deployment key set (a
+(`SideChannelPeer`). The split: the wire itself (the messages, their msgpack
+framing, the seal directions, and the one-shot client that tools outside the
+connector use) is pdkv.wire.side_channel; this module is the connector's
+long-lived server and peer, which speak it. With the deployment key set (a
 `FrameSealer`, pdkv.auth) every frame both ways is sealed, and a frame that is
 unauthenticated, stale or replayed is dropped unanswered, counted and logged
 (once a minute per peer) before it is decoded. The server decodes strictly
@@ -23,9 +25,8 @@ import msgspec
 
 from pdkv.auth import FrameSealer, RefusalLog
 from pdkv.errors import StartError
-from pdkv.protocol import ErrorReply
+from pdkv.wire import TO_D, TO_P, ErrorReply, decode_reply, decode_request, encode
 from pdkv.service import EventLoopThread  # the sender's and receiver's loop: one home, in pdkv.service
-from pdkv.side_channel import TO_D, TO_P, decode_reply, decode_request, encode
 
 log = logging.getLogger("pdkv.connector")
 

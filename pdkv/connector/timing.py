@@ -29,7 +29,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from pdkv.metrics import histogram, render
-from pdkv.protocol import TransferTrace
+from pdkv.wire import TransferTrace
 
 MAX_TRACES = 10_000
 MAX_OBSERVATIONS = 4096  # per histogram between two takes: a step is milliseconds, so never reached but under a stall

@@ -21,7 +21,7 @@ from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import SendLimits
 from pdkv.connector.timing import ConnectorDelta, TraceLog
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 
 log = logging.getLogger("pdkv.connector")
 

@@ -12,7 +12,7 @@ from typing import Any
 from pdkv.connector.pulls import write_key
 from pdkv.connector.send_table import StartSend
 from pdkv.errors import TransferError
-from pdkv.protocol import Announce, PullRequest
+from pdkv.wire import Announce, PullRequest
 from pdkv.transport.base import Region, Transport
 from pdkv.transport.descriptors import check_ranges
 

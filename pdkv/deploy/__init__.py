@@ -19,21 +19,33 @@
 - `status`: health, bootstrap registrations and proxy figures of a running one.
 """
 
-from pdkv.deploy.engine import EngineSpec, Launch, engine_launch
+from pdkv.deploy.args import bootstrap_args, proxy_args
+from pdkv.deploy.autoscale import ScaleEvent
+from pdkv.deploy.engine import EngineSpec, Launch, engine_argv, engine_launch, http_url
 from pdkv.deploy.leftovers import UpRecord, running, stop_recorded
 from pdkv.deploy.lifeline import Lifeline
 from pdkv.deploy.loader import deployment_from_dict, load_deployment
 from pdkv.deploy.machine import gpu_count, local_addresses, rdma_devices
-from pdkv.deploy.preflight import Problem, preflight, raise_problems, shared_cores
+from pdkv.deploy.preflight import Problem, pd_disagreements, preflight, raise_problems, shared_cores
 from pdkv.deploy.process import ManagedProcess
 from pdkv.deploy.restart import RestartDecision, RestartPolicy, Verdict
-from pdkv.deploy.run import PartsRun, UpOptions, Startup, resolve
-from pdkv.deploy.schema import Deployment, EngineEntry, HostEntry, KubernetesEntry
-from pdkv.deploy.status import StatusReport, collect_status, status_targets
+from pdkv.deploy.run import PartsRun, Startup, UpOptions, hand_out_key, prepare, resolve
+from pdkv.deploy.schema import (
+    AutoscaleEntry,
+    AutoscalerKind,
+    Deployment,
+    EngineEntry,
+    HostEntry,
+    KubernetesEntry,
+    RoleBounds,
+)
+from pdkv.deploy.status import StatusReport, collect_status, part_hosts, status_targets
 from pdkv.deploy.supervisor import PartEvent, Supervisor
-from pdkv.deploy.topology import Part, deployment_parts, external_bootstraps, local_deployment
+from pdkv.deploy.topology import Part, deployment_parts, engine_spec, external_bootstraps, local_deployment
 
 __all__ = [
+    "AutoscaleEntry",
+    "AutoscalerKind",
     "Deployment",
     "EngineEntry",
     "EngineSpec",
@@ -48,22 +60,33 @@ __all__ = [
     "Problem",
     "RestartDecision",
     "RestartPolicy",
+    "RoleBounds",
+    "ScaleEvent",
+    "Startup",
     "StatusReport",
     "Supervisor",
     "UpOptions",
-    "Startup",
     "UpRecord",
     "Verdict",
+    "bootstrap_args",
     "collect_status",
     "deployment_from_dict",
     "deployment_parts",
+    "engine_argv",
     "engine_launch",
+    "engine_spec",
     "external_bootstraps",
     "gpu_count",
+    "hand_out_key",
+    "http_url",
     "load_deployment",
     "local_addresses",
     "local_deployment",
+    "part_hosts",
+    "pd_disagreements",
     "preflight",
+    "prepare",
+    "proxy_args",
     "raise_problems",
     "rdma_devices",
     "resolve",

@@ -126,8 +126,7 @@ def check_connector(parts: list[Part], environ: Mapping[str, str] | None = None)
 
 def check_vllm_release(parts: list[Part]) -> list[Problem]:
     """The vLLM this host would start engines with, outside the range pdkv's connector supports: one problem."""
-    from pdkv.doctor.model import Status
-    from pdkv.doctor.software import installed_vllm_verdict
+    from pdkv.doctor import Status, installed_vllm_verdict
 
     names = [p.launch.name for p in parts if p.spec is not None and p.spec.connector == "pdkv" and p.spec.role != "none"]
     if not names:
@@ -279,7 +278,7 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
     """With transport cma, one live probe that a process of this host may write into another's memory."""
     if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
-    from pdkv.doctor.cma import cma_verdict
+    from pdkv.doctor import cma_verdict
     from pdkv.transport.cma import ptrace_scope
 
     ok, detail, fix = cma_verdict(ptrace_scope(proc_root), timeout)

@@ -44,7 +44,7 @@ from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.deploy.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment
 from pdkv.deploy.vllm_logging import with_vllm_logging, write_logging_config
 from pdkv.deploy.warmup import WARMUP_TIMEOUT_S, warm_up_deployment
-from pdkv.doctor.software import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, version_tuple
+from pdkv.doctor import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, version_tuple
 from pdkv.errors import PdkvError, UsageError
 from pdkv.tinymodel import tiny_model_path
 from pdkv.transport import TRANSPORTS

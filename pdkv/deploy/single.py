@@ -36,7 +36,7 @@ def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[P
         if spec.connector != "pdkv":
             raise UsageError("--members needs pdkv's connector",
                              hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
-        from pdkv.proxy.config import parse_decode  # the proxy's parser of a URL; imported only for --members
+        from pdkv.proxy import parse_decode  # the proxy's parser of a URL; imported only for --members
 
         reached = launch.url if spec.host not in ("0.0.0.0", "::", "") else http_url(launch.env["VLLM_HOST_IP"], spec.port)
         launch = joining(launch, parse_decode(members), reached)

@@ -11,8 +11,7 @@ from pdkv.deploy.schema import Deployment
 from pdkv.deploy.topology import deployment_parts
 from pdkv.engine_api import EngineClient
 from pdkv.errors import RemoteError, UnreachableError
-from pdkv.protocol import ProxyTiming
-from pdkv.proxy_api import ProxyClient, ProxyHealth
+from pdkv.proxy_api import ProxyClient, ProxyHealth, ProxyTiming
 
 
 class PartHealth(msgspec.Struct, frozen=True):

@@ -6,6 +6,7 @@ through `Host.root`, a `SysRoot` set by PDKV_SYS_ROOT (default "/"; `local_host(
 builds this machine's `Host`), so the checks run unchanged against fixture trees.
 """
 
+from pdkv.doctor.cma import cma_verdict
 from pdkv.doctor.model import (
     DEFAULT_PORTS,
     CheckResult,
@@ -19,12 +20,13 @@ from pdkv.doctor.model import (
     Status,
 )
 from pdkv.doctor.runner import CHECKS, check_name, local_host, run_checks, run_doctor
+from pdkv.doctor.software import VLLM_EXTENSIBLE_KV_CACHE, installed_vllm, installed_vllm_verdict, version_tuple
 from pdkv.doctor.sysroot import SysRoot
 
 __all__ = [
     "CHECKS",
-    "DEFAULT_PORTS",
     "CheckResult",
+    "DEFAULT_PORTS",
     "DmabufProbe",
     "DoctorOptions",
     "DoctorReport",
@@ -34,8 +36,13 @@ __all__ = [
     "Host",
     "Status",
     "SysRoot",
+    "VLLM_EXTENSIBLE_KV_CACHE",
     "check_name",
+    "cma_verdict",
+    "installed_vllm",
+    "installed_vllm_verdict",
     "local_host",
     "run_checks",
     "run_doctor",
+    "version_tuple",
 ]

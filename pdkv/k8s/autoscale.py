@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, get_args
 from urllib.parse import urlsplit
 
-from pdkv.deploy.schema import AutoscaleEntry, AutoscalerKind, Deployment, RoleBounds
+from pdkv.deploy import AutoscaleEntry, AutoscalerKind, Deployment, RoleBounds
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdkv.deploy.schema import Deployment
+from pdkv.deploy import Deployment
 from pdkv.k8s import pods
 
 MONITORING_API = "monitoring.coreos.com/v1"

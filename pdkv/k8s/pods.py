@@ -14,7 +14,7 @@ import msgspec
 
 from pdkv import __version__
 from pdkv.errors import ConfigError
-from pdkv.deploy.schema import KubernetesEntry
+from pdkv.deploy import KubernetesEntry
 from pdkv.k8s.settings import MOONCAKE_PORTS_PER_GPU
 
 Role = Literal["bootstrap", "prefill", "decode", "proxy", "config"]

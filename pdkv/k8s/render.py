@@ -28,11 +28,21 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.deploy.args import bootstrap_args, proxy_args
-from pdkv.deploy.engine import EngineSpec, Launch, engine_argv, engine_launch, http_url
-from pdkv.deploy.preflight import pd_disagreements  # the P/D agreement rule of `pdkv up`'s pre-flight
-from pdkv.deploy.schema import Deployment, EngineEntry, KubernetesEntry
-from pdkv.deploy.topology import Part, engine_spec
+from pdkv.deploy import (
+    Deployment,
+    EngineEntry,
+    EngineSpec,
+    KubernetesEntry,
+    Launch,
+    Part,
+    bootstrap_args,
+    engine_argv,
+    engine_launch,
+    engine_spec,
+    http_url,
+    pd_disagreements,  # the P/D agreement rule of `pdkv up`'s pre-flight
+    proxy_args,
+)
 from pdkv.errors import ConfigError
 from pdkv.k8s import pods
 from pdkv.k8s.autoscale import autoscaler_objects, check_autoscale

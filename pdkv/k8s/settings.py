@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from pdkv.deploy.schema import KubernetesEntry
+from pdkv.deploy import KubernetesEntry
 from pdkv.errors import ConfigError
 
 # Kubernetes' own forms (apimachinery's validation): a DNS-1123 label, a DNS-1123 subdomain, a qualified name.

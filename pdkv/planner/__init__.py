@@ -3,31 +3,32 @@ profile and a workload into P and D counts, the desired-count signal with hyster
 simulator. docs/planner.md has the models."""
 
 from pdkv.planner.capacity import Plan, Prediction, plan_capacity, predict
-from pdkv.planner.day import DayComparison, DayLoad, compare_day
+from pdkv.planner.day import DAY_LEVELS, DayComparison, DayLoad, compare_day
 from pdkv.planner.fit import DecodeFit, PrefillFit, fit_decode, fit_prefill
 from pdkv.planner.gauges import PlannerGauges
 from pdkv.planner.measure import ProfileSettings, measure_profile, run_profile
-from pdkv.planner.profile import PROFILE_VERSION, Profile, load_profile, save_profile
+from pdkv.planner.profile import PROFILE_VERSION, Profile, load_profile, median, save_profile, unbatched_runs
 from pdkv.planner.signal import Desired, DesiredCounts, Observation, ScalePolicy
 from pdkv.planner.simulate import SimConfig, SimResult, Simulation
 from pdkv.planner.window import RequestSample, observe_window
 from pdkv.planner.workload import Slo, Workload, load_trace, make_workload, parse_lengths, parse_slo
 
 __all__ = [
-    "PROFILE_VERSION",
+    "DAY_LEVELS",
     "DayComparison",
     "DayLoad",
     "DecodeFit",
     "Desired",
     "DesiredCounts",
     "Observation",
+    "PROFILE_VERSION",
     "Plan",
     "PlannerGauges",
     "Prediction",
     "PrefillFit",
     "Profile",
-    "RequestSample",
     "ProfileSettings",
+    "RequestSample",
     "ScalePolicy",
     "SimConfig",
     "SimResult",
@@ -41,6 +42,7 @@ __all__ = [
     "load_trace",
     "make_workload",
     "measure_profile",
+    "median",
     "observe_window",
     "parse_lengths",
     "parse_slo",
@@ -48,4 +50,5 @@ __all__ = [
     "predict",
     "run_profile",
     "save_profile",
+    "unbatched_runs",
 ]

@@ -16,7 +16,7 @@
 """
 
 from pdkv.proxy.app import ProxyApp
-from pdkv.proxy.config import KvConnector, Policy, PrefillSpec, ProxyConfig, build_config
+from pdkv.proxy.config import KvConnector, Policy, PrefillSpec, ProxyConfig, build_config, parse_decode, planner_values
 from pdkv.proxy.guard import HttpGuard, load_guard, server_ssl
 from pdkv.proxy.server import BackgroundProxy, ProxyServer, serve
 
@@ -31,6 +31,8 @@ __all__ = [
     "ProxyServer",
     "build_config",
     "load_guard",
+    "parse_decode",
+    "planner_values",
     "serve",
     "server_ssl",
 ]

@@ -18,7 +18,7 @@ from pdkv.errors import ConfigError
 from pdkv.proxy.config import parse_decode
 from pdkv.proxy.error_answers import error_body
 from pdkv.proxy.listener import Request, ServerConnection
-from pdkv.proxy_api.messages import DRAIN_PATH, PLANNER_PATH, REQUESTS_PATH, DrainAnswer, DrainRequest
+from pdkv.proxy_api import DRAIN_PATH, PLANNER_PATH, REQUESTS_PATH, DrainAnswer, DrainRequest
 
 if TYPE_CHECKING:
     from pdkv.proxy.backends import Backends

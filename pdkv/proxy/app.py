@@ -36,7 +36,8 @@ import msgspec
 
 from pdkv.auth import new_binding
 from pdkv.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from pdkv.protocol import CompletionFields, ProxyTiming, new_transfer_id
+from pdkv.proxy_api import CompletionFields, ProxyHealth, ProxyTiming
+from pdkv.wire import new_transfer_id
 from pdkv.proxy.admin import AdminRoutes
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
 from pdkv.proxy.config import KvConnector, Policy, ProxyConfig
@@ -52,7 +53,6 @@ from pdkv.proxy.listener import Request, ServerConnection
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 from pdkv.proxy.planner_loop import PlannerLoop
 from pdkv.proxy.prefill_channel import release_at_prefill, transfer_fate
-from pdkv.proxy_api.messages import ProxyHealth
 from pdkv.proxy.rewrite import decode_request, local_request, prefill_headers, prefill_request, unsupported_field
 
 log = logging.getLogger("pdkv.proxy")

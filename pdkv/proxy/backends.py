@@ -19,7 +19,7 @@ from pdkv.proxy.config import ProxyConfig
 from pdkv.proxy.http import UpstreamPool
 from pdkv.proxy.membership import CompatKey, compatible, unmatched
 from pdkv.proxy.routing import Chooser, Pairing, PrefillTarget
-from pdkv.proxy_api.messages import BackendHealth, BackendRoute
+from pdkv.proxy_api import BackendHealth, BackendRoute
 
 log = logging.getLogger("pdkv.proxy")
 

@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.http import Exchange, UpstreamError
 
 

@@ -23,7 +23,7 @@ import msgspec
 
 from pdkv.engine_api import EngineLoad
 from pdkv.errors import ConfigError
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
 from pdkv.proxy.config import parse_decode
 from pdkv.proxy.engine_loads import EngineLoads

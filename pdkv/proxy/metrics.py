@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pdkv.metrics import histogram, render
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 
 ERROR_CAUSES = (
     "bad_request",

@@ -27,11 +27,10 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from pdkv.planner import DesiredCounts, PlannerGauges, RequestSample, ScalePolicy, Slo, load_profile, observe_window
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import LatencyMs, PlannerObservation, PlannerView, ProxyTiming, RoleBounds, RoleCounts, TargetsMs
 from pdkv.proxy.backends import Backends
 from pdkv.proxy.config import PlannerConfig
 from pdkv.proxy.engine_loads import EngineLoads
-from pdkv.proxy_api.messages import LatencyMs, PlannerObservation, PlannerView, RoleBounds, RoleCounts, TargetsMs
 
 log = logging.getLogger("pdkv.proxy")
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdkv.protocol import ProxyTiming, Release
-from pdkv.side_channel import query_stats, send_once
+from pdkv.proxy_api import ProxyTiming
+from pdkv.wire import Release, query_stats, send_once
 
 FATE_TIMEOUT_S = 0.5  # bound on asking P why a failed request's KV did not come
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from pdkv.protocol import DecodeParams, PrefillParams
+from pdkv.wire import DecodeParams, PrefillParams
 from pdkv.proxy.config import KvConnector
 from pdkv.proxy.routing import PrefillTarget
 

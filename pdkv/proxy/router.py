@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Protocol
 
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.backends import Backends, BackendState, PrefillState
 from pdkv.proxy.routing import Pairing
 

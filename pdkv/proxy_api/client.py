@@ -22,7 +22,6 @@ import msgspec
 
 from pdkv.errors import RemoteError, TimeoutError_, UnreachableError
 from pdkv.metrics import Exposition
-from pdkv.protocol import ProxyTiming
 from pdkv.proxy_api.messages import (
     ADMIN_KEY_ENV,
     API_KEY_ENV,
@@ -37,6 +36,7 @@ from pdkv.proxy_api.messages import (
     DrainRequest,
     PlannerView,
     ProxyHealth,
+    ProxyTiming,
     error_detail,
 )
 

@@ -5,6 +5,7 @@
     GET  /pdkv/requests/{request_id}          ProxyTiming (request or transfer id); 404 when not in the log
     GET  /pdkv/planner                        PlannerView; 404 when the planner is off
     POST /pdkv/drain                          DrainRequest -> DrainAnswer; 404 when no backend is at the URL
+    POST /v1/completions                      the client's body; the proxy reads only its CompletionFields
 
 Fields a message has only sometimes (a decode server has no bootstrap; the planner's view before its first
 round) are UNSET, and then absent from the JSON.
@@ -12,10 +13,13 @@ round) are UNSET, and then absent from the JSON.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
+
+from pdkv.bounds import MAX_N_SEQUENCES, HttpStatus, Rank, UnixTime
+from pdkv.wire import TransferId
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
@@ -138,3 +142,47 @@ def error_detail(body: bytes) -> str:
         if "reason" in decoded:
             return str(decoded["reason"])
     return " ".join(body[:300].decode(errors="replace").split())
+
+
+class CompletionFields(msgspec.Struct, frozen=True):
+    """The fields of a client's completions body that the proxy itself acts on; the rest pass unread.
+
+    `msgspec.convert(body, CompletionFields)` refuses a `stream` that is not a
+    bool and an `n` outside [1, MAX_N_SEQUENCES], naming the field; null means
+    unset, as vLLM reads it.
+    """
+
+    stream: bool | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N_SEQUENCES)] | None = None
+
+
+class ProxyTiming(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The proxy's own record of one request, for `pdkv trace`: unix times in seconds.
+
+    Keyed by `request_id` (the client's X-Request-Id, or one the proxy made)
+    and `transfer_id`; times stay None until the step happens. `error` names
+    the cause when the request failed (see docs/proxy.md); `detail` says what
+    happened with the backends' addresses and bodies, which the client is not told.
+    """
+
+    request_id: str
+    transfer_id: TransferId
+    endpoint: str
+    stream: bool = False
+    prefill_url: str = ""
+    prefill_dp_rank: Rank | None = None
+    decode_url: str = ""
+    received: UnixTime = 0.0
+    prefill_dispatched: UnixTime | None = None
+    prefill_responded: UnixTime | None = None
+    prefill_status: HttpStatus | None = None
+    decode_dispatched: UnixTime | None = None
+    decode_first_byte: UnixTime | None = None
+    last_byte: UnixTime | None = None
+    status: HttpStatus | None = None
+    error: str | None = None
+    detail: str | None = None
+    # Why D computed the prompt itself ("no_prefill", or "prefill_failed: <cause>"); None: P/D as usual.
+    local_prefill: str | None = None
+    # Why the kv-aware policy sent it where it went (pdkv.proxy.kv.policy.Placement.summary); None: another policy.
+    route: str | None = None

@@ -6,5 +6,6 @@
 
 from pdkv.top.collect import DeploymentReader
 from pdkv.top.model import EngineView, Reading, TopView, view
+from pdkv.top.parts import part_rows
 
-__all__ = ["DeploymentReader", "EngineView", "Reading", "TopView", "view"]
+__all__ = ["DeploymentReader", "EngineView", "Reading", "TopView", "part_rows", "view"]

@@ -47,7 +47,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from pdkv.protocol import ProxyTiming, TransferTrace
+from pdkv.proxy_api import ProxyTiming
+from pdkv.wire import TransferTrace
 from pdkv.trace.model import (
     ClientTiming,
     Lane,

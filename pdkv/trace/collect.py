@@ -4,7 +4,7 @@
 calls once it is ready); `TraceSession` keeps the discovery (backends,
 model, prompt) for repeated requests. Records come from:
 
-- the proxy: `GET /pdkv/requests/{request_id}` (pdkv.protocol.ProxyTiming);
+- the proxy: `GET /pdkv/requests/{request_id}` (pdkv.proxy_api.ProxyTiming);
 - P's connector: a StatsQuery on every prefill worker's side channel, whose
   addresses the bootstrap server lists (D's events reach P after D's first
   token, so the query is repeated, bounded, until they are there);
@@ -23,9 +23,8 @@ from urllib.parse import urlsplit
 
 from pdkv.engine_api import CompletionTokenize, EngineClient
 from pdkv.errors import PdkvError, RemoteError, UnreachableError, UsageError
-from pdkv.protocol import ProxyTiming, StatsReply, TransferTrace
-from pdkv.proxy_api import BackendHealth, ProxyClient
-from pdkv.side_channel import query_stats
+from pdkv.proxy_api import BackendHealth, ProxyClient, ProxyTiming
+from pdkv.wire import StatsReply, TransferTrace, query_stats
 from pdkv.trace.assemble import assemble, summarize
 from pdkv.trace.model import ClientTiming, Trace, TraceResult
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdkv.protocol import ProxyTiming, TransferTrace
+from pdkv.proxy_api import ProxyTiming
+from pdkv.wire import TransferTrace
 
 Lane = str  # "client" | "proxy" | "P" | "D"
 LANES: tuple[Lane, ...] = ("client", "proxy", "P", "D")

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import msgspec
 
-from pdkv.protocol import Region
+from pdkv.wire import Region
 
 __all__ = ["Descriptor", "Region", "Transport", "UncheckedWrites", "Written"]
 
 if TYPE_CHECKING:
-    from pdkv.protocol import IpcExport
+    from pdkv.wire import IpcExport
     from pdkv.tp_heads import HeadShare
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from pdkv.errors import StartError, TransferError
-from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.base import Descriptor, Region, UncheckedWrites, Written
 from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
 from pdkv.transport.host import WatchedPeers, host_id, ipc_session

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from pdkv.errors import TransferError
-from pdkv.protocol import IpcAllocation, IpcExport, IpcRegion
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion
 from pdkv.transport.cuda_kernels import CudaDriver
 from pdkv.transport.cuda_vmm import MappedRun
 from pdkv.transport.fd_share import FdServer, fetch_fds

@@ -15,7 +15,7 @@ import pytest
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.cli import run
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 from support.ports import free_port
 
 NO_SWEEP = ProbePolicy(interval=0)

@@ -163,7 +163,7 @@ def proxy_tid(pair: Pair, rid: str) -> str:
 def fetch_stats(bootstrap_url: str) -> list:
     """Every registered prefill worker's StatsReply."""
     from pdkv.bootstrap.client import BootstrapClient
-    from pdkv.side_channel import query_stats
+    from pdkv.wire import query_stats
 
     with BootstrapClient(bootstrap_url, timeout=2.0, retries=1) as bs:
         addrs = [a for entry in bs.query().values() for pps in entry.worker_addr.values() for a in pps.values()]

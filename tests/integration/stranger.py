@@ -21,8 +21,7 @@ import numpy as np
 import zmq
 
 from pdkv.auth import FrameSealer, token_from_env
-from pdkv.side_channel import TO_D, TO_P, decode_reply, encode
-from pdkv.protocol import Announce, PullRequest, Region
+from pdkv.wire import TO_D, TO_P, Announce, PullRequest, Region, decode_reply, encode
 from pdkv.transport import open_transport
 
 LAYERS, BLOCKS, BLOCK_LEN = 3, 16, 512

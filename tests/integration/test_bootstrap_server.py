@@ -18,7 +18,7 @@ from aiohttp import web
 from pdkv.bootstrap.client import AsyncBootstrapClient, BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
-from pdkv.protocol import EngineEntry, RegisterRequest
+from pdkv.wire import EngineEntry, RegisterRequest
 from pdkv.service import BackgroundService
 from support.waiting import wait_until
 

@@ -30,17 +30,7 @@ from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
 from pdkv.connector.receiver import PullSpec
 from pdkv.connector.send_table import Phase
-from pdkv.side_channel import decode_reply, encode
-from pdkv.protocol import (
-    Announce,
-    PullReply,
-    PullRequest,
-    RegisterRequest,
-    Release,
-    StatsQuery,
-    StatsReply,
-    TraceReport,
-)
+from pdkv.wire import Announce, PullReply, PullRequest, RegisterRequest, Release, StatsQuery, StatsReply, TraceReport, decode_reply, encode
 from pdkv.proxy.guard import HttpGuard
 
 N = 10_000

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.protocol import IpcAllocation, IpcRegion
+from pdkv.wire import IpcAllocation, IpcRegion
 from pdkv.transport.ipc_share import KvExporter, close_opened, contiguous_runs, open_export
 
 MIB = 1 << 20

@@ -18,7 +18,7 @@ import pytest
 
 from pdkv.auth import binding_matches
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from support.proxy_stubs import REQUEST, Deployment
@@ -198,7 +198,7 @@ class FateServer:
         self.server = SideChannelServer(self.loop, "127.0.0.1", self.handle)
 
     async def handle(self, identity: bytes, msg: Any) -> None:
-        from pdkv.protocol import StatsQuery, StatsReply, TransferTrace
+        from pdkv.wire import StatsQuery, StatsReply, TransferTrace
 
         self.seen.append(msg)
         if isinstance(msg, StatsQuery):
@@ -501,7 +501,7 @@ def test_no_prefill_up_serves_from_decode_alone_until_one_registers():
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_decode_that_never_answered_releases_the_transfer_at_prefill(deployment: Deployment, n: int):
     # No D request will pull this KV: P's connector is told at once (one Release per choice), not after its expiry.
-    from pdkv.protocol import Release
+    from pdkv.wire import Release
 
     fate = FateServer(lambda: "unused")
     try:

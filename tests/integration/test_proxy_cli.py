@@ -11,7 +11,7 @@ import sys
 import httpx
 
 from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 
 from support.proxy_stubs import REQUEST, Stub
 

@@ -14,7 +14,7 @@ import pytest
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.members import MemberRecord
 from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from support.proxy_stubs import REQUEST, Stub

@@ -14,8 +14,7 @@ import zmq
 from support.kv_pair import KVHarness, wait_freed
 
 from pdkv.connector.send_table import SendLimits
-from pdkv.protocol import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply
-from pdkv.side_channel import decode_reply, encode
+from pdkv.wire import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, StatsQuery, StatsReply, decode_reply, encode
 
 BLOCKS, BLOCK_LEN = 8, 256
 

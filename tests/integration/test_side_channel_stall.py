@@ -20,7 +20,7 @@ import pytest
 from support.waiting import wait_for
 
 from pdkv.connector.side_channel import SideChannelPeer
-from pdkv.protocol import ErrorReply
+from pdkv.wire import ErrorReply
 from pdkv.service import EventLoopThread
 
 # A P stand-in: a ROUTER that answers every frame with the frame itself.

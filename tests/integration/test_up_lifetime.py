@@ -39,7 +39,7 @@ from pdkv.deploy.restart import RestartPolicy
 from pdkv.deploy.run import UpOptions, resolve
 from pdkv.deploy.supervisor import PartEvent, Supervisor
 from pdkv.errors import StartError
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 
 READY_S = 60.0  # a bootstrap server and a proxy on a loaded 2-core host
 BOUND_S = WATCHDOG_BOUND_S + 3.0  # the watchdog's own bound, and a margin for a loaded host to notice

@@ -21,10 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # layers, never one of its own layer or above.
 LAYERS: list[tuple[str, ...]] = [
     ("pdkv", "pdkv.errors", "pdkv.bounds"),
-    ("pdkv.tp_heads",),
-    ("pdkv.protocol", "pdkv.geometry", "pdkv.metrics", "pdkv.auth", "pdkv.peer_address", "pdkv.service", "pdkv.tinymodel",
-     "pdkv.randmodel"),
-    ("pdkv.side_channel", "pdkv.transport", "pdkv.bootstrap", "pdkv.engine_api", "pdkv.proxy_api"),
+    ("pdkv.tp_heads", "pdkv.auth"),
+    ("pdkv.wire", "pdkv.geometry", "pdkv.metrics", "pdkv.peer_address", "pdkv.service", "pdkv.tinymodel", "pdkv.randmodel"),
+    ("pdkv.transport", "pdkv.bootstrap", "pdkv.engine_api", "pdkv.proxy_api"),
     ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv", "pdkv.planner"),
     ("pdkv.proxy",),
     ("pdkv.trace",),
@@ -42,9 +41,11 @@ def module_name(path: Path, root: Path) -> str:
 
 def import_graph(package: Path) -> dict[str, set[str]]:
     """Module -> the modules of `package` its imports name, wherever they stand in it (`from a import b` names
-    a.b when that is a module, else a). The package's parent is the root its module names start from."""
+    a.b when that is a module and not a name a's `__all__` lists, else a). The package's parent is the root its
+    module names start from."""
     root = package.parent
     modules = {module_name(p, root): p for p in package.rglob("*.py")}
+    surface = {name: public_names(path) for name, path in modules.items() if path.name == "__init__.py"}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         edges: set[str] = set()
@@ -64,13 +65,21 @@ def import_graph(package: Path) -> dict[str, set[str]]:
                         package_name = package_name.rpartition(".")[0]
                     base = f"{package_name}.{base}" if base else package_name
                 for alias in node.names:
-                    if f"{base}.{alias.name}" in modules:
+                    if f"{base}.{alias.name}" in modules and alias.name not in surface.get(base, ()):
                         edges.add(f"{base}.{alias.name}")
                     elif base in modules:
                         edges.add(base)
         edges.discard(name)
         graph[name] = edges
     return graph
+
+
+def public_names(path: Path) -> set[str]:
+    """The names a module's `__all__` lists (empty without one)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
 
 
 def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:

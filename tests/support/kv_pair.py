@@ -28,7 +28,7 @@ from pdkv.bootstrap.server import start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec, Results
 from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.connector.sender import KVSender
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 from pdkv.transport import open_transport
 from pdkv.transport.base import Region
 from support.waiting import wait_for, waited_for

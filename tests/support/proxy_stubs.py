@@ -13,7 +13,7 @@ from aiohttp import web
 
 from pdkv.bootstrap.client import BootstrapClient
 from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.protocol import RegisterRequest
+from pdkv.wire import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from pdkv.proxy_api import DrainAnswer, DrainRequest, PlannerView, RoleCounts

@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from pdkv.geometry import dense_geometry
-from pdkv.protocol import ProxyTiming, TransferTrace
+from pdkv.proxy_api import ProxyTiming
+from pdkv.wire import TransferTrace
 from pdkv.trace.model import ClientTiming
 
 SEED_PHASES = ["proxy forward", "P queue", "P prefill", "P next step", "wait for D's pull", "transfer", "D notified",

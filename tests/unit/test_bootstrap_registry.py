@@ -6,7 +6,7 @@ import pytest
 from pdkv.bootstrap.client import backoff_delay, normalize_url
 from pdkv.bootstrap.registry import BootstrapRegistry, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
-from pdkv.protocol import EngineEntry, RegisterRequest, split_worker_addr
+from pdkv.wire import EngineEntry, RegisterRequest, split_worker_addr
 
 
 def req(engine="eng-a", dp=0, tp=0, pp=0, addr="tcp://10.0.0.1:5000") -> RegisterRequest:

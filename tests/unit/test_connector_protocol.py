@@ -7,9 +7,8 @@ import pytest
 
 from pdkv.connector.config import ParamsError, check_decode_params, classify_params, load_config
 from pdkv.connector.checks import announced_share, check_announce, check_pull
-from pdkv.side_channel import decode_reply, decode_request, encode
+from pdkv.wire import Announce, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery, decode_reply, decode_request, encode
 from pdkv.errors import ConfigError
-from pdkv.protocol import Announce, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery
 
 
 def pull(**kw) -> PullRequest:

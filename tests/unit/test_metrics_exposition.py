@@ -80,7 +80,7 @@ CONNECTOR_BOUNDS_BEFORE = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 def _rendered(component: str) -> str:
     if component == "proxy":
-        from pdkv.protocol import ProxyTiming
+        from pdkv.proxy_api import ProxyTiming
         from pdkv.proxy.metrics import ProxyMetrics
 
         m = ProxyMetrics()

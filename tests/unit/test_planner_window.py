@@ -8,7 +8,7 @@ import pytest
 
 from pdkv.planner import DesiredCounts, Observation, ScalePolicy, Slo
 from pdkv.planner.window import RequestSample, observe_window, quantile
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.planner_loop import request_sample, usage_tokens
 from support.planner_profiles import make_profile
 

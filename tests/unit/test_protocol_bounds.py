@@ -9,20 +9,14 @@ import msgspec
 import pytest
 
 from pdkv.bench.control import Checksum, Ready, Refill, Reply, Request, Setup
-from pdkv.side_channel import decode_reply, decode_request
-from pdkv.protocol import (
-    MAX_N_SEQUENCES,
-    MAX_RANK,
-    MAX_WAIT_S,
-    CompletionFields,
+from pdkv.wire import (
+    Announce,
     DeregisterResponse,
     HealthResponse,
     IpcAllocation,
     IpcExport,
     IpcRegion,
-    ProxyTiming,
     PullReply,
-    Announce,
     PullRequest,
     PullStatus,
     Region,
@@ -31,8 +25,11 @@ from pdkv.protocol import (
     StatsReply,
     TraceReport,
     TransferTrace,
+    decode_reply,
+    decode_request,
 )
-from pdkv.transport.base import Region
+from pdkv.bounds import MAX_N_SEQUENCES, MAX_RANK, MAX_WAIT_S
+from pdkv.proxy_api import CompletionFields, ProxyTiming
 
 NAN, INF = float("nan"), float("inf")
 TOP = 2**64  # one past the largest address

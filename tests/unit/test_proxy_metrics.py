@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.protocol import ProxyTiming
+from pdkv.proxy_api import ProxyTiming
 from pdkv.proxy.metrics import ProxyMetrics, TimingLog
 
 
