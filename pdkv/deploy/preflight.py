@@ -312,7 +312,7 @@ def check_gpu_shares(parts: list[Part]) -> list[Problem]:
                 ", ".join(p.launch.name for p in group),
                 f"share a GPU, and {', '.join(unset)} take{'s' if len(unset) == 1 else ''} vLLM's default share of its memory "
                 "(0.92; all of it with vLLM 0.34's extensible KV cache): only the engine that starts first fits",
-                "give each engine on that GPU --gpu-memory-utilization in extra_args, together at most 0.95"))
+                "give each engine on that GPU --gpu-memory-utilization in extra_args, together at most 1"))
             break
     by_gpu: dict[tuple[str | None, str], list[Part]] = {}
     for p in engines:
@@ -324,7 +324,7 @@ def check_gpu_shares(parts: list[Part]) -> list[Problem]:
             problems.append(Problem(
                 ", ".join(p.launch.name for p in on),
                 f"share GPU {gpu} with --gpu-memory-utilization adding up to {sum(shares):.2f}",  # type: ignore[arg-type]
-                "lower each engine's --gpu-memory-utilization so that together they are at most 0.95"))
+                "lower each engine's --gpu-memory-utilization so that together they are at most 1"))
     return problems
 
 
