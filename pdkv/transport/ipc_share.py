@@ -50,7 +50,8 @@ class KvExporter:
                         index[base] = len(allocations)
                         allocations.append(self._allocation(base, size, fds))
                     first = index[base] if first is None else first
-                assert first is not None
+                if first is None:
+                    raise TransferError(f"an empty KV region at 0x{addr:x} cannot be exported")
                 regions.append(IpcRegion(first, addr, length))
             server = FdServer(fds) if fds else None
         except BaseException:
