@@ -60,7 +60,8 @@ def main() -> None:
     import torch
 
     from pdkv.transport.base import Region
-    from pdkv.transport.cuda_ipc import CudaIpcTransport, ipc_reachable
+    from pdkv.transport.cuda_ipc import CudaIpcTransport
+    from pdkv.transport.cuda_kernels import ipc_reachable
     from pdkv.transport.descriptors import plan_descriptors
 
     print("reachable:", ipc_reachable(0, 1))
