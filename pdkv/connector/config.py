@@ -147,10 +147,15 @@ def load_config(extra: dict[str, Any] | None) -> ConnectorConfig:
 NO_EXTENSIBLE_KV_CACHE = ("--kv-cache-memory-bytes", "--num-gpu-blocks-override", "--no-enable-extensible-kv-cache")
 
 
+def extensible_kv_cache_off(engine_args: Sequence[str]) -> bool:
+    """Whether an argument among `engine_args` fixes the KV cache's size or turns vLLM 0.34's extensible cache off. Pure."""
+    return any(a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE for a in engine_args)
+
+
 def ipc_handles_for(engine_args: Sequence[str]) -> Literal["fd", "legacy"]:
     """How an ipc engine started with `engine_args` shares its KV (`ipc_handles`): by file descriptor, unless an
     argument keeps vLLM's extensible KV cache off (vLLM 0.34 refuses EXPORTS_FD then). Pure."""
-    return "legacy" if any(a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE for a in engine_args) else "fd"
+    return "legacy" if extensible_kv_cache_off(engine_args) else "fd"
 
 
 def kv_cache_access(config: ConnectorConfig) -> tuple[str, ...]:

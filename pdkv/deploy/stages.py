@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdkv.connector.config import NO_EXTENSIBLE_KV_CACHE
+from pdkv.connector.config import extensible_kv_cache_off
 from pdkv.deploy.topology import Part
 
 __all__ = ["gpus_of", "measures_kv_cache", "share_gpu", "start_stages"]
@@ -25,7 +25,7 @@ def measures_kv_cache(part: Part, extensible_release: bool) -> bool:
     spec = part.spec
     if part.kind not in ("prefill", "decode") or spec is None or spec.platform != "gpu" or not extensible_release:
         return False
-    return not any(a.split("=", 1)[0] in NO_EXTENSIBLE_KV_CACHE for a in spec.extra_args)
+    return not extensible_kv_cache_off(spec.extra_args)
 
 
 def gpus_of(part: Part) -> frozenset[str] | None:

@@ -12,6 +12,7 @@ import pytest
 
 from pdkv.errors import TransferError
 from pdkv.wire import IpcAllocation, IpcRegion
+from pdkv.transport.cuda_vmm import MappedRun
 from pdkv.transport.ipc_share import KvExporter, close_opened, contiguous_runs, open_export
 
 MIB = 1 << 20
@@ -64,8 +65,6 @@ class FakeGpu:
         return int.from_bytes(os.pread(fd, 8, 0), "little")
 
     def map_run(self, parts: list[tuple[int, int]], devices: list[int]):
-        from pdkv.transport.cuda_vmm import MappedRun
-
         self.mapped.append(parts)
         run = MappedRun(self._next, [size for _, size in parts])
         self._next += run.size + 64 * MIB
