@@ -48,7 +48,7 @@ def active(text: str | None = None) -> tuple[str, ...]:
 ACTIVE = active()
 READY_TIMEOUT_S = float(os.environ.get("PDKV_GPU_READY_TIMEOUT", "540"))
 # Per engine under "fixed" (PDKV_GPU_KV_GIB, 4 by default: 29k tokens of Qwen3-8B's KV; six engines of 15.3 GiB of
-# weights each fit one H200; four fit an 80 GB H100 at 2).
+# weights each fit one H200; four engines on an 80 GB H100 come to about 75 GB at 2: an estimate, not run).
 KV_CACHE_BYTES = int(float(os.environ.get("PDKV_GPU_KV_GIB", "4")) * (1 << 30))
 MAX_BATCH_TOKENS = 4096  # P's and D's tokens a forward (vLLM's --max-num-batched-tokens); the planner check's simulator too
 BLOCK_SIZE = 16
