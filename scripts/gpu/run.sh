@@ -25,6 +25,9 @@
 #   PREPARE_ONLY=1  unpack and write the weights, then stop.
 #   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
 #           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
+#           With ATTACH=1, a running deployment DEPLOYMENTS does not name is stopped first and one it names that is not
+#           running is started: e.g. on an 80 GB H100 (two deployments fit) "pdkv-ipc mooncake-tcp", then
+#           "pdkv-socket mooncake-tcp" keeps vLLM's MooncakeConnector up and swaps pdkv's.
 #   VLLM    0.26 (the default) or 0.34: which vLLM runs (0.34: BUNDLE_DIR/vllm-0.34 from `VLLM=0.34 pack.sh`,
 #           unpacked before the 0.26 site; each engine's extensible KV cache sized from its share of the GPU,
 #           PDKV_GPU_KV=extensible in tests/gpu/deployments.py).
@@ -106,15 +109,15 @@ PIDS=()
 DEPLOYMENTS="${DEPLOYMENTS:-pdkv-ipc pdkv-tcp mooncake-tcp}"
 export PDKV_GPU_DEPLOYMENTS="$DEPLOYMENTS"
 N=$(echo $DEPLOYMENTS | wc -w)
-stop_all() {
-    for pid in "${PIDS[@]}"; do kill -INT -- "-$pid" 2>/dev/null; done
+stop_pids() {  # stop_pids PID...: each pdkv up's process group, INT first (it stops its engines), KILL after 60 s
+    for pid in "$@"; do kill -INT -- "-$pid" 2>/dev/null; done
     for _ in $(seq 60); do
-        alive=0; for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        alive=0; for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
         [ $alive = 0 ] && break; sleep 1
     done
-    for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
-    rm -f "$WORK/running"
+    for pid in "$@"; do kill -KILL -- "-$pid" 2>/dev/null; done
 }
+stop_all() { [ ${#PIDS[@]} = 0 ] || stop_pids "${PIDS[@]}"; rm -f "$WORK/running"; }
 digest() {
     # What a reader needs of WORK/aux, in one file: every event of `pdkv up` but the long ready line, each log's
     # errors and its last lines, the near-ties the tests saw.
@@ -131,12 +134,25 @@ digest() {
         cat "$AUX"/ties.jsonl 2>/dev/null
     } > "$OUT/digest.txt" 2>&1
 }
-# KEEP=1 leaves the deployments running when this run ends (their pids in WORK/running), for a later run on the same
-# host with ATTACH=1, which uses them instead of starting its own: start and tests then fit two commands of a
+# KEEP=1 leaves the deployments running when this run ends ("NAME PID" lines in WORK/running), for a later run on the
+# same host with ATTACH=1, which uses them instead of starting its own: start and tests then fit two commands of a
 # bounded length. Without KEEP they stop at the end.
-finish() { if [ "${KEEP:-0}" = 1 ]; then printf '%s\n' "${PIDS[@]}" > "$WORK/running"; else stop_all; fi; digest; }
+NAMES=()
+finish() {
+    if [ "${KEEP:-0}" = 1 ]; then
+        : > "$WORK/running"
+        for i in "${!PIDS[@]}"; do echo "${NAMES[$i]} ${PIDS[$i]}" >> "$WORK/running"; done
+    else
+        stop_all
+    fi
+    digest
+}
 trap finish EXIT
-ready_count() { grep -l '"event": "ready"' "$AUX"/up-*.jsonl 2>/dev/null | wc -l; }
+ready_count() {  # the deployments of DEPLOYMENTS whose pdkv up said ready
+    local n=0 name
+    for name in $DEPLOYMENTS; do grep -q '"event": "ready"' "$AUX/up-$name.jsonl" 2>/dev/null && n=$((n + 1)); done
+    echo $n
+}
 wait_ready() {  # wait_ready COUNT: until COUNT deployments are ready, one ends, or 540 s pass
     for _ in $(seq 540); do
         [ "$(ready_count)" -ge "$1" ] && return 0
@@ -146,29 +162,34 @@ wait_ready() {  # wait_ready COUNT: until COUNT deployments are ready, one ends,
     return 1
 }
 if [ "${ATTACH:-0}" = 1 ]; then
-    mapfile -t PIDS < "$WORK/running" || { say "ATTACH=1: no deployments left running in $WORK (run with KEEP=1 first)"; exit 2; }
-    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null || { say "ATTACH=1: pdkv up $pid is gone"; exit 1; }; done
-    say "attached to the $N deployments left running"
-else
-    # vLLM 0.34 sizes each engine's KV cache from the memory it measures after warm-up, and counts what another
-    # process allocates meanwhile as its own: with START=serial (0.34's default) each deployment starts once the
-    # one before is ready, and pdkv up starts a deployment's engines on the shared GPU one after another itself.
-    START="${START:-$([ "$VLLM" = 0.34 ] && echo serial || echo together)}"
-    say "starting $DEPLOYMENTS ($START)"
-    i=0
-    for name in $DEPLOYMENTS; do
-        setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
-        PIDS+=($!)
-        i=$((i + 1))
-        if [ "$START" = serial ]; then wait_ready "$i" || break; say "$name ready ($(elapsed))"; fi
-    done
-    wait_ready "$N"
+    [ -f "$WORK/running" ] || { say "ATTACH=1: no deployments left running in $WORK (run with KEEP=1 first)"; exit 2; }
+    while read -r name pid; do
+        if [[ " $DEPLOYMENTS " == *" $name "* ]]; then
+            kill -0 "$pid" 2>/dev/null || { say "ATTACH=1: $name (pdkv up $pid) is gone"; exit 1; }
+            NAMES+=("$name"); PIDS+=("$pid")
+        else
+            say "ATTACH=1: stopping $name, which DEPLOYMENTS does not name"; stop_pids "$pid"
+        fi
+    done < "$WORK/running"
+    say "attached to ${NAMES[*]:-none}"
 fi
+# vLLM 0.34 sizes each engine's KV cache from the memory it measures after warm-up, and counts what another
+# process allocates meanwhile as its own: with START=serial (0.34's default) each deployment starts once the
+# one before is ready, and pdkv up starts a deployment's engines on the shared GPU one after another itself.
+START="${START:-$([ "$VLLM" = 0.34 ] && echo serial || echo together)}"
+for name in $DEPLOYMENTS; do
+    [[ " ${NAMES[*]} " == *" $name "* ]] && continue
+    say "starting $name ($START)"
+    setsid $PY -m pdkv up -f "$FILES/$name.toml" --json --log-dir "$AUX/logs-$name" > "$AUX/up-$name.jsonl" 2> "$AUX/up-$name.stderr" &
+    PIDS+=($!); NAMES+=("$name")
+    if [ "$START" = serial ]; then wait_ready "${#PIDS[@]}" || break; say "$name ready ($(elapsed))"; fi
+done
+wait_ready "$N"
 ready=$(ready_count)
 say "deployments ready: $ready of $N ($(elapsed))"
 gpu_memory() { say "GPU memory in use: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) ($1)"; }
 gpu_memory "all engines up"
-grep -h '"event": "ready"' "$AUX"/up-*.jsonl | cut -c1-300 >> "$SUMMARY"
+for name in $DEPLOYMENTS; do grep -h '"event": "ready"' "$AUX/up-$name.jsonl" | cut -c1-300 >> "$SUMMARY"; done
 # Each engine's KV capacity as its log states it (same settings for every deployment: pdkv's against vLLM's connector).
 for f in "$AUX"/logs-*/*.log; do
     grep -h -E "GPU KV cache size|Extended KV cache to|Memory after warmup|Available KV cache memory|KV cache layout|extensible" "$f" 2>/dev/null \
