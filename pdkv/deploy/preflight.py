@@ -279,7 +279,7 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
     if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
     from pdkv.doctor import cma_verdict
-    from pdkv.transport.cma import ptrace_scope
+    from pdkv.transport import ptrace_scope
 
     ok, detail, fix = cma_verdict(ptrace_scope(proc_root), timeout)
     return [] if ok else [Problem("cma", detail, fix)]
