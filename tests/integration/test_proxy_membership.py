@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.members import MemberRecord
 from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.wire import RegisterRequest
+from pdkv.wire import MemberRecord, RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from support.proxy_stubs import REQUEST, Stub
