@@ -352,7 +352,7 @@ def start_background(
     return BootstrapService(make_app(registry, token=token, probe=probe), host, port).start()
 
 
-def run(
+def run_server(
     host: str,
     port: int,
     *,

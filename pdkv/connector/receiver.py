@@ -165,7 +165,7 @@ class KVReceiver:
         key = (bootstrap, engine_id)
         if key in self._addr_cache:
             return self._addr_cache[key]
-        from pdkv.bootstrap.client import AsyncBootstrapClient
+        from pdkv.bootstrap import AsyncBootstrapClient
 
         async with AsyncBootstrapClient(bootstrap, timeout=self.bootstrap_timeout, retries=2) as bs:
             engines = await bs.query()

@@ -115,7 +115,7 @@ class ConnectorWorker:
             self._join_members()
             return
         if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:
-            from pdkv.bootstrap.server import start_background
+            from pdkv.bootstrap import start_background
 
             host, port = bootstrap_bind(self.config)
             self.bootstrap = start_background(host, port, token=token_from_env())

@@ -45,7 +45,7 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
     from support.kv_pair import register, settle, wait_freed, wait_parked
     from support.waiting import wait_for
 
-    from pdkv.bootstrap.server import start_background
+    from pdkv.bootstrap import start_background
     from pdkv.connector.sender import KVSender
     from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.connector.registration import StandingRegistration
 from pdkv.errors import StartError
 from pdkv.wire import MemberRecord, RegisterRequest

@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import start_background
+from pdkv.bootstrap import BootstrapClient, start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec, Results
 from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.connector.sender import KVSender

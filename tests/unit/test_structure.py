@@ -127,7 +127,8 @@ def test_a_cycle_hidden_inside_a_function_or_under_type_checking_is_found(tmp_pa
 def test_no_import_cycle_counting_every_import():
     graph = import_graph(PACKAGE)
     assert "pdkv.connector.pulls" in graph["pdkv.connector.scheduler"]  # the walk sees pdkv's imports at all
-    assert "pdkv.bootstrap.client" in graph["pdkv.proxy.health"]  # and those inside functions
+    assert "pdkv.bootstrap" in graph["pdkv.proxy.health"]  # and those inside functions
+    assert "pdkv.bootstrap.client" in graph["pdkv.bootstrap"]  # a lazy surface's too, inside its __getattr__
     assert cycles(graph) == []
 
 
@@ -196,13 +197,13 @@ def test_every_package_lists_its_public_surface_in_all():
 
 # Packages whose surface every outside module goes through: a module outside one of them imports only from its
 # `__init__` (its `__all__`), never from one of its modules; inside it, modules import each other directly. The
-# list only grows: a package joins once no outside module reaches into it (`pdkv.bootstrap` and `pdkv.connector` are
-# still reached into, see test_the_surface_rule_counts_what_is_left).
+# list only grows: a package joins once no outside module reaches into it (`pdkv.connector` is still reached into,
+# see test_the_surface_rule_counts_what_is_left).
 SURFACE_ONLY = {
-    "pdkv.bench", "pdkv.deploy", "pdkv.doctor", "pdkv.k8s", "pdkv.planner", "pdkv.proxy", "pdkv.proxy_api", "pdkv.top",
+    "pdkv.bench", "pdkv.bootstrap", "pdkv.deploy", "pdkv.doctor", "pdkv.k8s", "pdkv.planner", "pdkv.proxy", "pdkv.proxy_api", "pdkv.top",
     "pdkv.trace", "pdkv.transport", "pdkv.transport.sockets", "pdkv.wire",
 }
-LEFT_INSIDE = 11  # imports that still reach inside pdkv.bootstrap (9), pdkv.connector (2)
+LEFT_INSIDE = 2  # imports that still reach inside pdkv.connector
 
 
 def packages(package: Path) -> set[str]:
