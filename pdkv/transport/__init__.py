@@ -12,10 +12,9 @@ regions a transport moves between are pdkv.wire's `Region`, the type D
 announces them in.
 
 Outside this package, import only what `__all__` lists. Importing the package
-imports `base` and `descriptors` (msgspec and pdkv.wire, nothing else); the
-names of `mooncake`, `cuda_kernels`, `cma` and `sockets` are imported on first
-use (`__getattr__`), and Mooncake, torch and Triton only once a transport
-starts.
+imports `base` and `descriptors` (pure: msgspec and pdkv's wire); the names of
+`mooncake`, `cuda_kernels`, `cma` and `sockets` are imported on first use
+(`__getattr__`), and Mooncake, torch and Triton only once a transport starts.
 """
 
 from __future__ import annotations
@@ -51,14 +50,15 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The names whose modules importing the package does not load (PEP 562): each is imported on first use."""
-    if name in ("check_mooncake_transport", "link_gbps_of"):  # what Mooncake would silently do otherwise; sysfs
+    """The names imported on first use (PEP 562). Their modules bring a transport's threads, sockets and ctypes,
+    which a caller of the pure names (`pdkv up`, the connector's config) does not need."""
+    if name in ("check_mooncake_transport", "link_gbps_of"):
         import pdkv.transport.mooncake as home
-    elif name == "ipc_reachable":  # whether two GPUs can take the ipc path (torch, imported inside)
+    elif name == "ipc_reachable":
         import pdkv.transport.cuda_kernels as home
-    elif name == "ptrace_scope":  # Yama's setting, which decides whether cma may write at all
+    elif name == "ptrace_scope":
         import pdkv.transport.cma as home
-    elif name == "MAX_SOCKET_CONNECTIONS":  # the most connections the socket transport keeps to one D
+    elif name == "MAX_SOCKET_CONNECTIONS":
         from pdkv.transport.sockets import MAX_CONNECTIONS
 
         return MAX_CONNECTIONS

@@ -68,8 +68,8 @@ from pdkv.wire.side_channel import (
 )
 
 __all__ = [
-    "DEFAULT_MEMBER_TTL_S",
     "Announce",
+    "DEFAULT_MEMBER_TTL_S",
     "DecodeParams",
     "DeregisterRequest",
     "DeregisterResponse",
