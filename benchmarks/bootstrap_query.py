@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import msgspec
 import psutil
 
-from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap import BootstrapClient
 from pdkv.wire import RegisterRequest
 
 

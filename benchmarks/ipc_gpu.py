@@ -59,10 +59,9 @@ def main() -> None:
 
     import torch
 
-    from pdkv.transport.base import Region
+    from pdkv.transport import ipc_reachable, plan_descriptors
     from pdkv.transport.cuda_ipc import CudaIpcTransport
-    from pdkv.transport.cuda_kernels import ipc_reachable
-    from pdkv.transport.descriptors import plan_descriptors
+    from pdkv.wire import Region
 
     print("reachable:", ipc_reachable(0, 1))
     ctx = mp.get_context("spawn")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pdkv.transport.base import Descriptor  # noqa: E402
+from pdkv.transport import Descriptor  # noqa: E402
 from pdkv.transport.sockets import SocketTransport  # noqa: E402
 
 NBYTES = 148_635_648

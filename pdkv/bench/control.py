@@ -17,8 +17,7 @@ import msgspec
 from pdkv.errors import PdkvError, RemoteError, StartError, UnreachableError
 from pdkv.peer_address import advertised_address
 from pdkv.bounds import Address, BlockCount, Length, check_span
-from pdkv.wire import IpcExport
-from pdkv.transport.base import Region
+from pdkv.wire import IpcExport, Region
 
 DEFAULT_CONTROL_TIMEOUT_S = 60.0
 BENCH_TRANSFER = "bench"  # the one transfer a target expects writes under (Transport.expect): its whole KV memory

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pdkv.errors import TransferError, UsageError
-from pdkv.transport.base import Region
+from pdkv.wire import Region
 
 
 def parse_device(device: str) -> str:

@@ -20,9 +20,7 @@ import msgspec
 from pdkv.bench.layout import Timing, block_ids, blocks_needed, case_plan_bytes, coalesces, expand_layouts, summarize, tp_layout
 from pdkv.errors import PdkvError, StartError, TransferError, UsageError
 from pdkv.geometry import KVGeometry
-from pdkv.transport import TRANSPORTS
-from pdkv.transport.base import Descriptor
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.transport import TRANSPORTS, Descriptor, plan_descriptors
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ class BenchReport(msgspec.Struct, frozen=True):
 
 def link_rate(spec: BenchSpec) -> tuple[float, str]:
     """The link rate to compare against, and where it came from: --link-gbps, the device's sysfs rate, or 400."""
-    from pdkv.transport.mooncake import link_gbps_of
+    from pdkv.transport import link_gbps_of
 
     if spec.link_gbps is not None:
         if spec.link_gbps <= 0:
@@ -120,7 +118,7 @@ def check_spec(spec: BenchSpec) -> None:
         raise UsageError("--blocks must be positive")
     expand_layouts(spec.layouts)
     from pdkv.bench.memory import parse_device
-    from pdkv.transport.mooncake import check_protocol
+    from pdkv.transport import check_mooncake_transport
 
     if spec.transport not in TRANSPORTS:
         raise UsageError(f"--transport {spec.transport!r} is not one of {', '.join(TRANSPORTS)}")
@@ -140,14 +138,14 @@ def check_spec(spec: BenchSpec) -> None:
             )
         return
     # Before any process starts: a wrong transport or a missing RDMA device fails here, in seconds.
-    check_protocol(spec.transport, spec.device)
+    check_mooncake_transport(spec.transport, spec.device)
 
 
 def resolve_transport(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
     """For ipc, fall back to Mooncake tcp (with the reason, also logged) when the two GPUs cannot reach each other."""
     if spec.transport != "ipc" or spec.target is not None:
         return spec, None
-    from pdkv.transport.cuda_kernels import ipc_reachable
+    from pdkv.transport import ipc_reachable
 
     ok, reason = ipc_reachable(int(spec.src[5:]), int(spec.dst[5:]))
     if ok:

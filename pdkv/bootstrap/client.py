@@ -21,9 +21,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from pdkv.bootstrap.members import LeaveRequest, MemberRecord, MembersResponse
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
-from pdkv.wire import DeregisterRequest, DeregisterResponse, EngineEntry, RegisterRequest
+from pdkv.wire import DeregisterRequest, DeregisterResponse, EngineEntry, LeaveRequest, MemberRecord, MembersResponse, RegisterRequest
 
 _RETRY_STATUS = frozenset({502, 503, 504})
 _BACKOFF_FIRST = 0.1

@@ -34,7 +34,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdkv.bootstrap.members import MAX_MEMBERS, LeaveRequest, MemberRecord, MemberTable
+from pdkv.bootstrap.members import MAX_MEMBERS, MemberTable
 from pdkv.bootstrap.registry import BootstrapRegistry, Conflict, ConflictKind, Outcome
 from pdkv.errors import RegistryConflict
 from pdkv.metrics import CONTENT_TYPE, render
@@ -43,6 +43,8 @@ from pdkv.wire import (
     DeregisterResponse,
     ErrorResponse,
     HealthResponse,
+    LeaveRequest,
+    MemberRecord,
     RegisterRequest,
     RegisterResponse,
     split_worker_addr,
@@ -350,7 +352,7 @@ def start_background(
     return BootstrapService(make_app(registry, token=token, probe=probe), host, port).start()
 
 
-def run(
+def run_server(
     host: str,
     port: int,
     *,

@@ -67,7 +67,7 @@ def _default_url() -> str:
 
 
 def _client(url: str | None, token: str | None, timeout: float, retries: int):
-    from pdkv.bootstrap.client import BootstrapClient
+    from pdkv.bootstrap import BootstrapClient
 
     return BootstrapClient(url or _default_url(), timeout=timeout, retries=retries, token=token)
 
@@ -98,7 +98,7 @@ def serve(
 
     token = token or token_from_env()  # None, or a ConfigError for a key under a name pdkv does not read
 
-    from pdkv.bootstrap.server import ProbePolicy, run
+    from pdkv.bootstrap import ProbePolicy, run_server
 
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -121,7 +121,7 @@ def serve(
 
     probe = ProbePolicy(timeout=probe_timeout, interval=probe_interval, failures=probe_failures)
     try:
-        run(host, port, token=token, probe=probe, on_ready=ready)
+        run_server(host, port, token=token, probe=probe, on_ready=ready)
     finally:
         logger.removeHandler(handler)
     if not json_out:

@@ -2,7 +2,9 @@
 
 Loaded by vLLM through
 `--kv-transfer-config '{"kv_connector":"PdkvConnector","kv_connector_module_path":"pdkv.connector",...}'`.
-`PdkvConnector` is imported on first use, so the pure modules load without vLLM.
+`PdkvConnector` is imported on first use, so the pure modules load without vLLM (or torch). Outside this package,
+import only what `__all__` lists: besides `PdkvConnector`, what `pdkv up` must agree on with the connector it
+starts (the environment it hands an engine, how an engine's arguments decide the ipc sharing mode).
 
     config.py          kv_connector_extra_config and kv_transfer_params (pure)
     send_table.py      P's per-transfer state machine, SendTable (pure)
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PdkvConnector"]
+from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, extensible_kv_cache_off, ipc_handles_for
+
+__all__ = ["ADVERTISE_URL_ENV", "MEMBERS_URL_ENV", "PdkvConnector", "extensible_kv_cache_off", "ipc_handles_for"]
 
 
-# The one package whose public name is imported on first use: PdkvConnector subclasses vLLM's connector base,
-# and the pure modules must load where vLLM is not installed (the proxy, pdkv trace, the unit tests).
+# PdkvConnector subclasses vLLM's connector base, and the pure modules must load where vLLM is not installed
+# (`pdkv up`, the unit tests): it is imported on first use (PEP 562).
 def __getattr__(name: str) -> Any:
     if name == "PdkvConnector":
         from pdkv.connector.vllm_connector import PdkvConnector

@@ -1,6 +1,6 @@
 """What P checks of an announcement and of a pull before it waits on either: pure, so each refusal is a unit test.
 
-The rule for memory (pdkv.transport.descriptors.check_ranges): P reads only its own
+The rule for memory (pdkv.transport.check_ranges): P reads only its own
 KV regions and writes only inside the regions D announced for the session a
 pull names; a pull names blocks, never addresses.
 """
@@ -8,9 +8,8 @@ pull names; a pull names blocks, never addresses.
 from __future__ import annotations
 
 from pdkv.errors import TransferError
-from pdkv.wire import Announce, PullRequest
-from pdkv.transport.base import Region
-from pdkv.transport.descriptors import check_blocks, check_share
+from pdkv.wire import Announce, PullRequest, Region
+from pdkv.transport import check_blocks, check_share
 from pdkv.tp_heads import HeadShare, head_shares
 
 

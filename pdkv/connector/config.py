@@ -18,8 +18,7 @@ import msgspec
 from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.wire import DecodeParams, PrefillParams
-from pdkv.transport import TRANSPORTS, TransportName
-from pdkv.transport.sockets import MAX_CONNECTIONS
+from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, TransportName
 
 # kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
 TRANSPORT_KEYS = ("mooncake_protocol", "transport")
@@ -101,9 +100,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"kv_connector_extra_config.side_channel_port must be 0..64511, got {self.side_channel_port}")
         if not 0 <= self.socket_port <= 65535 - 1024:
             raise ConfigError(f"kv_connector_extra_config.socket_port must be 0..64511, got {self.socket_port}")
-        if not 0 <= self.socket_connections <= MAX_CONNECTIONS:
+        if not 0 <= self.socket_connections <= MAX_SOCKET_CONNECTIONS:
             raise ConfigError(
-                f"kv_connector_extra_config.socket_connections must be 0..{MAX_CONNECTIONS}, got {self.socket_connections}")
+                f"kv_connector_extra_config.socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {self.socket_connections}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from math import prod
 
 from pdkv.errors import UnsupportedModelError
-from pdkv.transport.base import Region
+from pdkv.wire import Region
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,7 @@ from pdkv.connector.timing import TraceLog
 from pdkv.errors import PdkvError, TransferError
 from pdkv.wire import Announce, ErrorReply, IpcExport, PullReply, PullRequest, PullStatus, Region, Release, TraceReport
 from pdkv.tp_heads import head_shares, pullers
-from pdkv.transport.base import Transport
-from pdkv.transport.descriptors import block_spans
+from pdkv.transport import Transport, block_spans
 
 log = logging.getLogger("pdkv.connector")
 
@@ -166,7 +165,7 @@ class KVReceiver:
         key = (bootstrap, engine_id)
         if key in self._addr_cache:
             return self._addr_cache[key]
-        from pdkv.bootstrap.client import AsyncBootstrapClient
+        from pdkv.bootstrap import AsyncBootstrapClient
 
         async with AsyncBootstrapClient(bootstrap, timeout=self.bootstrap_timeout, retries=2) as bs:
             engines = await bs.query()

@@ -54,7 +54,7 @@ class StandingRegistration:
             self._thread.start()
 
     def _run(self, action: Action, retries: int) -> None:
-        from pdkv.bootstrap.client import BootstrapClient
+        from pdkv.bootstrap import BootstrapClient
 
         # A bootstrap server started with --token wants it on writes: it comes from the same variable.
         with BootstrapClient(self.url, timeout=2.0, retries=retries, token=self._token) as bs:
@@ -67,7 +67,7 @@ class StandingRegistration:
             log.warning("pdkv: could not register %s at %s: %s", self.what, self.url, exc)
 
     def _renew(self) -> None:
-        from pdkv.bootstrap.client import BootstrapClient
+        from pdkv.bootstrap import BootstrapClient
 
         # One client for every renewal: its connection is kept between them (a broken one fails one renewal, and the
         # next connects anew).

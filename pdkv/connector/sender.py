@@ -25,8 +25,8 @@ from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartS
 from pdkv.connector.timing import TraceLog
 from pdkv.connector.writers import WriterPools, write_transfer
 from pdkv.errors import PdkvError
-from pdkv.wire import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Release, StatsQuery, StatsReply, TraceReport
-from pdkv.transport.base import Region, Transport
+from pdkv.wire import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery, StatsReply, TraceReport
+from pdkv.transport import Transport
 from pdkv.tp_heads import HeadShare, pullers
 
 log = logging.getLogger("pdkv.connector")

@@ -21,7 +21,7 @@ from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
 from pdkv.connector.send_table import SendLimits
 from pdkv.connector.timing import ConnectorDelta, TraceLog
-from pdkv.wire import RegisterRequest
+from pdkv.wire import DEFAULT_MEMBER_TTL_S, MemberRecord, RegisterRequest
 
 log = logging.getLogger("pdkv.connector")
 
@@ -115,7 +115,7 @@ class ConnectorWorker:
             self._join_members()
             return
         if self.config.bootstrap_server_address is None and self.tp_rank == 0 and self.dp_rank == 0:
-            from pdkv.bootstrap.server import start_background
+            from pdkv.bootstrap import start_background
 
             host, port = bootstrap_bind(self.config)
             self.bootstrap = start_background(host, port, token=token_from_env())
@@ -142,7 +142,6 @@ class ConnectorWorker:
 
     def _join_members(self) -> None:
         """TP0: join the members registry, if the engine has one and knows its own URL (see ConnectorConfig)."""
-        from pdkv.bootstrap.members import DEFAULT_TTL_S, MemberRecord
         from pdkv.connector.registration import StandingRegistration
 
         where = membership(self.config, is_producer=self.is_producer)
@@ -157,7 +156,7 @@ class ConnectorWorker:
             dp_rank=self.dp_rank, dp_size=max(self.identity.dp_size, self.dp_rank + 1), tp_size=self.tp_size,
             model=self.identity.model, block_size=self.identity.block_size, connector="pdkv",
             transport=self.config.transport, kv_events=events[0], kv_events_replay=events[1],
-            ttl_s=max(3 * interval, DEFAULT_TTL_S) if interval > 0 else 3600.0,
+            ttl_s=max(3 * interval, DEFAULT_MEMBER_TTL_S) if interval > 0 else 3600.0,
         )
         self.member = StandingRegistration(
             members_url, lambda bs: bs.join(record), f"member {self.engine_id}", interval, required=False,

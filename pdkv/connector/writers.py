@@ -12,9 +12,8 @@ from typing import Any
 from pdkv.connector.pulls import write_key
 from pdkv.connector.send_table import StartSend
 from pdkv.errors import TransferError
-from pdkv.wire import Announce, PullRequest
-from pdkv.transport.base import Region, Transport
-from pdkv.transport.descriptors import check_ranges
+from pdkv.wire import Announce, PullRequest, Region
+from pdkv.transport import Transport, check_ranges
 
 # Writes to one D run on up to this many threads at once; each D has its own.
 WRITERS_PER_PEER = 4

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, ipc_handles_for
+from pdkv.connector import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, ipc_handles_for
 from pdkv.errors import UsageError
 from pdkv.peer_address import advertised_address
 from pdkv.transport import TransportName

@@ -251,24 +251,24 @@ def _head_split(pair: str, p_tp: int, d_tp: int, config: dict[str, Any] | None) 
 
 def check_bootstraps(urls: list[str], timeout: float = 2.0) -> list[Problem]:
     """Each external bootstrap answers GET /query within `timeout`."""
-    from pdkv.bootstrap.client import BootstrapClient, normalize_url
+    from pdkv.bootstrap import BootstrapClient
 
     problems = []
     for url in urls:
-        base = normalize_url(url)
+        client = BootstrapClient(url, timeout=timeout, retries=0)
         try:
-            with BootstrapClient(base, timeout=timeout, retries=0) as bs:
-                bs.query()
+            with client:
+                client.query()
         except RemoteError as exc:
             problems.append(Problem(
                 "bootstrap",
-                f"{base} answered {exc.status if exc.status is not None else 'something else'} to GET /query",
+                f"{client.url} answered {exc.status if exc.status is not None else 'something else'} to GET /query",
                 "point at a Mooncake bootstrap server (pdkv bootstrap)",
             ))
         except UnreachableError as exc:
             problems.append(Problem(
                 "bootstrap",
-                f"{base} is unreachable ({exc.message})",
+                f"{client.url} is unreachable ({exc.message})",
                 "start it (pdkv bootstrap --port PORT) or fix the bootstrap URL",
             ))
     return problems
@@ -279,7 +279,7 @@ def check_cma(parts: list[Part], proc_root: str = "/proc", timeout: float = 5.0)
     if not any(p.spec is not None and p.spec.transport == "cma" and p.spec.platform == "cpu" for p in parts):
         return []
     from pdkv.doctor import cma_verdict
-    from pdkv.transport.cma import ptrace_scope
+    from pdkv.transport import ptrace_scope
 
     ok, detail, fix = cma_verdict(ptrace_scope(proc_root), timeout)
     return [] if ok else [Problem("cma", detail, fix)]

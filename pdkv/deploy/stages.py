@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdkv.connector.config import extensible_kv_cache_off
+from pdkv.connector import extensible_kv_cache_off
 from pdkv.deploy.topology import Part
 
 __all__ = ["gpus_of", "measures_kv_cache", "share_gpu", "start_stages"]

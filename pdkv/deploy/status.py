@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap import BootstrapClient
 from pdkv.deploy.schema import Deployment
 from pdkv.deploy.topology import deployment_parts
 from pdkv.engine_api import EngineClient

@@ -12,10 +12,10 @@ from pdkv.doctor.model import CheckResult, DoctorOptions, Host, Status
 # write) whether every byte holds the value written. It opens the transport as D's worker does.
 _TARGET = r"""
 import ctypes, sys
-from pdkv.transport.cma import CmaTransport
+from pdkv.transport import open_transport
 n = int(sys.argv[1])
 buf = (ctypes.c_ubyte * n)()
-t = CmaTransport()
+t = open_transport("cma")
 print(t.session_address, ctypes.addressof(buf), flush=True)
 sys.stdin.readline()
 print("ok" if bytes(buf) == bytes([0x5A]) * n else "wrong", flush=True)
@@ -29,8 +29,7 @@ def probe_cma(timeout_s: float) -> tuple[bool, str]:
     import ctypes
 
     from pdkv.errors import PdkvError
-    from pdkv.transport.base import Descriptor
-    from pdkv.transport.cma import CmaTransport
+    from pdkv.transport import Descriptor, open_transport
 
     child = subprocess.Popen(
         [sys.executable, "-c", _TARGET, str(PROBE_BYTES)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -44,7 +43,7 @@ def probe_cma(timeout_s: float) -> tuple[bool, str]:
         session, addr = line[0], int(line[1])
         src = (ctypes.c_ubyte * PROBE_BYTES).from_buffer_copy(bytes([0x5A]) * PROBE_BYTES)
         try:
-            with CmaTransport(writable=False) as t:
+            with open_transport("cma", writable=False) as t:
                 t.register([(ctypes.addressof(src), PROBE_BYTES)])
                 t0 = time.perf_counter()
                 t.write(session, [Descriptor(ctypes.addressof(src), addr, PROBE_BYTES)])

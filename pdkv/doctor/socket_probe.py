@@ -13,13 +13,11 @@ PROBE_BYTES = 4 << 20
 
 def probe_socket(host_ip: str, timeout_s: float) -> tuple[bool, str]:
     """Open the socket transport as D (listening on `host_ip`) and as P, write PROBE_BYTES across, compare."""
-    from pdkv.transport import open_transport
+    from pdkv.transport import Descriptor, open_transport
 
     src = (ctypes.c_ubyte * PROBE_BYTES).from_buffer_copy(bytes([0x5A]) * PROBE_BYTES)
     dst = (ctypes.c_ubyte * PROBE_BYTES)()
     a, b = ctypes.addressof(src), ctypes.addressof(dst)
-    from pdkv.transport.base import Descriptor
-
     try:
         with open_transport("socket", host_ip, write_timeout_s=timeout_s) as d, \
                 open_transport("socket", host_ip, writable=False, write_timeout_s=timeout_s) as p:

@@ -54,7 +54,7 @@ class Health:
     def _client(self, url: str) -> Any:
         client = self._clients.get(url)
         if client is None:
-            from pdkv.bootstrap.client import AsyncBootstrapClient  # httpx: only once a bootstrap is asked
+            from pdkv.bootstrap import AsyncBootstrapClient  # httpx: only once a bootstrap is asked
 
             client = self._clients[url] = AsyncBootstrapClient(url, timeout=self.config.health_timeout, retries=0)
         return client

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import msgspec
 
-from pdkv.bootstrap.members import MemberRecord
+from pdkv.wire import MemberRecord
 
 CompatKey = tuple[str, int, int, str, str]
 

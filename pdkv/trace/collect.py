@@ -187,7 +187,7 @@ class TraceSession:
 
     def _connector_records(self, timing: ProxyTiming) -> tuple[list[TransferTrace], str]:
         """P's connector records for this transfer, waited for (bounded) until D's events are in them."""
-        from pdkv.bootstrap.client import BootstrapClient
+        from pdkv.bootstrap import BootstrapClient
 
         bootstrap = self._bootstrap_for(timing.prefill_url)
         if bootstrap is None:

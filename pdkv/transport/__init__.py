@@ -1,12 +1,20 @@
 """KV transport: how bytes move from P's registered memory into D's.
 
-`base` holds the Transport protocol (the one seam every caller uses) and
-region types; `descriptors` turns block ids into descriptors (pure), and
-`descriptor_writes` is the seam's shared part for descriptor transports; `mooncake` implements the protocol over
-Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between
-GPUs of one host through CUDA IPC (ipc); `cma` moves KV in host memory
-between processes of one host with process_vm_writev (cma); `sockets` moves
-KV over TCP connections of pdkv's own, host or GPU memory, across hosts (socket).
+`base` holds the Transport protocol (the one seam every caller uses) and the
+descriptor type; `descriptors` turns block ids into descriptors and holds the
+range rule every write obeys (pure); `descriptor_writes` is the seam's shared
+part for descriptor transports; `mooncake` implements the protocol over
+Mooncake's TransferEngine (tcp, rdma); `cuda_ipc` moves KV between GPUs of one
+host through CUDA IPC (ipc); `cma` moves KV in host memory between processes
+of one host with process_vm_writev (cma); `sockets` moves KV over TCP
+connections of pdkv's own, host or GPU memory, across hosts (socket). The
+regions a transport moves between are pdkv.wire's `Region`, the type D
+announces them in.
+
+Outside this package, import only what `__all__` lists. Importing the package
+imports `base` and `descriptors` (pure: msgspec and pdkv's wire); the names of
+`mooncake`, `cuda_kernels`, `cma` and `sockets` are imported on first use
+(`__getattr__`), and Mooncake, torch and Triton only once a transport starts.
 """
 
 from __future__ import annotations
@@ -14,14 +22,49 @@ from __future__ import annotations
 from typing import Any, Literal, get_args
 
 from pdkv.errors import StartError
-from pdkv.transport.base import Transport
+from pdkv.transport.base import Descriptor, Transport
+from pdkv.transport.descriptors import block_spans, check_blocks, check_ranges, check_share, plan_descriptors
 
 # How KV moves: "tcp"/"rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (process_vm_writev), "socket" (pdkv's own TCP).
 # The connector reads it from kv_connector_extra_config's `mooncake_protocol` (vLLM's key) or `transport`.
 TransportName = Literal["tcp", "rdma", "ipc", "cma", "socket"]
 TRANSPORTS: tuple[TransportName, ...] = get_args(TransportName)
 
-__all__ = ["TRANSPORTS", "Transport", "TransportName", "open_transport"]
+__all__ = [
+    "MAX_SOCKET_CONNECTIONS",
+    "TRANSPORTS",
+    "Descriptor",
+    "Transport",
+    "TransportName",
+    "block_spans",
+    "check_blocks",
+    "check_mooncake_transport",
+    "check_ranges",
+    "check_share",
+    "ipc_reachable",
+    "link_gbps_of",
+    "open_transport",
+    "plan_descriptors",
+    "ptrace_scope",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The names imported on first use (PEP 562). Their modules bring a transport's threads, sockets and ctypes,
+    which a caller of the pure names (`pdkv up`, the connector's config) does not need."""
+    if name in ("check_mooncake_transport", "link_gbps_of"):
+        import pdkv.transport.mooncake as home
+    elif name == "ipc_reachable":
+        import pdkv.transport.cuda_kernels as home
+    elif name == "ptrace_scope":
+        import pdkv.transport.cma as home
+    elif name == "MAX_SOCKET_CONNECTIONS":
+        from pdkv.transport.sockets import MAX_CONNECTIONS
+
+        return MAX_CONNECTIONS
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(home, name)
 
 
 def open_transport(

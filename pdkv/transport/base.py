@@ -8,7 +8,7 @@ import msgspec
 
 from pdkv.wire import Region
 
-__all__ = ["Descriptor", "Region", "Transport", "UncheckedWrites", "Written"]
+__all__ = ["Descriptor", "Transport", "UncheckedWrites", "Written"]
 
 if TYPE_CHECKING:
     from pdkv.wire import IpcExport

@@ -82,16 +82,16 @@ def rdma_devices(sysfs_root: str | Path = SYSFS_INFINIBAND) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def check_protocol(protocol: str, device_name: str, sysfs_root: str | Path = SYSFS_INFINIBAND) -> None:
+def check_mooncake_transport(transport: str, device_name: str, sysfs_root: str | Path = SYSFS_INFINIBAND) -> None:
     """Refuse what Mooncake would accept and then quietly do differently.
 
-    Mooncake 0.3 returns success for an unknown protocol, and for `rdma` on a
+    Mooncake 0.3 returns success for an unknown protocol (its word for `transport`), and for `rdma` on a
     host without RDMA devices it falls back to tcp; a benchmark or a
     deployment would then measure the wrong link.
     """
-    if protocol not in PROTOCOLS:
-        raise UsageError(f"transport {protocol!r} is not one of Mooncake's", hint=f"use one of: {', '.join(PROTOCOLS)}")
-    if protocol != "rdma":
+    if transport not in PROTOCOLS:
+        raise UsageError(f"transport {transport!r} is not one of Mooncake's", hint=f"use one of: {', '.join(PROTOCOLS)}")
+    if transport != "rdma":
         return
     found = rdma_devices(sysfs_root)
     if not found:
@@ -193,7 +193,7 @@ class MooncakeTransport(DescriptorWrites, UncheckedWrites):
         max_batch: int = DEFAULT_MAX_BATCH,
         sysfs_root: str | Path = SYSFS_INFINIBAND,
     ) -> None:
-        check_protocol(transport, device_name, sysfs_root)
+        check_mooncake_transport(transport, device_name, sysfs_root)
         if write_timeout_s <= 0:
             raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
         if max_batch <= 0:

@@ -3,6 +3,8 @@
 - `bootstrap`: the engine registry's messages, wire-compatible with vLLM's MooncakeBootstrapServer;
 - `ipc_export`: the CUDA IPC export D announces to P on one GPU host;
 - `kv_params`: kv_transfer_params, the only protocol between the proxy and a connector;
+- `members`: live membership (pdkv's extension of the bootstrap server): the record each engine keeps leased, and
+  the messages of /pdkv/members;
 - `side_channel`: the messages between D's and P's workers, their framing and a one-shot client (the
   connector's server and peer are pdkv.connector.side_channel).
 
@@ -34,6 +36,13 @@ from pdkv.wire.kv_params import (
     TransferId,
     new_transfer_id,
 )
+from pdkv.wire.members import (
+    DEFAULT_MEMBER_TTL_S,
+    LeaveRequest,
+    MemberRecord,
+    MembersResponse,
+    MemberView,
+)
 from pdkv.wire.side_channel import (
     TO_D,
     TO_P,
@@ -60,6 +69,7 @@ from pdkv.wire.side_channel import (
 
 __all__ = [
     "Announce",
+    "DEFAULT_MEMBER_TTL_S",
     "DecodeParams",
     "DeregisterRequest",
     "DeregisterResponse",
@@ -71,6 +81,10 @@ __all__ = [
     "IpcAllocation",
     "IpcExport",
     "IpcRegion",
+    "LeaveRequest",
+    "MemberRecord",
+    "MemberView",
+    "MembersResponse",
     "PrefillParams",
     "PullReply",
     "PullRequest",

@@ -12,8 +12,7 @@ import sys
 import httpx
 import pytest
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.cli import run
 from pdkv.wire import RegisterRequest
 from support.ports import free_port

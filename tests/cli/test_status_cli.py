@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdkv.bootstrap.server import ProbePolicy, make_app
+from pdkv.bootstrap import ProbePolicy
+from pdkv.bootstrap.server import make_app
 from pdkv.cli import run
 from pdkv.service import BackgroundService
 from support.ports import free_port

@@ -162,7 +162,7 @@ def proxy_tid(pair: Pair, rid: str) -> str:
 
 def fetch_stats(bootstrap_url: str) -> list:
     """Every registered prefill worker's StatsReply."""
-    from pdkv.bootstrap.client import BootstrapClient
+    from pdkv.bootstrap import BootstrapClient
     from pdkv.wire import query_stats
 
     with BootstrapClient(bootstrap_url, timeout=2.0, retries=1) as bs:

@@ -61,7 +61,7 @@ class Deployment:
 
 @pytest.fixture(scope="module")
 def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    from pdkv.bootstrap.server import start_background
+    from pdkv.bootstrap import start_background
     from pdkv.proxy.config import PrefillSpec, ProxyConfig
     from pdkv.proxy.server import BackgroundProxy
 

@@ -20,7 +20,7 @@ def _decode(conn, bootstrap_url: str) -> None:
     from support.kv_pair import wait_results
 
     from pdkv.connector.receiver import KVReceiver, PullSpec
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
     device = 1 if torch.cuda.device_count() > 1 else 0
@@ -45,9 +45,9 @@ def test_p_pushes_over_cuda_ipc_into_a_decode_process(when):
     from support.kv_pair import register, settle, wait_freed, wait_parked
     from support.waiting import wait_for
 
-    from pdkv.bootstrap.server import start_background
+    from pdkv.bootstrap import start_background
     from pdkv.connector.sender import KVSender
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
     if not torch.cuda.is_available():

@@ -42,9 +42,9 @@ def test_ipc_write_lands_exactly_and_refuses_out_of_range():
     import torch
 
     from pdkv.errors import TransferError
-    from pdkv.transport.base import Descriptor, Region
+    from pdkv.transport import Descriptor, plan_descriptors
     from pdkv.transport.cuda_ipc import CudaIpcTransport
-    from pdkv.transport.descriptors import plan_descriptors
+    from pdkv.wire import Region
 
     p_dev, d_dev = _devices()
     ctx = mp.get_context("spawn")
@@ -156,7 +156,7 @@ def test_ipc_writes_into_vmm_memory_shared_by_file_descriptor():
     import torch
 
     from pdkv.errors import TransferError
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
     p_dev, d_dev = _devices()

@@ -54,7 +54,7 @@ def _prefill_side(t, device: int, gen):
     """P's KV: LAYERS random layers on `device`, registered with transport `t`; (tensors, their regions)."""
     import torch
 
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
 
     src = [torch.randint(0, 256, (P_BLOCKS * BLOCK_LEN,), dtype=torch.uint8, generator=gen).to(f"cuda:{device}")
            for _ in range(LAYERS)]
@@ -66,7 +66,7 @@ def _prefill_side(t, device: int, gen):
 def test_32_concurrent_transfers_each_land_in_their_own_blocks():
     import torch
 
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
     if not torch.cuda.is_available():
@@ -130,7 +130,7 @@ def test_a_decode_killed_mid_run_fails_its_writes_at_once_and_the_other_decode_i
     import torch
 
     from pdkv.errors import TransferError
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.cuda_ipc import CudaIpcTransport
 
     if not torch.cuda.is_available():

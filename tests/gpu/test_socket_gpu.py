@@ -27,9 +27,9 @@ def _torch():
 def _decode_side(conn, dst: str) -> None:
     import torch
 
-    from pdkv.transport.base import Region
-    from pdkv.transport.descriptors import block_spans
+    from pdkv.transport import block_spans
     from pdkv.transport.sockets import SocketTransport
+    from pdkv.wire import Region
 
     gpu = int(dst[5:]) if dst.startswith("cuda:") else None
     kv = [torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device=dst) for _ in range(LAYERS)]
@@ -75,7 +75,7 @@ def test_gpu_memory_lands_exactly_through_the_staging(src: str, dst: str) -> Non
     if "cuda:1" in (src, dst) and torch.cuda.device_count() < 2:
         pytest.skip("one GPU only")
     from pdkv.errors import TransferError
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.sockets import SocketTransport
 
     d = _Decode(dst)
@@ -107,7 +107,7 @@ def test_a_gpu_write_to_a_killed_decode_fails_at_once_and_the_next_decode_is_ser
     transport then serves a new D."""
     torch = _torch()
     from pdkv.errors import TransferError
-    from pdkv.transport.base import Region
+    from pdkv.wire import Region
     from pdkv.transport.sockets import SocketTransport
 
     kv = [torch.ones(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device="cuda:0") for _ in range(LAYERS)]

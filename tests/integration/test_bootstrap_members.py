@@ -8,10 +8,9 @@ import time
 import httpx
 import pytest
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.members import MemberRecord
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.errors import RemoteError
+from pdkv.wire import MemberRecord
 
 NO_SWEEP = ProbePolicy(timeout=0.3, interval=0)
 P = {"member_id": "eng-p", "role": "prefill", "url": "http://198.18.0.2:8100", "bootstrap_url": "http://198.18.0.2:8998",

@@ -15,8 +15,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pdkv.bootstrap.client import AsyncBootstrapClient, BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import AsyncBootstrapClient, BootstrapClient, ProbePolicy, start_background
 from pdkv.errors import RegistryConflict, RemoteError, UnreachableError
 from pdkv.wire import EngineEntry, RegisterRequest
 from pdkv.service import BackgroundService

@@ -26,8 +26,7 @@ from support.proxy_stubs import REQUEST, Deployment
 
 from pdkv.auth import FrameSealer, new_binding
 from pdkv.bench.control import BenchTarget, Checksum, Refill, Setup, TargetClient
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.connector.receiver import PullSpec
 from pdkv.connector.send_table import Phase
 from pdkv.wire import Announce, PullReply, PullRequest, RegisterRequest, Release, StatsQuery, StatsReply, TraceReport, decode_reply, encode

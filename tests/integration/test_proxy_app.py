@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pdkv.auth import binding_matches
-from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap import BootstrapClient
 from pdkv.wire import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy

@@ -10,7 +10,7 @@ import sys
 
 import httpx
 
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import ProbePolicy, start_background
 from pdkv.wire import RegisterRequest
 
 from support.proxy_stubs import REQUEST, Stub

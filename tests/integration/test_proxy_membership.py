@@ -11,10 +11,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.members import MemberRecord
-from pdkv.bootstrap.server import ProbePolicy, start_background
-from pdkv.wire import RegisterRequest
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
+from pdkv.wire import MemberRecord, RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 from support.proxy_stubs import REQUEST, Stub

@@ -8,12 +8,10 @@ import time
 
 import pytest
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.members import MemberRecord
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.connector.registration import StandingRegistration
 from pdkv.errors import StartError
-from pdkv.wire import RegisterRequest
+from pdkv.wire import MemberRecord, RegisterRequest
 
 REQ = RegisterRequest(engine_id="engine-p", dp_rank=0, tp_rank=0, pp_rank=0, addr="tcp://127.0.0.1:5555")
 REGISTER = lambda bs: bs.register(REQ)  # noqa: E731

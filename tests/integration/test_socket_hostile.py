@@ -13,7 +13,7 @@ import pytest
 from support.waiting import wait_for
 
 from pdkv.errors import TransferError
-from pdkv.transport.base import Descriptor
+from pdkv.transport import Descriptor
 from pdkv.transport.sockets import SocketTransport, wire
 from pdkv.transport.sockets.lanes import dial, parse_session
 

@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 from pdkv.errors import StartError, TransferError
-from pdkv.transport import open_transport
-from pdkv.transport.base import Descriptor, Region, Transport
+from pdkv.transport import Descriptor, Transport, open_transport, plan_descriptors
 from pdkv.transport.cma import IOV_MAX, CmaTransport, parse_session, process_start_time
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.wire import Region
 
 BL = 4096
 LAYERS, BLOCKS = 3, 8

@@ -16,10 +16,9 @@ import numpy as np
 import pytest
 
 from pdkv.errors import StartError, TransferError, UsageError
-from pdkv.transport import open_transport
-from pdkv.transport.base import Descriptor, Region, Transport
-from pdkv.transport.mooncake import MooncakeTransport, check_protocol, link_gbps_of
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.transport import Descriptor, Transport, check_mooncake_transport, link_gbps_of, open_transport, plan_descriptors
+from pdkv.transport.mooncake import MooncakeTransport
+from pdkv.wire import Region
 
 pytest.importorskip("mooncake")
 
@@ -211,9 +210,9 @@ def test_rdma_device_names_are_checked_against_sysfs(tmp_path):
     port = tmp_path / "mlx5_0" / "ports" / "1"
     port.mkdir(parents=True)
     (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
-    check_protocol("rdma", "mlx5_0", tmp_path)
+    check_mooncake_transport("rdma", "mlx5_0", tmp_path)
     with pytest.raises(StartError, match="mlx5_9 not found"):
-        check_protocol("rdma", "mlx5_0,mlx5_9", tmp_path)
+        check_mooncake_transport("rdma", "mlx5_0,mlx5_9", tmp_path)
     assert link_gbps_of("mlx5_0", tmp_path) == 400.0
     assert link_gbps_of("mlx5_1", tmp_path) is None
 

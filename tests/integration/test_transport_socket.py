@@ -19,10 +19,9 @@ import pytest
 from support.waiting import wait_for
 
 from pdkv.errors import TransferError
-from pdkv.transport import open_transport
-from pdkv.transport.base import Descriptor, Region, Transport
-from pdkv.transport.descriptors import block_spans
+from pdkv.transport import Descriptor, Transport, block_spans, open_transport
 from pdkv.transport.sockets import SocketTransport, wire
+from pdkv.wire import Region
 
 BL = 64 * 1024
 LAYERS, BLOCKS = 3, 64

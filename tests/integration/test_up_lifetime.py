@@ -29,7 +29,7 @@ from support.proxy_stubs import Stub
 from support.up_events import UpEvents
 from support.waiting import wait_for, waited_for
 
-from pdkv.bootstrap.client import BootstrapClient
+from pdkv.bootstrap import BootstrapClient
 from pdkv.deploy.engine import Launch
 from pdkv.deploy.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
 from pdkv.deploy.lifeline import WATCHDOG_BOUND_S, Lifeline

@@ -24,6 +24,7 @@ VLLM_034 = Path(os.environ.get("PDKV_VLLM_034") or Path.home() / ".cache" / "pdk
 # Loads the connector against whatever `vllm` imports first, then drives its results hooks with a worker
 # that reports one sent request, one received, one failed pull with blocks and one D stopped waiting for.
 PROBE = r"""
+import importlib
 import json
 import logging
 import vllm
@@ -54,6 +55,8 @@ out = {
     "abstract": sorted(vc.PdkvConnector.__abstractmethods__),
     "layout": vc.PdkvConnector.get_required_kvcache_layout(None),
     "has_transfer_results": vc.KVConnectorTransferResults is not None,
+    # as vLLM finds it through kv_connector_module_path: the package's surface, on first use
+    "by_module_path": getattr(importlib.import_module("pdkv.connector"), "PdkvConnector") is vc.PdkvConnector,
 }
 c = connector()
 sent, recv = c.get_finished(set())
@@ -112,7 +115,7 @@ def _probe(extra_path: Path | None, tmp_path: Path) -> dict:
 
 def test_connector_loads_against_the_installed_vllm(tmp_path):
     out = _probe(None, tmp_path)
-    assert out["subclass"] and out["abstract"] == []
+    assert out["subclass"] and out["abstract"] == [] and out["by_module_path"]
     assert out["layout"] == "LBHNC" and out["has_transfer_results"]
     # failures travel beside the completions; only the pull with blocks names load errors
     assert out["get_transfer_results"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], ["d-gone"], [4, 5]]

@@ -41,8 +41,10 @@ def module_name(path: Path, root: Path) -> str:
 
 def import_graph(package: Path) -> dict[str, set[str]]:
     """Module -> the modules of `package` its imports name, wherever they stand in it (`from a import b` names
-    a.b when that is a module and not a name a's `__all__` lists, else a). The package's parent is the root its
-    module names start from."""
+    a.b when that is a module and not a name a's `__all__` lists, else a). A name a package imports on first use
+    (PEP 562) is one its `__all__` lists, so importing it names the package, and the package's `__getattr__`
+    names the module it comes from (an import inside a function, which counts as every import does). The
+    package's parent is the root its module names start from."""
     root = package.parent
     modules = {module_name(p, root): p for p in package.rglob("*.py")}
     surface = {name: public_names(path) for name, path in modules.items() if path.name == "__init__.py"}

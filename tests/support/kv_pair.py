@@ -23,14 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import start_background
+from pdkv.bootstrap import BootstrapClient, start_background
 from pdkv.connector.receiver import KVReceiver, PullSpec, Results
 from pdkv.connector.send_table import Phase, SendLimits
 from pdkv.connector.sender import KVSender
-from pdkv.wire import RegisterRequest
+from pdkv.wire import Region, RegisterRequest
 from pdkv.transport import open_transport
-from pdkv.transport.base import Region
 from support.waiting import wait_for, waited_for
 
 LAYERS = 3

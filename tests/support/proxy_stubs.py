@@ -11,8 +11,7 @@ import httpx
 import msgspec
 from aiohttp import web
 
-from pdkv.bootstrap.client import BootstrapClient
-from pdkv.bootstrap.server import ProbePolicy, start_background
+from pdkv.bootstrap import BootstrapClient, ProbePolicy, start_background
 from pdkv.wire import RegisterRequest
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy

@@ -17,8 +17,8 @@ from pdkv.bench.layout import (
 from pdkv.bench.runner import BenchSpec, link_rate
 from pdkv.errors import UsageError
 from pdkv.geometry import dense_geometry, size_transfer
-from pdkv.transport.base import Region
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.transport import plan_descriptors
+from pdkv.wire import Region
 
 QWEN3_8B = dense_geometry(36, 8, 128, "bfloat16")
 

@@ -6,7 +6,7 @@ import pytest
 
 from pdkv.connector.layout import TensorInfo, kv_layout_for, regions_for_layer
 from pdkv.errors import UnsupportedModelError
-from pdkv.transport.base import Region
+from pdkv.wire import Region
 
 VLLM_032_LAYOUTS = frozenset({"LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC"})
 VLLM_026_LAYOUTS = frozenset({"NHD", "HND"})

@@ -13,7 +13,7 @@ import pytest
 from pdkv.connector.layout import TensorInfo, memory_ranges, refusal, regions_for_caches, regions_for_layer
 from pdkv.connector.scheduler import ConnectorScheduler
 from pdkv.errors import UnsupportedModelError
-from pdkv.transport.base import Region
+from pdkv.wire import Region
 
 
 class Status(Enum):

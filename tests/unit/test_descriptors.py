@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.transport.base import Descriptor, Region
-from pdkv.transport.descriptors import block_runs, plan_descriptors
+from pdkv.transport import Descriptor, plan_descriptors
+from pdkv.transport.descriptors import block_runs
+from pdkv.wire import Region
 
 BL = 64 * 1024  # Qwen3-8B: one layer, one 16-token block
 

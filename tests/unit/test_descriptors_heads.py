@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.transport.base import Region
 from pdkv.tp_heads import HeadShare, check_tp_pair, head_shares, pullers, rank_heads
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.transport import plan_descriptors
+from pdkv.wire import Region
 
 UNIT = 48  # bytes of one head in one block (K and V of it), small so the bytes are checkable
 

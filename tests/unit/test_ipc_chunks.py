@@ -6,9 +6,9 @@ import msgspec
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.transport.base import Descriptor, Region
-from pdkv.transport.cuda_ipc import IpcAllocation, IpcExport, IpcRegion, SpanMap, plan_chunks
-from pdkv.transport.descriptors import plan_descriptors
+from pdkv.transport import Descriptor, plan_descriptors
+from pdkv.transport.ipc_chunks import SpanMap, plan_chunks
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion, Region
 
 KIB = 1024
 

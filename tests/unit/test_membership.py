@@ -5,8 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from pdkv.bootstrap.members import MemberRecord, MemberTable
+from pdkv.bootstrap.members import MemberTable
 from pdkv.proxy.membership import compatible, group, unmatched
+from pdkv.wire import MemberRecord
 
 KEY = {"model": "tiny", "block_size": 32, "tp_size": 1, "transport": "tcp"}
 

@@ -7,6 +7,6 @@ memory and a socket (host memory in place, GPU memory staged); `listener` is D's
 
 from __future__ import annotations
 
-from pdkv.transport.sockets.transport import DEFAULT_BUFFER_BYTES, MAX_CONNECTIONS, SocketTransport, default_connections
+from pdkv.transport.sockets.transport import MAX_CONNECTIONS, SocketTransport
 
-__all__ = ["DEFAULT_BUFFER_BYTES", "MAX_CONNECTIONS", "SocketTransport", "default_connections"]
+__all__ = ["MAX_CONNECTIONS", "SocketTransport"]
