@@ -1,8 +1,8 @@
-"""Pieces of the parts' command lines that `pdkv up` (pdkv.deploy.topology) and `pdkv k8s render` (pdkv.k8s) share. Pure."""
+"""Pieces of the parts' command lines that `pdkv up` (pdkv.deploy.plan.topology) and `pdkv k8s render` (pdkv.k8s) share. Pure."""
 
 from __future__ import annotations
 
-from pdkv.deploy.schema import AutoscaleEntry, Deployment
+from pdkv.deploy.plan.schema import AutoscaleEntry, Deployment
 from pdkv.errors import ConfigError
 
 

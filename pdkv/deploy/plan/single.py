@@ -7,10 +7,10 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.engine import EngineSpec, engine_launch, http_url, joining
-from pdkv.deploy.ports import ANY_ADDRESS, PortUse
-from pdkv.deploy.schema import Deployment
-from pdkv.deploy.topology import Part
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch, http_url, joining
+from pdkv.deploy.plan.ports import ANY_ADDRESS, PortUse
+from pdkv.deploy.plan.schema import Deployment
+from pdkv.deploy.plan.topology import Part
 from pdkv.errors import UsageError
 
 

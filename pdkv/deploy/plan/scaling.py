@@ -3,10 +3,10 @@ start or drain for a desired count, and how long a scale step that failed waits 
 
 Slot k of a role is the engine named `prefill-k` / `decode-k`: the tables the
 file lists are slots 0..n-1; an added engine takes the next slot, with the
-role's first table's settings, the ports pdkv.deploy.ports reserved for that
+role's first table's settings, the ports pdkv.deploy.plan.ports reserved for that
 slot (its HTTP port, KV events, side channel and, for a prefill with a
 standalone bootstrap, a bootstrap server of its own), and its cores or GPUs
-from `[autoscale.ROLE]` (pdkv.deploy.schema.RoleBounds). Every engine joins
+from `[autoscale.ROLE]` (pdkv.deploy.plan.schema.RoleBounds). Every engine joins
 the first prefill's members registry, as the listed ones do, so the proxy
 routes to it without a restart.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import msgspec
 
-from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.ports import EngineSlot, PortAllocation, Role
-from pdkv.deploy.schema import Deployment, EngineEntry
-from pdkv.deploy.topology import Part, slot_parts
+from pdkv.deploy.plan.engine import parse_cores
+from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, Role
+from pdkv.deploy.plan.schema import Deployment, EngineEntry
+from pdkv.deploy.plan.topology import Part, slot_parts
 from pdkv.errors import ConfigError
 from pdkv.planner import load_profile
 
@@ -55,7 +55,7 @@ def autoscaled(dep: Deployment, file: str | Path) -> tuple[Deployment, list[str]
 
 def added_entry(dep: Deployment, role: Role, added: int, busy_cores: dict[int, int]) -> EngineEntry:
     """The table of the role's `added`-th added engine (0: the first beyond the file's): the role's first table
-    with its own cores (CPU) or GPUs; its ports are its slot's (pdkv.deploy.ports). `busy_cores`: engines bound
+    with its own cores (CPU) or GPUs; its ports are its slot's (pdkv.deploy.plan.ports). `busy_cores`: engines bound
     to each core now."""
     assert dep.autoscale is not None
     template = (dep.prefill if role == "prefill" else dep.decode)[0]
@@ -81,7 +81,7 @@ def least_bound_cores(busy: dict[int, int], want: int) -> str:
 
 
 def added_slot_parts(dep: Deployment, ports: PortAllocation, role: Role, index: int, entry: EngineEntry) -> list[Part]:
-    """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.ports):
+    """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.plan.ports):
     [bootstrap, prefill] (standalone bootstrap) or [engine]. ConfigError for a slot past the role's max."""
     name = f"{role}-{index}"
     if name not in ports.slots:

@@ -1,8 +1,8 @@
 """The launch of every part of a deployment (pure, but for asking which address is routable): from a
-`Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
+`Deployment` (pdkv.deploy.plan.schema) to its `Part`s, and the built-in local 1P1D.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
-Every port comes from pdkv.deploy.ports, the one allocator (the engines
+Every port comes from pdkv.deploy.plan.ports, the one allocator (the engines
 `[autoscale]` may add have theirs there too). Each prefill gets its own bootstrap: vLLM's registry holds one engine per
 DP rank, so two prefills sharing one would refuse each other.
 """
@@ -15,8 +15,8 @@ from typing import Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
-from pdkv.deploy.engine import (
+from pdkv.deploy.plan.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
+from pdkv.deploy.plan.engine import (
     Connector,
     EngineSpec,
     Launch,
@@ -27,11 +27,10 @@ from pdkv.deploy.engine import (
     joining,
     kv_events_endpoints,
 )
-from pdkv.deploy.fleet import host_address
-from pdkv.deploy.machine import rdma_devices
-from pdkv.deploy.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
-from pdkv.deploy.restart import RestartMode
-from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
+from pdkv.deploy.plan.fleet import host_address
+from pdkv.deploy.plan.machine import rdma_devices
+from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
+from pdkv.deploy.plan.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode
 from pdkv.peer_address import advertised_address
 from pdkv.tinymodel import tiny_model_path
 from pdkv.transport import TransportName
@@ -50,7 +49,7 @@ class Part(msgspec.Struct, frozen=True):
 
     kind: PartKind
     launch: Launch
-    ports: list[PortUse]  # its HTTP port first (pdkv.deploy.ports)
+    ports: list[PortUse]  # its HTTP port first (pdkv.deploy.plan.ports)
     bootstrap_url: str | None = None
     spec: EngineSpec | None = None
     restart: RestartMode = "on-failure"
@@ -222,8 +221,8 @@ def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortAllocation) -> list
 
 def deployment_parts(dep: Deployment) -> list[Part]:
     """Every process of `dep` (bootstraps, prefills, decodes, proxy: the order they start in), with its exact
-    command and environment, on the ports pdkv.deploy.ports gives it. The engines `[autoscale]` may add are not
-    among them (pdkv.deploy.scaling starts them)."""
+    command and environment, on the ports pdkv.deploy.plan.ports gives it. The engines `[autoscale]` may add are not
+    among them (pdkv.deploy.plan.scaling starts them)."""
     check_one_instance_per_table(dep)
     ports = allocate_ports(dep)
     listed = [slot_parts(dep, s, ports) for s in engine_slots(dep) if not s.added]
@@ -247,7 +246,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 host = p.launch.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
                 argv += ["--kv-events", f"{p.launch.url}={pub},{replay}"]
-        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.autoscale)
+        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.run.autoscale)
             argv += planner_args(dep.autoscale)
         proxy_at = host_address(dep, dep.proxy.host) or connect_host(dep.host)
         launch = Launch(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))

@@ -3,7 +3,7 @@
 `engine_launch(spec)` turns an `EngineSpec` into the exact argv and the
 environment variables pdkv sets (`Launch`), with no I/O beyond asking
 which vLLM launcher works and which address is routable. What runs it is
-`pdkv.deploy.process.ManagedProcess`.
+`pdkv.deploy.run.process.ManagedProcess`.
 """
 
 from __future__ import annotations
