@@ -26,7 +26,7 @@ from support.proxy_stubs import PlannerStub
 
 from pdkv.deploy import RestartPolicy, Supervisor, deployment_parts
 from pdkv.deploy.run.autoscale import Autoscaler, ScaleEvent
-from pdkv.deploy.plan.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 from pdkv.deploy.plan.loader import deployment_from_dict
 from pdkv.deploy.plan.scaling import RetryBackoff
 from pdkv.deploy.plan.topology import Part

@@ -16,7 +16,7 @@ import pytest
 
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
-from pdkv.deploy.plan.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 from support.ports import free_port
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.

@@ -30,7 +30,7 @@ from support.up_events import UpEvents
 from support.waiting import wait_for, waited_for
 
 from pdkv.bootstrap.client import BootstrapClient
-from pdkv.deploy.plan.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 from pdkv.deploy.run.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
 from pdkv.deploy.run.lifeline import WATCHDOG_BOUND_S, Lifeline
 from pdkv.deploy.run.preflight import port_free
@@ -374,7 +374,7 @@ def test_a_part_the_autoscaler_adds_dies_with_pdkv_up(tmp_path: Path) -> None:
     port = free_port()
     driver = textwrap.dedent(f"""
         import sys, time
-        from pdkv.deploy.plan.engine import Launch
+        from pdkv.deploy.plan.launch import Launch
         from pdkv.deploy.plan.ports import PortUse
         from pdkv.deploy.run import PartsRun
         from pdkv.deploy.plan.topology import Part

@@ -11,7 +11,8 @@ import pytest
 from pdkv.deploy import deployment_parts
 from pdkv.deploy.plan.loader import deployment_from_dict
 from pdkv.deploy.plan.ports import allocate_ports
-from pdkv.deploy.plan.scaling import RetryBackoff, added_entry, added_slot_parts, autoscaled, least_bound_cores, scale_steps
+from pdkv.deploy.plan.cores import least_bound_cores
+from pdkv.deploy.plan.scaling import RetryBackoff, added_entry, added_slot_parts, autoscaled, scale_steps
 from pdkv.errors import ConfigError
 from pdkv.proxy.config import PlannerConfig, build_config, planner_values
 from support.planner_profiles import write_profile

@@ -13,15 +13,14 @@ import pytest
 from pdkv.deploy.plan.engine import (
     API_SERVER_MODULE,
     EngineSpec,
-    bootstrap_address,
     engine_argv,
     engine_env,
     engine_launch,
-    http_url,
     kv_transfer_config,
-    parse_cores,
     vllm_console_script_works,
 )
+from pdkv.deploy.plan.cores import parse_cores
+from pdkv.deploy.plan.launch import bootstrap_address, http_url
 from pdkv.errors import StartError, UsageError
 from pdkv.peer_address import advertised_address
 

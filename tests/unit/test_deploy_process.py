@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from pdkv.errors import StartError
-from pdkv.deploy.plan.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 from pdkv.deploy.run.process import ManagedProcess
 from support.waiting import wait_for
 

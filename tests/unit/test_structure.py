@@ -47,7 +47,7 @@ SURFACE_HOMES = {
     "pdkv.proxy.app": "serves the proxy's routes",
     "pdkv.k8s.pods": "a pod's probe path",
     "pdkv.k8s.monitors": "a scrape path in a PodMonitor",
-    "pdkv.deploy.plan.engine": "a part's health path, which `pdkv up` probes while it starts (pdkv.deploy.run.process)",
+    "pdkv.deploy.plan.launch": "a part's health path, which `pdkv up` probes while it starts (pdkv.deploy.run.process)",
 }
 SURFACE_ROUTE = re.compile(r"^/(health|metrics|tokenize|query|register|deregister)([/?]|$)|^/pdkv/")
 HTTP_CLIENT_LIBS = ("httpx", "requests", "urllib.request", "http.client", "aiohttp.client")

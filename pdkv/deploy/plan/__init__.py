@@ -6,7 +6,9 @@ nothing here imports pdkv.deploy.run (which starts what the plan says).
 - `loader`: `load_deployment`, a file read and validated;
 - `fleet`: the `[[hosts]]` of a file across several hosts, and which of them this `pdkv up` starts;
 - `machine`: what this machine has (GPUs, RDMA devices, NUMA nodes, addresses);
+- `launch`: `Launch`, what starts a part (command, environment, cores) and the URL it is reached at;
 - `engine`: `EngineSpec` -> `Launch`, one vLLM engine's exact command and environment;
+- `cores`: the one home of the CPU cores each engine is bound to (read, split over ranks, allocated);
 - `ports`: the one allocator of every port a file's parts (and the engines `[autoscale]` may add) bind;
 - `topology`: `deployment_parts` (every part's launch, in start order) and the local 1P1D;
 - `single`: one engine by role (`pdkv up --role`), the local 1P1D's core split;
@@ -18,8 +20,10 @@ nothing here imports pdkv.deploy.run (which starts what the plan says).
 """
 
 from pdkv.deploy.plan.args import bootstrap_args, proxy_args
-from pdkv.deploy.plan.engine import EngineSpec, Launch, engine_argv, engine_launch, http_url, parse_cores
+from pdkv.deploy.plan.cores import parse_cores
+from pdkv.deploy.plan.engine import EngineSpec, engine_argv, engine_launch
 from pdkv.deploy.plan.exposure import exposure_warnings
+from pdkv.deploy.plan.launch import Launch, http_url
 from pdkv.deploy.plan.loader import deployment_from_dict, load_deployment
 from pdkv.deploy.plan.machine import gpu_count, local_addresses, numa_nodes, rdma_devices
 from pdkv.deploy.plan.ports import PortUse, Role, allocate_ports, distinct_per_host

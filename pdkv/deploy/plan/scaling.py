@@ -13,12 +13,11 @@ routes to it without a restart.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
-from pdkv.deploy.plan.engine import parse_cores
+from pdkv.deploy.plan.cores import least_bound_cores, parse_cores
 from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, Role
 from pdkv.deploy.plan.schema import Deployment, EngineEntry
 from pdkv.deploy.plan.topology import Part, slot_parts
@@ -70,14 +69,6 @@ def added_entry(dep: Deployment, role: Role, added: int, busy_cores: dict[int, i
         raise ConfigError(f"[autoscale.{role}] needs gpu = [...] naming each added engine's GPUs",
                           hint='e.g. gpu = ["1", "2"]: an added engine on the first table\'s GPU would not fit beside it')
     return msgspec.structs.replace(entry, gpu=bounds.gpu[added % len(bounds.gpu)])
-
-
-def least_bound_cores(busy: dict[int, int], want: int) -> str:
-    """`want` cores of this host with the fewest engines bound to them (the higher-numbered first on a tie: core
-    0 takes the system's own work), as an omp_bind value."""
-    cores = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
-    chosen = sorted(sorted(cores, key=lambda c: (busy.get(c, 0), -c))[: max(1, want)])
-    return ",".join(map(str, chosen))
 
 
 def added_slot_parts(dep: Deployment, ports: PortAllocation, role: Role, index: int, entry: EngineEntry) -> list[Part]:

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import msgspec
 
-from pdkv.deploy.plan.engine import EngineSpec, engine_launch, http_url, joining
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch, joining
+from pdkv.deploy.plan.launch import http_url
 from pdkv.deploy.plan.ports import ANY_ADDRESS, PortUse
 from pdkv.deploy.plan.schema import Deployment
 from pdkv.deploy.plan.topology import Part
 from pdkv.errors import UsageError
-
-
-def split_cores() -> tuple[str, str]:
-    """The local 1P1D's cores: the first half for P, the rest for D (one core: both on it)."""
-    n = os.cpu_count() or 2
-    if n < 2:
-        return "0", "0"
-    half = n // 2
-    one = lambda a, b: str(a) if a == b else f"{a}-{b}"  # noqa: E731
-    return one(0, half - 1), one(half, n - 1)
 
 
 def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Part], list[str]]:

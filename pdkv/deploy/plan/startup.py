@@ -15,12 +15,13 @@ from pathlib import Path
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.plan.cores import split_cores
 from pdkv.deploy.plan.fleet import chosen_hosts
 from pdkv.deploy.plan.loader import load_deployment
 from pdkv.deploy.plan.machine import gpu_count, local_addresses
 from pdkv.deploy.plan.scaling import autoscaled
 from pdkv.deploy.plan.schema import Deployment
-from pdkv.deploy.plan.single import role_parts, split_cores, with_cores, with_extra
+from pdkv.deploy.plan.single import role_parts, with_cores, with_extra
 from pdkv.deploy.plan.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment
 from pdkv.deploy.plan.vllm_logging import with_vllm_logging
 from pdkv.errors import UsageError

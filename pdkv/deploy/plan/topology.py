@@ -16,18 +16,9 @@ import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
 from pdkv.deploy.plan.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
-from pdkv.deploy.plan.engine import (
-    Connector,
-    EngineSpec,
-    Launch,
-    bootstrap_address,
-    connect_host,
-    engine_launch,
-    http_url,
-    joining,
-    kv_events_endpoints,
-)
+from pdkv.deploy.plan.engine import Connector, EngineSpec, engine_launch, joining, kv_events_endpoints
 from pdkv.deploy.plan.fleet import host_address
+from pdkv.deploy.plan.launch import Launch, bootstrap_address, connect_host, http_url
 from pdkv.deploy.plan.machine import rdma_devices
 from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
 from pdkv.deploy.plan.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode

@@ -1,6 +1,6 @@
 """A supervised child process: its own process group, a log file, a health URL, a bounded stop.
 
-`ManagedProcess(launch, log)` starts `launch.argv` (a `pdkv.deploy.plan.engine.Launch`)
+`ManagedProcess(launch, log)` starts `launch.argv` (a `pdkv.deploy.plan.launch.Launch`)
 in its own process group, logs it to a file (and optionally line by line to
 a callback), binds it to the launch's cores, waits for its HTTP health
 endpoint with a bound, and stops the whole group (SIGTERM to the process,
