@@ -1,5 +1,5 @@
 """What `pdkv up -f` with [autoscale] plans beyond the file (pdkv.deploy.plan.scaling) and the proxy flags it hands the
-planner (pdkv.deploy.plan.args.planner_args, pdkv.proxy.config.planner_values): pure."""
+planner (pdkv.deploy.plan.topology.planner_args, pdkv.proxy.config.planner_values): pure."""
 
 from __future__ import annotations
 

@@ -10,16 +10,14 @@ nothing here imports pdkv.deploy.run (which starts what the plan says).
 - `engine`: `EngineSpec` -> `Launch`, one vLLM engine's exact command and environment;
 - `cores`: the one home of the CPU cores each engine is bound to (read, split over ranks, allocated);
 - `ports`: the one allocator of every port a file's parts (and the engines `[autoscale]` may add) bind;
-- `topology`: `deployment_parts` (every part's launch, in start order) and the local 1P1D;
-- `single`: one engine by role (`pdkv up --role`), the local 1P1D's core split;
-- `args`: pieces of the parts' command lines that `pdkv up` and `pdkv k8s render` share;
+- `topology`: `deployment_parts` (every part's launch, in start order), the local 1P1D, one engine by role
+  (`pdkv up --role`), and the bootstrap's and proxy's command lines (`pdkv k8s render` shares them);
 - `scaling`: what an autoscaled deployment runs beyond its file;
 - `exposure`: the parts reachable beyond loopback without a deployment key;
 - `vllm_logging`: the engines' logging configuration;
 - `startup`: `resolve`, `pdkv up`'s options to the `Startup` this host starts.
 """
 
-from pdkv.deploy.plan.args import bootstrap_args, proxy_args
 from pdkv.deploy.plan.cores import parse_cores
 from pdkv.deploy.plan.engine import EngineSpec, engine_argv, engine_launch
 from pdkv.deploy.plan.exposure import exposure_warnings
@@ -39,7 +37,16 @@ from pdkv.deploy.plan.schema import (
     RoleBounds,
 )
 from pdkv.deploy.plan.startup import Startup, UpOptions, resolve
-from pdkv.deploy.plan.topology import CPU_BLOCK_MULTIPLE, Part, deployment_parts, engine_spec, external_bootstraps, local_deployment
+from pdkv.deploy.plan.topology import (
+    CPU_BLOCK_MULTIPLE,
+    Part,
+    bootstrap_args,
+    deployment_parts,
+    engine_spec,
+    external_bootstraps,
+    local_deployment,
+    proxy_args,
+)
 from pdkv.deploy.plan.vllm_logging import with_vllm_logging, write_logging_config
 
 __all__ = [

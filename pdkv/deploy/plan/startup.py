@@ -21,8 +21,7 @@ from pdkv.deploy.plan.loader import load_deployment
 from pdkv.deploy.plan.machine import gpu_count, local_addresses
 from pdkv.deploy.plan.scaling import autoscaled
 from pdkv.deploy.plan.schema import Deployment
-from pdkv.deploy.plan.single import role_parts, with_cores, with_extra
-from pdkv.deploy.plan.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment
+from pdkv.deploy.plan.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment, role_parts
 from pdkv.deploy.plan.vllm_logging import with_vllm_logging
 from pdkv.errors import UsageError
 from pdkv.tinymodel import tiny_model_path
@@ -90,6 +89,18 @@ def _check_options(o: UpOptions, gpus: int) -> None:
     if o.transport == "cma" and (o.platform == "gpu" or (o.platform is None and gpus)):
         raise UsageError("--transport cma moves KV in host memory, and these engines keep it on a GPU",
                          hint="use --transport ipc between GPUs of this host")
+
+
+def with_cores(dep: Deployment, p_cores: str, d_cores: str) -> Deployment:
+    """`dep` with every prefill bound to `p_cores` and every decode to `d_cores` (the local 1P1D on CPU)."""
+    prefill = [msgspec.structs.replace(e, omp_bind=p_cores) for e in dep.prefill]
+    decode = [msgspec.structs.replace(e, omp_bind=d_cores) for e in dep.decode]
+    return msgspec.structs.replace(dep, prefill=prefill, decode=decode)
+
+
+def with_extra(dep: Deployment, extra: list[str]) -> Deployment:
+    """`dep` with `extra` (`pdkv up`'s arguments after --) after every engine's vLLM arguments."""
+    return msgspec.structs.replace(dep, extra_args=[*dep.extra_args, *extra])
 
 
 def select_parts(parts: Sequence[Part], hosts: set[str] | None) -> list[Part]:

@@ -1,5 +1,8 @@
 """The launch of every part of a deployment (pure, but for asking which address is routable): from a
-`Deployment` (pdkv.deploy.plan.schema) to its `Part`s, and the built-in local 1P1D.
+`Deployment` (pdkv.deploy.plan.schema) to its `Part`s, the built-in local 1P1D, and the one engine `pdkv up
+--role` starts from flags. The bootstrap server's and the proxy's command lines are built here too
+(`bootstrap_args`, `proxy_args`: `pdkv k8s render` uses them as well); an engine's comes from
+pdkv.deploy.plan.engine.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
 Every port comes from pdkv.deploy.plan.ports, the one allocator (the engines
@@ -10,18 +13,18 @@ DP rank, so two prefills sharing one would refuse each other.
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.plan.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
 from pdkv.deploy.plan.engine import Connector, EngineSpec, engine_launch, joining, kv_events_endpoints
 from pdkv.deploy.plan.fleet import host_address
 from pdkv.deploy.plan.launch import Launch, bootstrap_address, connect_host, http_url
 from pdkv.deploy.plan.machine import rdma_devices
-from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
-from pdkv.deploy.plan.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode
+from pdkv.deploy.plan.ports import ANY_ADDRESS, EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
+from pdkv.deploy.plan.schema import AutoscaleEntry, BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode
+from pdkv.errors import ConfigError, UsageError
 from pdkv.peer_address import advertised_address
 from pdkv.tinymodel import tiny_model_path
 from pdkv.transport import TransportName
@@ -101,6 +104,41 @@ def local_deployment(
 
 def _pdkv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdkv", *args]
+
+
+def bootstrap_args(host: str, port: int) -> list[str]:
+    """`pdkv bootstrap`'s arguments for a standalone server (here and in Kubernetes, pdkv.k8s)."""
+    return ["bootstrap", "--host", host, "--port", str(port)]
+
+
+def proxy_args(dep: Deployment, host: str) -> list[str]:
+    """`pdkv proxy`'s arguments before its backends (--prefill/--decode, or --members) and the file's extra_args."""
+    assert dep.proxy is not None
+    argv = ["proxy", "--host", host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+    if dep.proxy.policy is not None:
+        argv += ["--policy", dep.proxy.policy]
+    if dep.proxy.local_prefill_tokens is not None:
+        argv += ["--local-prefill-tokens", str(dep.proxy.local_prefill_tokens)]
+    return argv
+
+
+def planner_args(a: AutoscaleEntry) -> list[str]:
+    """`pdkv proxy`'s flags that run the planner's signal with `[autoscale]`'s targets, bounds and waits."""
+    return ["--planner-profile", a.profile, "--slo", f"ttft={a.ttft_ms:g},itl={a.itl_ms:g}", "--slo-quantile", f"{a.quantile:g}",
+            "--planner-interval", f"{a.interval_s:g}",
+            "--planner-bounds", f"prefill={a.prefill.min}:{a.prefill.max},decode={a.decode.min}:{a.decode.max}",
+            "--planner-waits", f"up={a.up_after_s:g},down={a.down_after_s:g},margin={a.down_margin:g}"]
+
+
+def check_one_instance_per_table(dep: Deployment) -> None:
+    """`pdkv up` starts each [[prefill]]/[[decode]] table once; `replicas` above 1 is Kubernetes' (pdkv k8s render)."""
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas != 1:
+                raise ConfigError(
+                    f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
+                    hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
+                )
 
 
 def engine_spec(
@@ -253,3 +291,28 @@ def external_bootstraps(dep: Deployment) -> list[str]:
     for url in urls:
         bootstrap_address(url)  # validates the form
     return sorted(set(urls))
+
+
+# --- one engine by role (`pdkv up --role`) -------------------------------------
+
+
+def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Part], list[str]]:
+    """One P or D engine started by flags (`pdkv up --role`), joining `members` when given; and the bootstraps it names."""
+    if role not in ("prefill", "decode"):
+        raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
+    if kw["bootstrap_url"] and role == "decode":
+        raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
+    spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
+    launch = engine_launch(spec, name=role)
+    if members:
+        if spec.connector != "pdkv":
+            raise UsageError("--members needs pdkv's connector",
+                             hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
+        from pdkv.proxy import parse_decode  # the proxy's parser of a URL; imported only for --members
+
+        reached = launch.url if spec.host not in ("0.0.0.0", "::", "") else http_url(launch.env["VLLM_HOST_IP"], spec.port)
+        launch = joining(launch, parse_decode(members), reached)
+    ports = [PortUse(role, "HTTP", spec.host, spec.port, "--port")]
+    if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
+        ports.append(PortUse(role, "bootstrap", ANY_ADDRESS, spec.bootstrap_port, "--bootstrap-port"))
+    return [Part(kind=role, launch=launch, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []
