@@ -13,7 +13,7 @@ import pytest
 from pdkv.deploy import deployment_parts
 from pdkv.deploy.plan.loader import deployment_from_dict
 from pdkv.deploy.plan.ports import allocate_ports, distinct_per_host, engine_slots
-from pdkv.deploy.plan.scaling import added_entry, added_slot_parts
+from pdkv.deploy.plan.added_engines import added_entry, added_slot_parts
 from pdkv.deploy.plan.topology import Part
 
 CASES = 400

@@ -12,12 +12,13 @@ nothing here imports pdkv.deploy.run (which starts what the plan says).
 - `ports`: the one allocator of every port a file's parts (and the engines `[autoscale]` may add) bind;
 - `topology`: `deployment_parts` (every part's launch, in start order), the local 1P1D, one engine by role
   (`pdkv up --role`), and the bootstrap's and proxy's command lines (`pdkv k8s render` shares them);
-- `scaling`: what an autoscaled deployment runs beyond its file;
+- `added_engines`: `[autoscale]` checked for `pdkv up -f`, and the table and parts of each engine it may add;
 - `exposure`: the parts reachable beyond loopback without a deployment key;
 - `vllm_logging`: the engines' logging configuration;
 - `startup`: `resolve`, `pdkv up`'s options to the `Startup` this host starts.
 """
 
+from pdkv.deploy.plan.added_engines import added_entry, added_slot_parts
 from pdkv.deploy.plan.cores import parse_cores
 from pdkv.deploy.plan.engine import EngineSpec, engine_argv, engine_launch
 from pdkv.deploy.plan.exposure import exposure_warnings
@@ -25,7 +26,6 @@ from pdkv.deploy.plan.launch import Launch, http_url
 from pdkv.deploy.plan.loader import deployment_from_dict, load_deployment
 from pdkv.deploy.plan.machine import gpu_count, local_addresses, numa_nodes, rdma_devices
 from pdkv.deploy.plan.ports import PortUse, Role, allocate_ports, distinct_per_host
-from pdkv.deploy.plan.scaling import RetryBackoff, added_entry, added_slot_parts, scale_steps
 from pdkv.deploy.plan.schema import (
     AutoscaleEntry,
     AutoscalerKind,
@@ -62,7 +62,6 @@ __all__ = [
     "Part",
     "PortUse",
     "RestartMode",
-    "RetryBackoff",
     "Role",
     "RoleBounds",
     "Startup",
@@ -89,7 +88,6 @@ __all__ = [
     "proxy_args",
     "rdma_devices",
     "resolve",
-    "scale_steps",
     "with_vllm_logging",
     "write_logging_config",
 ]

@@ -2,7 +2,7 @@
 
 `allocate_ports(dep)` gives each engine slot its ports: the engines the file
 lists and, on one host, every engine `[autoscale]` may add up to its roles'
-`max` (pdkv.deploy.plan.scaling starts them later, on exactly these ports, and
+`max` (pdkv.deploy.plan.added_engines starts them later, on exactly these ports, and
 pre-flight checks them before anything starts). Each `PortUse` names the part,
 what binds the port and the setting it comes from, so that pre-flight can say
 which setting to change (pdkv.deploy.run.preflight.check_ports).

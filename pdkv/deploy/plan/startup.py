@@ -15,11 +15,11 @@ from pathlib import Path
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.deploy.plan.added_engines import autoscaled
 from pdkv.deploy.plan.cores import split_cores
 from pdkv.deploy.plan.fleet import chosen_hosts
 from pdkv.deploy.plan.loader import load_deployment
 from pdkv.deploy.plan.machine import gpu_count, local_addresses
-from pdkv.deploy.plan.scaling import autoscaled
 from pdkv.deploy.plan.schema import Deployment
 from pdkv.deploy.plan.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment, role_parts
 from pdkv.deploy.plan.vllm_logging import with_vllm_logging
@@ -63,7 +63,7 @@ class Startup(msgspec.Struct, kw_only=True):
     timeout: float  # seconds each part may take to become healthy
     token: str | None  # the deployment file's key, if it has one
     uses_tiny: bool  # the embedded tiny model must be in its cache first
-    autoscale: Deployment | None = None  # the deployment whose [autoscale] this `pdkv up` acts on (pdkv.deploy.run.autoscale)
+    autoscale: Deployment | None = None  # the deployment whose [autoscale] this `pdkv up` acts on (pdkv.deploy.run.autoscaler)
     notes: list[str] = []  # warnings for the command to show
 
 

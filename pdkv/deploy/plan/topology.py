@@ -251,7 +251,7 @@ def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortAllocation) -> list
 def deployment_parts(dep: Deployment) -> list[Part]:
     """Every process of `dep` (bootstraps, prefills, decodes, proxy: the order they start in), with its exact
     command and environment, on the ports pdkv.deploy.plan.ports gives it. The engines `[autoscale]` may add are not
-    among them (pdkv.deploy.plan.scaling starts them)."""
+    among them (pdkv.deploy.plan.added_engines starts them)."""
     check_one_instance_per_table(dep)
     ports = allocate_ports(dep)
     listed = [slot_parts(dep, s, ports) for s in engine_slots(dep) if not s.added]
@@ -275,7 +275,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 host = p.launch.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
                 argv += ["--kv-events", f"{p.launch.url}={pub},{replay}"]
-        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.run.autoscale)
+        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.run.autoscaler)
             argv += planner_args(dep.autoscale)
         proxy_at = host_address(dep, dep.proxy.host) or connect_host(dep.host)
         launch = Launch(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))

@@ -5,7 +5,8 @@
 - `process`: `ManagedProcess`, one supervised child (process group, log, health, bounded stop);
 - `restart`: `RestartPolicy`, when a part that died starts again (pure);
 - `supervisor`: start the parts in order, each healthy before the next, restart what dies, stop in reverse;
-- `autoscale`: the `Autoscaler`, starting and draining engines as the proxy's planner asks;
+- `autoscaler`: the `Autoscaler`, starting and draining engines as the proxy's planner asks;
+- `scale_policy`: its rules: how many engines to start or drain, when a failed step is tried again (pure);
 - `lifeline`, `watchdog`: the parts never outlive `pdkv up`: a watchdog process stops them if it dies;
 - `leftovers`: the record of what a `pdkv up` started, what of it still runs, and `pdkv down`;
 - `warmup`: the first request, before the deployment is announced ready;
@@ -13,7 +14,7 @@
 - `status`: health, bootstrap registrations and proxy figures of a running deployment.
 """
 
-from pdkv.deploy.run.autoscale import ScaleEvent
+from pdkv.deploy.run.autoscaler import ScaleEvent
 from pdkv.deploy.run.leftovers import UpRecord, running, stop_recorded
 from pdkv.deploy.run.lifeline import Lifeline
 from pdkv.deploy.run.parts_run import PartsRun, hand_out_key, prepare

@@ -4,7 +4,7 @@
 deployment recorded in the log folder still runs (pdkv.deploy.run.leftovers), runs the pre-flight checks and
 writes what the parts need. `PartsRun` starts the parts stage by stage, warms the deployment up, watches
 (restarting by each part's policy, and with `[autoscale]` starting and draining engines as the proxy's planner
-asks: pdkv.deploy.run.autoscale) and stops them all, with SIGINT, SIGTERM and SIGHUP stopping cleanly; its
+asks: pdkv.deploy.run.autoscaler) and stops them all, with SIGINT, SIGTERM and SIGHUP stopping cleanly; its
 lifeline (pdkv.deploy.run.lifeline) records the parts beside their logs and has a watchdog stop them should this
 process end without doing so. Nothing here prints: the command renders what the callbacks and results say.
 """
@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pdkv.auth import TOKEN_ENV, token_from_env
 from pdkv.deploy.plan import Deployment, Part, Startup, allocate_ports, exposure_warnings, write_logging_config
-from pdkv.deploy.run.autoscale import Autoscaler, ScaleEvent
+from pdkv.deploy.run.autoscaler import Autoscaler, ScaleEvent
 from pdkv.deploy.run.leftovers import PartRecord, ports_of, raise_conflicts
 from pdkv.deploy.run.lifeline import Lifeline
 from pdkv.deploy.run.preflight import preflight, raise_problems
