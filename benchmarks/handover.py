@@ -43,8 +43,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 
 VOCAB_HIGH = 4000  # set from the model's config in main()
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"

@@ -21,8 +21,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from pdkv.deploy.engine import EngineSpec, engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 
 
 def free_port() -> int:

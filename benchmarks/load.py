@@ -19,7 +19,7 @@ test-only CPU shim in tests/shims/cpu_accelerator).
     flock /tmp/pdkv-vllm.lock timeout -k 60 3600 python benchmarks/load.py
     flock /tmp/pdkv-vllm.lock timeout -k 60 900 python benchmarks/load.py --deployments pdkv/cma,mooncake --concurrency 1,8 --json
 
-Setup: P's processes bound to core 0, D's to core 1 (pdkv.deploy.engine does it);
+Setup: P's processes bound to core 0, D's to core 1 (pdkv.deploy.plan.engine does it);
 the client and the proxy run in this process (two event loops, one GIL),
 unbound, on the same two cores (the machine has no third). P alone therefore
 computes on one core where P/D computes on two, and P/D's rows carry the
@@ -76,8 +76,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec, engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 
 SHIM = Path(__file__).resolve().parents[1] / "tests" / "shims" / "cpu_accelerator"
 SERVED_NAME = "tiny"

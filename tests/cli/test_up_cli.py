@@ -13,7 +13,7 @@ from pdkv.cli import run
 from support.ports import free_port
 
 
-# pdkv up's own vLLM logging configuration (pdkv.deploy.vllm_logging), under the default --log-dir.
+# pdkv up's own vLLM logging configuration (pdkv.deploy.plan.vllm_logging), under the default --log-dir.
 LOGGING = {"VLLM_LOGGING_CONFIG_PATH": str(Path(".pdkv/logs").resolve() / "vllm-logging.json")}
 
 

@@ -3,7 +3,7 @@
 - `tiny_model`: one tiny model per session (written once, ~1 s).
 - `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
   transport=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
-  free loopback port through pdkv.deploy.engine, waits for /health (bounded) and
+  free loopback port through pdkv.deploy.plan.engine, waits for /health (bounded) and
   returns it; `start_vllm.pair(p_kwargs, d_kwargs)` starts both at once and
   waits for both (P and D are bound to different cores); every engine is stopped by process group when its module ends,
   so idle engines of earlier modules never pile up in memory. Within a module
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.deploy.engine import EngineSpec, engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 from support.ports import free_port
 
 SHIMS = Path(__file__).resolve().parents[1] / "shims"

@@ -3,7 +3,7 @@ planner asks for a second, `pdkv up` starts it, the proxy routes to both; once t
 drained and stopped. No request fails, and every answer is P alone's.
 
 The file is written as a user writes it: KV events at their default (on, from 5557), a fixed bootstrap port (free
-at test time), `restart = "no"`, and every other port left to pdkv's allocator (pdkv.deploy.ports), which also
+at test time), `restart = "no"`, and every other port left to pdkv's allocator (pdkv.deploy.plan.ports), which also
 reserves the ports of the P `[autoscale]` may add. The first start of that P is made to fail: its HTTP port, free
 at pre-flight, is held by another socket when the step begins, so its engine dies at start. That is a failed scale
 step and nothing more: a `scale-failed` event with the engine's last log lines, the deployment serving on, every
@@ -36,8 +36,8 @@ import httpx
 import pytest
 
 from pdkv.cli import run
-from pdkv.deploy.loader import load_deployment
-from pdkv.deploy.ports import allocate_ports
+from pdkv.deploy.plan.loader import load_deployment
+from pdkv.deploy.plan.ports import allocate_ports
 from pdkv.planner.profile import load_profile
 from support.loadclient import Case, closed_loop, one, prompts, same_greedy_answer
 from support.tiny_deployment import write_tiny_deployment

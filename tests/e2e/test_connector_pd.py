@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from pdkv.geometry import geometry_from_model, size_transfer
-from pdkv.deploy.engine import engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 from support.engines import BLOCK, LENGTHS, LOGPROB_TOL, PDKV_EXTRA, SHIM, START_S, answer, body, complete, prompt_ids, spec
 from support.ports import free_port
 

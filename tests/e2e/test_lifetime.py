@@ -26,8 +26,8 @@ from support.tiny_deployment import write_tiny_deployment
 from support.up_events import UpEvents
 from support.waiting import waited_for
 
-from pdkv.deploy.lifeline import WATCHDOG_BOUND_S
-from pdkv.deploy.preflight import port_free
+from pdkv.deploy.run.lifeline import WATCHDOG_BOUND_S
+from pdkv.deploy.run.preflight import port_free
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="CPU engines: P on core 0, D on core 1")]
 

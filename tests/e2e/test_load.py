@@ -30,7 +30,7 @@ import pytest
 from support import loadclient
 from support.loadclient import ENDPOINTS, PROMPTS, Answer, Case, kv_usage, mixed_cases, one, run_load, same_greedy_answer
 from support.ports import free_port
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.run.process import ManagedProcess
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 

@@ -28,7 +28,7 @@ import pytest
 
 from support.loadclient import Answer, Case, kv_usage, prompts, run_load, same_greedy_answer
 from support.ports import free_port
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.run.process import ManagedProcess
 from pdkv.proxy.config import build_config
 from pdkv.proxy.server import BackgroundProxy
 

@@ -28,8 +28,8 @@ import httpx
 import pytest
 
 from pdkv.auth import new_binding
-from pdkv.deploy.engine import engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 from support.engines import PDKV_EXTRA, START_S, answer, body, complete, prompt_ids, spec
 from support.ports import free_port
 

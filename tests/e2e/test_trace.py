@@ -27,8 +27,8 @@ import pytest
 from support.ports import free_port
 
 from pdkv.geometry import geometry_from_model, size_transfer
-from pdkv.deploy.engine import EngineSpec, engine_launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.engine import EngineSpec, engine_launch
+from pdkv.deploy.run.process import ManagedProcess
 
 pytestmark = pytest.mark.e2e
 

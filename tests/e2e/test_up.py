@@ -192,7 +192,7 @@ def test_sigint_stops_everything_and_no_part_logs_a_traceback(up: Up) -> None:
     assert not left, f"processes left after SIGINT: {left}"
     logs = sorted(up.logs.glob("*.log"))
     assert [p.name for p in logs] == ["bootstrap-0.log", "decode-0.log", "prefill-0.log", "proxy.log"]
-    from pdkv.deploy.vllm_logging import QUIET_LINE
+    from pdkv.deploy.plan.vllm_logging import QUIET_LINE
 
     quieted = sum(p.read_text(errors="replace").count(QUIET_LINE) for p in logs)
     print(f"\nvLLM #48745's shutdown EngineDeadError turned into one INFO line {quieted} time(s)")

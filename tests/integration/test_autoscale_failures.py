@@ -1,4 +1,4 @@
-"""The autoscaler's failure paths (pdkv.deploy.autoscale) over a real Supervisor and real processes, without vLLM:
+"""The autoscaler's failure paths (pdkv.deploy.run.autoscaler) over a real Supervisor and real processes, without vLLM:
 each part of a deployment file runs a `pdkv bootstrap` server under the part's name (a /health, a /metrics, a port
 it binds), and a stub proxy gives the planner's signal and answers drains (support.proxy_stubs.PlannerStub).
 
@@ -25,11 +25,11 @@ from support.ports import free_port
 from support.proxy_stubs import PlannerStub
 
 from pdkv.deploy import RestartPolicy, Supervisor, deployment_parts
-from pdkv.deploy.autoscale import Autoscaler, ScaleEvent
-from pdkv.deploy.engine import Launch
-from pdkv.deploy.loader import deployment_from_dict
-from pdkv.deploy.scaling import RetryBackoff
-from pdkv.deploy.topology import Part
+from pdkv.deploy.run.autoscaler import Autoscaler, ScaleEvent
+from pdkv.deploy.run.scale_policy import RetryBackoff
+from pdkv.deploy.plan.launch import Launch
+from pdkv.deploy.plan.loader import deployment_from_dict
+from pdkv.deploy.plan.topology import Part
 
 DRAIN_TIMEOUT_S = 1.5
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from support.proxy_stubs import REQUEST, Deployment
 
-from pdkv.deploy.status import collect_status
+from pdkv.deploy.run.status import collect_status
 from pdkv.errors import ConfigError
 from pdkv.proxy.guard import HttpGuard, load_guard, server_ssl
 

@@ -16,7 +16,7 @@ import pytest
 
 from pdkv.deploy import PartEvent, RestartPolicy, Supervisor
 from pdkv.errors import StartError
-from pdkv.deploy.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 from support.ports import free_port
 
 # A /health server; it exits with code 3 at start while the file named by PDKV_TEST_CRASH exists.
@@ -228,11 +228,11 @@ def test_a_broken_status_view_does_not_stop_the_shutdown(tmp_path: Path) -> None
 
 
 def test_parts_run_starts_stops_and_restores_the_signal_handlers(tmp_path: Path):
-    """`pdkv up`'s run (pdkv.deploy.run.PartsRun): inside the `with`, SIGTERM and SIGHUP stop like Ctrl-C; leaving
+    """`pdkv up`'s run (pdkv.deploy.run.parts_run.PartsRun): inside the `with`, SIGTERM and SIGHUP stop like Ctrl-C; leaving
     it stops every part, puts SIGTERM's and SIGHUP's handlers back and leaves SIGINT raising KeyboardInterrupt;
     `watch` names the part that died and is not started again."""
     from pdkv.deploy.run import PartsRun
-    from pdkv.deploy.topology import Part
+    from pdkv.deploy.plan.topology import Part
     from pdkv.errors import PdkvError
 
     plan = bootstrap_plan("bootstrap-0")

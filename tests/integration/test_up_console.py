@@ -14,7 +14,7 @@ from support.waiting import wait_for
 
 from pdkv.cli.up_console import UpConsole
 from pdkv.deploy import RestartPolicy, Supervisor
-from pdkv.deploy.engine import Launch
+from pdkv.deploy.plan.launch import Launch
 
 
 def _bootstrap(name: str) -> Launch:

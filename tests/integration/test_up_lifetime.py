@@ -30,14 +30,14 @@ from support.up_events import UpEvents
 from support.waiting import wait_for, waited_for
 
 from pdkv.bootstrap import BootstrapClient
-from pdkv.deploy.engine import Launch
-from pdkv.deploy.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
-from pdkv.deploy.lifeline import WATCHDOG_BOUND_S, Lifeline
-from pdkv.deploy.preflight import port_free
-from pdkv.deploy.process import ManagedProcess
-from pdkv.deploy.restart import RestartPolicy
-from pdkv.deploy.run import UpOptions, resolve
-from pdkv.deploy.supervisor import PartEvent, Supervisor
+from pdkv.deploy.plan.launch import Launch
+from pdkv.deploy.run.leftovers import PartRecord, raise_conflicts, read_record, record_path, write_record
+from pdkv.deploy.run.lifeline import WATCHDOG_BOUND_S, Lifeline
+from pdkv.deploy.run.preflight import port_free
+from pdkv.deploy.run.process import ManagedProcess
+from pdkv.deploy.run.restart import RestartPolicy
+from pdkv.deploy.plan.startup import UpOptions, resolve
+from pdkv.deploy.run.supervisor import PartEvent, Supervisor
 from pdkv.errors import StartError
 from pdkv.wire import RegisterRequest
 
@@ -374,10 +374,10 @@ def test_a_part_the_autoscaler_adds_dies_with_pdkv_up(tmp_path: Path) -> None:
     port = free_port()
     driver = textwrap.dedent(f"""
         import sys, time
-        from pdkv.deploy.engine import Launch
-        from pdkv.deploy.ports import PortUse
+        from pdkv.deploy.plan.launch import Launch
+        from pdkv.deploy.plan.ports import PortUse
         from pdkv.deploy.run import PartsRun
-        from pdkv.deploy.topology import Part
+        from pdkv.deploy.plan.topology import Part
         argv = [sys.executable, "-m", "pdkv", "bootstrap", "--host", "127.0.0.1", "--port", "{port}"]
         boot = Part(kind="bootstrap", launch=Launch(name="bootstrap-0", argv=argv, env={{}}, url="http://127.0.0.1:{port}"),
                     ports=[PortUse(part="bootstrap-0", what="bootstrap", bind="127.0.0.1", port={port}, setting="--port")])

@@ -99,7 +99,7 @@ print("PROBE " + json.dumps(out))
 
 
 def _probe(extra_path: Path | None, tmp_path: Path) -> dict:
-    from pdkv.deploy.vllm_logging import logging_config
+    from pdkv.deploy.plan.vllm_logging import logging_config
 
     path = [str(extra_path)] if extra_path else []
     # vLLM configures its logging from pdkv's file, as in every engine `pdkv up` starts

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdkv.deploy.warmup import warm_up
+from pdkv.deploy.run.warmup import warm_up
 from pdkv.errors import StartError
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from pdkv.deploy.engine import EngineSpec
+from pdkv.deploy.plan.engine import EngineSpec
 from support.ports import free_port
 
 BLOCK = 32

@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("pdkv.connector", "pdkv.doctor", "pdkv.bench", "pdkv.proxy.kv", "pdkv.planner"),
     ("pdkv.proxy",),
     ("pdkv.trace",),
+    ("pdkv.deploy.plan",),
+    ("pdkv.deploy.run",),
     ("pdkv.deploy",),
     ("pdkv.k8s", "pdkv.top"),
     ("pdkv.cli",),

@@ -45,7 +45,7 @@ K8S_VERSIONS = ("1.30", "1.33", "1.37")
 
 
 def render_file(path: Path, **kw: Any) -> list[dict[str, Any]]:
-    from pdkv.deploy.loader import load_deployment
+    from pdkv.deploy.plan.loader import load_deployment
     from pdkv.k8s.render import render
 
     return render(load_deployment(path), source=str(path), **kw)

@@ -1,5 +1,6 @@
-"""What `pdkv up -f` with [autoscale] plans beyond the file (pdkv.deploy.scaling) and the proxy flags it hands the
-planner (pdkv.deploy.args.planner_args, pdkv.proxy.config.planner_values): pure."""
+"""What `pdkv up -f` with [autoscale] plans beyond the file (pdkv.deploy.plan.added_engines), the autoscaler's rules
+(pdkv.deploy.run.scale_policy) and the proxy flags it hands the planner (pdkv.deploy.plan.topology.planner_args,
+pdkv.proxy.config.planner_values): pure."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts
-from pdkv.deploy.loader import deployment_from_dict
-from pdkv.deploy.ports import allocate_ports
-from pdkv.deploy.scaling import RetryBackoff, added_entry, added_slot_parts, autoscaled, least_bound_cores, scale_steps
+from pdkv.deploy.plan.loader import deployment_from_dict
+from pdkv.deploy.plan.ports import allocate_ports
+from pdkv.deploy.plan.cores import least_bound_cores
+from pdkv.deploy.plan.added_engines import added_entry, added_slot_parts, autoscaled
+from pdkv.deploy.run.scale_policy import RetryBackoff, scale_steps
 from pdkv.errors import ConfigError
 from pdkv.proxy.config import PlannerConfig, build_config, planner_values
 from support.planner_profiles import write_profile

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment, local_deployment
-from pdkv.deploy.preflight import check_cma, check_connector, check_engines, raise_problems, shared_cores
+from pdkv.deploy.run.preflight import check_cma, check_connector, check_engines, raise_problems, shared_cores
 from pdkv.metrics import read_samples
-from pdkv.deploy.loader import deployment_from_dict
+from pdkv.deploy.plan.loader import deployment_from_dict
 from pdkv.errors import ConfigError, PreflightError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deploy.toml"
@@ -32,7 +32,7 @@ def test_example_file_loads_and_plans_in_start_order() -> None:
     assert prefill.launch.env["CUDA_VISIBLE_DEVICES"] == "0" and decode.launch.env["CUDA_VISIBLE_DEVICES"] == "2"
     assert kv_config(prefill)["kv_connector_extra_config"] == {
         "mooncake_protocol": "rdma", "device_name": "mlx5_0", "bootstrap_server_address": "%s:8998" % prefill.launch.env["VLLM_HOST_IP"],
-        "side_channel_port": 5561,  # after the two engines' KV events (pdkv.deploy.ports)
+        "side_channel_port": 5561,  # after the two engines' KV events (pdkv.deploy.plan.ports)
     }
     assert kv_config(decode)["kv_role"] == "kv_consumer"
     i = proxy.launch.argv.index("--prefill")
@@ -176,7 +176,7 @@ def test_local_cpu_topology_with_vllms_connector_keeps_mooncake_tcp() -> None:
 
 def test_cma_with_vllms_connector_is_refused() -> None:
     from pdkv.errors import UsageError
-    from pdkv.deploy.engine import EngineSpec, kv_transfer_config
+    from pdkv.deploy.plan.engine import EngineSpec, kv_transfer_config
 
     with pytest.raises(UsageError, match="cma is pdkv's own transport"):
         kv_transfer_config(EngineSpec(model="m", role="decode", connector="mooncake", transport="cma", platform="cpu"))
@@ -371,7 +371,7 @@ def test_read_samples_reads_escaped_labels_and_skips_a_line_it_cannot_read() -> 
 
 
 def test_every_engine_publishes_kv_events_on_its_own_ports_and_the_proxy_follows_them() -> None:
-    from pdkv.deploy.engine import kv_events_config
+    from pdkv.deploy.plan.engine import kv_events_config
 
     parts = deployment_parts(deployment_from_dict(_dep(proxy={"port": 8000, "policy": "kv-aware", "local_prefill_tokens": 128})))
     engines = [p for p in parts if p.kind in ("prefill", "decode")]

@@ -1,4 +1,4 @@
-"""pdkv.deploy.engine's pure half: the vLLM command line and environment built from an EngineSpec."""
+"""pdkv.deploy.plan.engine's pure half: the vLLM command line and environment built from an EngineSpec."""
 
 from __future__ import annotations
 
@@ -10,18 +10,17 @@ import sys
 import msgspec
 import pytest
 
-from pdkv.deploy.engine import (
+from pdkv.deploy.plan.engine import (
     API_SERVER_MODULE,
     EngineSpec,
-    bootstrap_address,
     engine_argv,
     engine_env,
     engine_launch,
-    http_url,
     kv_transfer_config,
-    parse_cores,
     vllm_console_script_works,
 )
+from pdkv.deploy.plan.cores import parse_cores
+from pdkv.deploy.plan.launch import bootstrap_address, http_url
 from pdkv.errors import StartError, UsageError
 from pdkv.peer_address import advertised_address
 
@@ -167,7 +166,7 @@ def test_plan_rejects_bad_port() -> None:
 
 
 def test_kv_events_publish_on_a_wildcard_and_replay_on_the_next_port() -> None:
-    from pdkv.deploy.engine import kv_events_config, kv_events_endpoints
+    from pdkv.deploy.plan.engine import kv_events_config, kv_events_endpoints
 
     argv = engine_argv(EngineSpec(model="/m", port=8100, launcher="module", kv_events_port=6000))
     config = json.loads(argv[argv.index("--kv-events-config") + 1])
@@ -185,14 +184,14 @@ def test_kv_events_publish_on_a_wildcard_and_replay_on_the_next_port() -> None:
      (("--data-parallel-size", "x"), 1), (("--data-parallel-size",), 1), (("--data-parallel-size", "0"), 1)],
 )
 def test_the_data_parallel_size_is_read_from_vllms_arguments(args, size) -> None:
-    from pdkv.deploy.engine import data_parallel_size
+    from pdkv.deploy.plan.engine import data_parallel_size
 
     assert data_parallel_size(args) == size
     assert EngineSpec(model="m", extra_args=args).dp_size == size
 
 
 def test_with_data_parallelism_every_rank_publishes_and_replays_on_ports_no_other_rank_binds() -> None:
-    from pdkv.deploy.engine import kv_events_config, kv_events_endpoints
+    from pdkv.deploy.plan.engine import kv_events_config, kv_events_endpoints
 
     spec = EngineSpec(model="/m", launcher="module", kv_events_port=6000, extra_args=("--data-parallel-size", "3"))
     argv = engine_argv(spec)

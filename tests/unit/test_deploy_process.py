@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from pdkv.errors import StartError
-from pdkv.deploy.engine import Launch
-from pdkv.deploy.process import ManagedProcess
+from pdkv.deploy.plan.launch import Launch
+from pdkv.deploy.run.process import ManagedProcess
 from support.waiting import wait_for
 
 # A parent that starts a grandchild in the same process group, prints both pids, then waits.

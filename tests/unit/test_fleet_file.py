@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from pdkv.deploy import deployment_parts, load_deployment
-from pdkv.deploy.fleet import chosen_hosts
-from pdkv.deploy.run import select_parts
-from pdkv.deploy.loader import deployment_from_dict
+from pdkv.deploy.plan.fleet import chosen_hosts
+from pdkv.deploy.plan.startup import select_parts
+from pdkv.deploy.plan.loader import deployment_from_dict
 from pdkv.errors import ConfigError, UsageError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.toml"

@@ -9,7 +9,7 @@ import pytest
 
 from gpu.deployments import GRAPH_ARGS, NAMES, PORTS, deployment_toml
 from pdkv.deploy import deployment_parts
-from pdkv.deploy.loader import load_deployment
+from pdkv.deploy.plan.loader import load_deployment
 
 
 @pytest.mark.parametrize("graphs", sorted(GRAPH_ARGS))

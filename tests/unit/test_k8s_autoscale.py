@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support.k8s_objects import EXAMPLES, K8S_VERSIONS, deployment_text, lws_crd_version, render_file, render_text, validate
 
-from pdkv.deploy.loader import load_deployment
+from pdkv.deploy.plan.loader import load_deployment
 from pdkv.errors import ConfigError
 from pdkv.k8s import adapter_rules, render
 from pdkv.k8s.autoscale import METRIC, query
@@ -263,7 +263,7 @@ def test_bad_settings_are_one_config_error(tmp_path: Path, file_text: str, words
 
 
 def test_bad_settings_built_in_code_are_refused_by_render_too(tmp_path: Path):
-    from pdkv.deploy.schema import RoleBounds
+    from pdkv.deploy.plan.schema import RoleBounds
 
     cases = [
         ({"kubernetes": "vpa"}, "[autoscale] kubernetes = 'vpa' is not an autoscaler pdkv renders"),

@@ -15,10 +15,10 @@ from support.k8s_objects import (
 )
 
 from pdkv.bootstrap import TOKEN_ENV
-from pdkv.deploy.loader import load_deployment
-from pdkv.deploy.topology import deployment_parts
+from pdkv.deploy.plan.loader import load_deployment
+from pdkv.deploy.plan.topology import deployment_parts
 from pdkv.errors import ConfigError
-from pdkv.deploy.engine import kv_transfer_config
+from pdkv.deploy.plan.engine import kv_transfer_config
 
 FILES = {"1p1d": EXAMPLES / "k8s-1p1d.toml", "4p2d": EXAMPLES / "k8s-4p2d.toml"}
 

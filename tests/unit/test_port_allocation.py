@@ -1,4 +1,4 @@
-"""Every port a deployment file can ever have bound comes from one allocator (pdkv.deploy.ports) and is distinct on
+"""Every port a deployment file can ever have bound comes from one allocator (pdkv.deploy.plan.ports) and is distinct on
 its host: a property over many generated files (one host and fleets, bootstrap modes, KV events on and off, own
 events ports, TP and DP, `[autoscale]` bounds), each checked against what every part's command line binds. Pure."""
 
@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from pdkv.deploy import deployment_parts
-from pdkv.deploy.loader import deployment_from_dict
-from pdkv.deploy.ports import allocate_ports, distinct_per_host, engine_slots
-from pdkv.deploy.scaling import added_entry, added_slot_parts
-from pdkv.deploy.topology import Part
+from pdkv.deploy.plan.loader import deployment_from_dict
+from pdkv.deploy.plan.ports import allocate_ports, distinct_per_host, engine_slots
+from pdkv.deploy.plan.added_engines import added_entry, added_slot_parts
+from pdkv.deploy.plan.topology import Part
 
 CASES = 400
 HOSTS = [{"name": "a", "address": "10.0.0.1"}, {"name": "b", "address": "10.0.0.2"}]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
+from pdkv.deploy.run.restart import RestartPolicy, Verdict, describe_exit
 
 
 def test_backoff_doubles_from_one_second_up_to_the_cap() -> None:

@@ -1,11 +1,11 @@
-"""The order `pdkv up` starts its parts (pdkv.deploy.stages): engines together, except engines sharing a GPU while
+"""The order `pdkv up` starts its parts (pdkv.deploy.run.stages): engines together, except engines sharing a GPU while
 vLLM 0.34's extensible KV cache measures their cache after warm-up, which start one after another."""
 
 from __future__ import annotations
 
 from pdkv.deploy import deployment_parts
-from pdkv.deploy.loader import deployment_from_dict
-from pdkv.deploy.stages import measures_kv_cache, start_stages
+from pdkv.deploy.plan.loader import deployment_from_dict
+from pdkv.deploy.run.stages import measures_kv_cache, start_stages
 
 
 def _parts(prefill: list[dict], decode: list[dict], platform: str = "gpu"):
@@ -55,7 +55,7 @@ def test_cpu_engines_always_start_together():
 
 
 def test_preflight_wants_a_memory_share_for_each_engine_on_a_shared_gpu():
-    from pdkv.deploy.preflight import check_gpu_shares
+    from pdkv.deploy.run.preflight import check_gpu_shares
 
     unset = _parts([{"port": 8100, "gpu": "0"}], [{"port": 8200, "gpu": "0", "extra_args": ["--gpu-memory-utilization", "0.4"]}])
     [problem] = check_gpu_shares(unset)

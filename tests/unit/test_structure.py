@@ -49,7 +49,7 @@ SURFACE_HOMES = {
     "pdkv.proxy.app": "serves the proxy's routes",
     "pdkv.k8s.pods": "a pod's probe path",
     "pdkv.k8s.monitors": "a scrape path in a PodMonitor",
-    "pdkv.deploy.engine": "a part's health path, which `pdkv up` probes while it starts (pdkv.deploy.process)",
+    "pdkv.deploy.plan.launch": "a part's health path, which `pdkv up` probes while it starts (pdkv.deploy.run.process)",
 }
 SURFACE_ROUTE = re.compile(r"^/(health|metrics|tokenize|query|register|deregister)([/?]|$)|^/pdkv/")
 HTTP_CLIENT_LIBS = ("httpx", "requests", "urllib.request", "http.client", "aiohttp.client")
@@ -57,7 +57,7 @@ HTTP_CLIENT_HOMES = {
     "pdkv.bootstrap.client": "the bootstrap server's client",
     "pdkv.engine_api.client": "a vLLM engine's client",
     "pdkv.proxy_api.client": "the proxy's client",
-    "pdkv.deploy.process": "a started part's liveness at its health path, whatever the part",
+    "pdkv.deploy.run.process": "a started part's liveness at its health path, whatever the part",
     "pdkv.planner.measure": "the profile's load on an engine's OpenAI API (its /metrics through pdkv.engine_api)",
 }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.deploy import deployment_parts, local_deployment
-from pdkv.deploy.vllm_logging import (
+from pdkv.deploy.plan.vllm_logging import (
     HANDLER_FAILED,
     OUTPUT_LOGGER,
     QUIET_LINE,

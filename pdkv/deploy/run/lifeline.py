@@ -1,7 +1,7 @@
 """`pdkv up`'s side of its watchdog: every part it starts dies with it, however it ends.
 
-`Lifeline(log_dir, ...)` starts the watchdog (pdkv.deploy.watchdog, in a session of its own) with the read end
-of a pipe whose write end only this process holds, and writes the deployment's record (pdkv.deploy.leftovers)
+`Lifeline(log_dir, ...)` starts the watchdog (pdkv.deploy.run.watchdog, in a session of its own) with the read end
+of a pipe whose write end only this process holds, and writes the deployment's record (pdkv.deploy.run.leftovers)
 into `log_dir`. While it is open it is this process's lifeline (`current()`): ManagedProcess.start puts its
 marker into each part's environment and reports the part's process group (`adopt`), ManagedProcess.stop
 reports it stopped (`release`), wherever the part is started from (the supervisor's start, its restarts, the
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Self
 
-from pdkv.deploy import watchdog
-from pdkv.deploy.leftovers import PartRecord, UpRecord, record_path, write_record
+from pdkv.deploy.run import watchdog
+from pdkv.deploy.run.leftovers import PartRecord, UpRecord, record_path, write_record
 
 log = logging.getLogger("pdkv.deploy")
 

@@ -2,10 +2,10 @@
 
 `allocate_ports(dep)` gives each engine slot its ports: the engines the file
 lists and, on one host, every engine `[autoscale]` may add up to its roles'
-`max` (pdkv.deploy.scaling starts them later, on exactly these ports, and
+`max` (pdkv.deploy.plan.added_engines starts them later, on exactly these ports, and
 pre-flight checks them before anything starts). Each `PortUse` names the part,
 what binds the port and the setting it comes from, so that pre-flight can say
-which setting to change (pdkv.deploy.preflight.check_ports).
+which setting to change (pdkv.deploy.run.preflight.check_ports).
 
 Ports written in the file are taken as written: each engine table's `port`,
 `[proxy] port`, `[bootstrap] port` (the first prefill's bootstrap) and a
@@ -30,8 +30,8 @@ from typing import Literal
 
 import msgspec
 
-from pdkv.deploy.engine import data_parallel_size
-from pdkv.deploy.schema import Deployment, EngineEntry
+from pdkv.deploy.plan.engine import data_parallel_size
+from pdkv.deploy.plan.schema import Deployment, EngineEntry
 from pdkv.errors import ConfigError
 
 Role = Literal["prefill", "decode"]
@@ -59,7 +59,7 @@ class SlotPorts(msgspec.Struct, frozen=True):
 
     http: int
     bootstrap: int | None = None  # a prefill's standalone or in-worker bootstrap server
-    kv_events: int | None = None  # the first of its KV events ports (pdkv.deploy.engine.kv_events_config)
+    kv_events: int | None = None  # the first of its KV events ports (pdkv.deploy.plan.engine.kv_events_config)
     side_channel: int | None = None  # pdkv's connector on a prefill: TP rank r of DP rank d binds + d * tp + r
     socket: int | None = None  # transport socket, a decode's KV listener: TP rank r binds + r
 

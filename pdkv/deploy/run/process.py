@@ -1,13 +1,13 @@
 """A supervised child process: its own process group, a log file, a health URL, a bounded stop.
 
-`ManagedProcess(launch, log)` starts `launch.argv` (a `pdkv.deploy.engine.Launch`)
+`ManagedProcess(launch, log)` starts `launch.argv` (a `pdkv.deploy.plan.launch.Launch`)
 in its own process group, logs it to a file (and optionally line by line to
 a callback), binds it to the launch's cores, waits for its HTTP health
 endpoint with a bound, and stops the whole group (SIGTERM to the process,
 bounded grace, SIGTERM to the rest of the group, SIGKILL). `start()` may be
 called again after the process has ended: the same launch, ports, cores and
 environment (the supervisor's restart). While this process has a lifeline open
-(pdkv.deploy.lifeline: `pdkv up`'s), each start is reported to it, and each
+(pdkv.deploy.run.lifeline: `pdkv up`'s), each start is reported to it, and each
 stop: its watchdog stops whatever is left if this process dies.
 """
 
@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdkv.deploy import lifeline
+from pdkv.deploy.run import lifeline
 from pdkv.errors import StartError
 
 if TYPE_CHECKING:
-    from pdkv.deploy.engine import Launch
+    from pdkv.deploy.plan import Launch
 
 
 def _tail(path: Path, lines: int = 40) -> str:

@@ -27,7 +27,7 @@ def _argv_host(argv: list[str]) -> str:
 
 
 def exposure_warnings(parts: Iterable[Any], keyed: bool) -> list[str]:
-    """One line per part (deploy.topology.Part) whose side channel or bootstrap is reachable beyond loopback while
+    """One line per part (pdkv.deploy.plan.topology.Part) whose side channel or bootstrap is reachable beyond loopback while
     no deployment key is set; none when `keyed`."""
     if keyed:
         return []

@@ -13,11 +13,8 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.machine import numa_nodes
-from pdkv.deploy.ports import PortUse, distinct_per_host
-from pdkv.deploy.stages import gpus_of, share_gpu
-from pdkv.deploy.topology import CPU_BLOCK_MULTIPLE, Part
+from pdkv.deploy.plan import CPU_BLOCK_MULTIPLE, Part, PortUse, distinct_per_host, numa_nodes, parse_cores
+from pdkv.deploy.run.stages import gpus_of, share_gpu
 from pdkv.errors import ConfigError, RemoteError, TransferError, UnreachableError
 from pdkv.tp_heads import rank_heads
 

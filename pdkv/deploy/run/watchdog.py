@@ -2,7 +2,7 @@
 the OOM killer, a crash), the watchdog stops them, within `grace` + KILL_WAIT_S seconds.
 
 It is a process of its own, in a session of its own (no signal meant for a terminal's jobs reaches it), run
-by path (pdkv.deploy.lifeline starts it): it imports the standard library and psutil only, never pdkv, so it
+by path (pdkv.deploy.run.lifeline starts it): it imports the standard library and psutil only, never pdkv, so it
 starts in a fraction of a second and is the same code whatever pdkv the parts import.
 
 Its standard input is the read end of a pipe whose write end only `pdkv up` holds. `pdkv up` writes
@@ -14,7 +14,7 @@ written), is stopped as ManagedProcess.stop stops one: SIGTERM to the group's le
 started (a vLLM API server its engine core and workers); SIGTERM to the rest of a group whose leader is gone;
 SIGKILL to every group still alive after `grace` s. After a clean stop nothing is listed and nothing carries
 the marker: it exits at once. `stop_groups` and `deployment_groups` are `pdkv down`'s way to stop the same
-groups (pdkv.deploy.leftovers).
+groups (pdkv.deploy.run.leftovers).
 """
 
 from __future__ import annotations

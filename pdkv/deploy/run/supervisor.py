@@ -11,9 +11,9 @@ from typing import Literal
 
 import msgspec
 
-from pdkv.deploy.process import ManagedProcess
-from pdkv.deploy.restart import RestartPolicy, Verdict, describe_exit
-from pdkv.deploy.engine import Launch
+from pdkv.deploy.plan import Launch
+from pdkv.deploy.run.process import ManagedProcess
+from pdkv.deploy.run.restart import RestartPolicy, Verdict, describe_exit
 from pdkv.errors import StartError
 
 log = logging.getLogger("pdkv.deploy")

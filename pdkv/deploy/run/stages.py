@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdkv.connector import extensible_kv_cache_off
-from pdkv.deploy.topology import Part
+from pdkv.deploy.plan import Part
 
 __all__ = ["gpus_of", "measures_kv_cache", "share_gpu", "start_stages"]
 

@@ -1,9 +1,9 @@
 """One vLLM engine's launch.
 
 `engine_launch(spec)` turns an `EngineSpec` into the exact argv and the
-environment variables pdkv sets (`Launch`), with no I/O beyond asking
+environment variables pdkv sets (a `Launch`: pdkv.deploy.plan.launch), with no I/O beyond asking
 which vLLM launcher works and which address is routable. What runs it is
-`pdkv.deploy.process.ManagedProcess`.
+`pdkv.deploy.run.process.ManagedProcess`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.connector import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, ipc_handles_for
+from pdkv.deploy.plan.cores import parse_cores, rank_cores
+from pdkv.deploy.plan.launch import Launch, bootstrap_address, connect_host, http_url
 from pdkv.errors import UsageError
 from pdkv.peer_address import advertised_address
 from pdkv.transport import TransportName
@@ -80,40 +82,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     def dp_size(self) -> int:
         """vLLM's data-parallel size among `extra_args` (each DP rank publishes its own KV events)."""
         return data_parallel_size(self.extra_args)
-
-
-class Launch(msgspec.Struct, frozen=True):
-    """The exact command and the environment variables pdkv sets on top of the caller's."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    url: str
-    health_path: str = "/health"
-    # CPU engines: the cores every process of the engine (API server, engine core, workers) runs on.
-    cpus: list[int] | None = None
-
-
-def connect_host(host: str) -> str:
-    """The address a local client uses to reach a server bound to `host`."""
-    if host in ("0.0.0.0", "", "*"):
-        return "127.0.0.1"
-    if host == "::":
-        return "::1"
-    return host
-
-
-def http_url(host: str, port: int) -> str:
-    host = connect_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def bootstrap_address(url: str) -> str:
-    """vLLM's `bootstrap_server_address` form ("host:port") of a bootstrap URL."""
-    rest = url.split("://", 1)[-1].rstrip("/")
-    if ":" not in rest.rsplit("]", 1)[-1]:
-        raise UsageError(f"bootstrap URL {url!r} has no port", hint="write it as http://HOST:PORT")
-    return rest
 
 
 @cache
@@ -248,34 +216,6 @@ def kv_events_endpoints(host: str, port: int, dp_size: int = 1, dp_rank: int = 0
     host = connect_host(host)
     host = f"[{host}]" if ":" in host else host
     return f"tcp://{host}:{port + dp_rank}", f"tcp://{host}:{port + dp_size + dp_rank}"
-
-
-def parse_cores(bind: str | None) -> list[int] | None:
-    """The cores a VLLM_CPU_OMP_THREADS_BIND value names ("0", "0-3", "0,2", "0-1|2-3"), or None ("auto", "nobind")."""
-    if bind is None or bind.strip() in ("", "auto", "all", "nobind"):
-        return None
-    cores: set[int] = set()
-    try:
-        for part in bind.replace("|", ",").split(","):
-            lo, _, hi = part.strip().partition("-")
-            cores.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise UsageError(f"cannot read the core list {bind!r}", hint="write cores like 0, 0-3, 0,2 or 0-1|2-3") from None
-    return sorted(cores)
-
-
-def rank_cores(bind: str, tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for an engine of `tp` CPU ranks, each on cores of its own: a value naming each
-    rank's cores ("0|1"; vLLM checks it against its ranks, data-parallel ones too) as given, a plain core list split
-    evenly ("0-3", TP 2: "0,1|2,3"). UsageError when a plain list has fewer cores than ranks."""
-    cores = parse_cores(bind)
-    if cores is None or tp == 1 or "|" in bind:
-        return bind
-    if len(cores) < tp:
-        raise UsageError(f"omp_bind {bind!r} gives {len(cores)} core(s) to {tp} TP ranks: each CPU rank needs a core of its own",
-                         hint=f"bind the engine to at least {tp} cores, or lower its tp")
-    per = len(cores) // tp
-    return "|".join(",".join(map(str, cores[r * per : (r + 1) * per])) for r in range(tp))
 
 
 def engine_launch(spec: EngineSpec, name: str | None = None) -> Launch:

@@ -1,7 +1,7 @@
-"""The deployment file's schema: one frozen Struct per table (pure; the loader is pdkv.deploy.loader).
+"""The deployment file's schema: one frozen Struct per table (pure; the loader is pdkv.deploy.plan.loader).
 
-The same file drives `pdkv up -f` (pdkv.deploy.topology derives its parts),
-each host of a fleet (`[[hosts]]`, pdkv.deploy.fleet) and `pdkv k8s render`
+The same file drives `pdkv up -f` (pdkv.deploy.plan.topology derives its parts),
+each host of a fleet (`[[hosts]]`, pdkv.deploy.plan.fleet) and `pdkv k8s render`
 (the `[kubernetes]` table, checked by pdkv.k8s.settings).
 
     model = "/models/Qwen3-8B"   # every engine's default
@@ -29,10 +29,10 @@ from typing import Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.engine import Connector, Platform
-from pdkv.deploy.restart import RestartMode
+from pdkv.deploy.plan.engine import Connector, Platform
 from pdkv.transport import TransportName
 
+RestartMode = Literal["on-failure", "no"]  # what happens to a part that dies (pdkv.deploy.run.restart)
 BootstrapMode = Literal["standalone", "in-worker", "external"]
 AntiAffinity = Literal["none", "preferred", "required"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
@@ -185,14 +185,14 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     proxy: ProxyEntry | None = ProxyEntry()
     extra_args: list[str] = []
     env: dict[str, str] = {}
-    hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.fleet)
+    hosts: list[HostEntry] = []  # a fleet: each part names one (pdkv.deploy.plan.fleet)
     kubernetes: KubernetesEntry = KubernetesEntry()  # read by `pdkv k8s render` only (pdkv.k8s)
     # The deployment key (docs/security.md): `pdkv up` hands it to every part as PDKV_TOKEN. Unset: PDKV_TOKEN
     # from the environment of `pdkv up`, if any. Better kept out of the file (env, or a Kubernetes Secret).
     token: str | None = None
     # KV cache events on every engine (the proxy's kv-aware policy follows them): engine k (prefills, then
     # decodes) publishes on kv_events_port + 2k and replays on the next port, unless its table says otherwise or
-    # another part has that port; pdkv's side channels take the ports after them (pdkv.deploy.ports).
+    # another part has that port; pdkv's side channels take the ports after them (pdkv.deploy.plan.ports).
     kv_events: bool = True
     kv_events_port: int = 5557
     autoscale: AutoscaleEntry | None = None  # the planner starts and stops engines within bounds (pdkv.planner)

@@ -6,7 +6,7 @@ role, compares the desired count with the engines running or starting:
 
 - more wanted (within max): a draining engine is taken back first (POST
   /pdkv/drain draining=false), then the lowest free slot starts
-  (pdkv.deploy.scaling: the role's settings, the ports pdkv.deploy.ports
+  (pdkv.deploy.plan.added_engines: the role's settings, the ports pdkv.deploy.plan.ports
   reserved for the slot, its own cores); it joins the proxy through the
   members registry once healthy;
 - an added engine that cannot start, is not healthy in time or dies is that
@@ -14,7 +14,7 @@ role, compares the desired count with the engines running or starting:
   its log's last lines, the slot's parts stopped (the proxy routes it
   nothing new), the engines serving keep serving whatever the static parts'
   `restart`, and while the planner still asks the step is tried again after a
-  backoff (pdkv.deploy.scaling.RetryBackoff: 10 s doubling to 300 s);
+  backoff (pdkv.deploy.run.scale_policy.RetryBackoff: 10 s doubling to 300 s);
 - fewer wanted (down to min): the newest engines drain: the proxy routes
   them nothing new (POST /pdkv/drain), their requests in flight finish, then
   they are stopped once the engine itself runs nothing either (its own
@@ -38,14 +38,10 @@ from typing import Literal
 
 import msgspec
 
-from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.ports import Role, allocate_ports
-from pdkv.deploy.process import ManagedProcess
-from pdkv.deploy.scaling import RetryBackoff, added_entry, added_slot_parts, scale_steps
-from pdkv.deploy.schema import Deployment
-from pdkv.deploy.supervisor import RUNNING, Supervisor
-from pdkv.deploy.topology import Part
-from pdkv.deploy.vllm_logging import with_vllm_logging
+from pdkv.deploy.plan import Deployment, Part, Role, added_entry, added_slot_parts, allocate_ports, parse_cores, with_vllm_logging
+from pdkv.deploy.run.process import ManagedProcess
+from pdkv.deploy.run.scale_policy import RetryBackoff, scale_steps
+from pdkv.deploy.run.supervisor import RUNNING, Supervisor
 from pdkv.engine_api import EngineClient
 from pdkv.errors import PdkvError, RemoteError, StartError, UnreachableError
 from pdkv.proxy_api import DrainAnswer, PlannerView, ProxyClient

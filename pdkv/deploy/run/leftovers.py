@@ -1,8 +1,8 @@
 """What a `pdkv up` started, recorded beside its logs, and what is left of it: found by the next `pdkv up` in that
 place, stopped by `pdkv down`.
 
-Each `pdkv up` keeps one record, `pdkv-up-PID.json` in its log folder (pdkv.deploy.lifeline writes it as parts
-start and stop): its own pid and command line, the marker in its parts' environment (pdkv.deploy.watchdog), and
+Each `pdkv up` keeps one record, `pdkv-up-PID.json` in its log folder (pdkv.deploy.run.lifeline writes it as parts
+start and stop): its own pid and command line, the marker in its parts' environment (pdkv.deploy.run.watchdog), and
 each part's name, ports, command line, pid and process group. A clean stop removes it; so does the watchdog
 once it has stopped what a killed `pdkv up` left. A record whose `pdkv up` and parts are all gone is stale and
 is removed by whoever reads it.
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pdkv.deploy.watchdog import deployment_groups, stop_groups
+from pdkv.deploy.run.watchdog import deployment_groups, stop_groups
 from pdkv.errors import PdkvError, StartError
 
 if TYPE_CHECKING:
-    from pdkv.deploy.topology import Part
+    from pdkv.deploy.plan import Part
 
 RECORD_GLOB = "pdkv-up-*.json"
 UP_STOP_S = 60.0  # `pdkv down`: how long a live `pdkv up` has to stop its parts before they are stopped directly

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pdkv.bootstrap import BootstrapClient
-from pdkv.deploy.schema import Deployment
-from pdkv.deploy.topology import deployment_parts
+from pdkv.deploy.plan import Deployment, deployment_parts
 from pdkv.engine_api import EngineClient
 from pdkv.errors import RemoteError, UnreachableError
 from pdkv.proxy_api import ProxyClient, ProxyHealth, ProxyTiming

@@ -18,7 +18,7 @@ Every part names its host (`host = NAME`) once the file has `[[hosts]]`; a
 part is reached at, and advertises to its peers, its host's address. A file
 without `[[hosts]]` is one host, as before. `check_hosts` validates a file
 and `chosen_hosts` names the hosts one `pdkv up` starts the parts of
-(pdkv.deploy.run.select_parts picks them): pure, both.
+(pdkv.deploy.plan.startup.select_parts picks them): pure, both.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from pdkv.deploy.schema import Deployment
+from pdkv.deploy.plan.schema import Deployment
 from pdkv.errors import ConfigError, UsageError
 
 

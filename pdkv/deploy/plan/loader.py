@@ -1,4 +1,4 @@
-"""Reading a deployment file: TOML in, a validated `Deployment` (pdkv.deploy.schema) out, every problem one
+"""Reading a deployment file: TOML in, a validated `Deployment` (pdkv.deploy.plan.schema) out, every problem one
 ConfigError naming the file.
 """
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import msgspec
 
-from pdkv.deploy.fleet import check_hosts
-from pdkv.deploy.schema import Deployment
+from pdkv.deploy.plan.fleet import check_hosts
+from pdkv.deploy.plan.schema import Deployment
 from pdkv.errors import ConfigError
 from pdkv.transport import TRANSPORTS
 

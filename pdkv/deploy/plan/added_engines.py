@@ -1,27 +1,27 @@
-"""What an autoscaled deployment runs beyond its file (pure): the parts of an engine added to a role, how many to
-start or drain for a desired count, and how long a scale step that failed waits before it is tried again.
+"""What an autoscaled deployment runs beyond its file (pure): `[autoscale]` checked for `pdkv up -f`, and the table
+and parts of each engine it may add to a role. When to add or drain one is the run's (pdkv.deploy.run.autoscaler,
+by the rules of pdkv.deploy.run.scale_policy).
 
 Slot k of a role is the engine named `prefill-k` / `decode-k`: the tables the
 file lists are slots 0..n-1; an added engine takes the next slot, with the
-role's first table's settings, the ports pdkv.deploy.ports reserved for that
+role's first table's settings, the ports pdkv.deploy.plan.ports reserved for that
 slot (its HTTP port, KV events, side channel and, for a prefill with a
 standalone bootstrap, a bootstrap server of its own), and its cores or GPUs
-from `[autoscale.ROLE]` (pdkv.deploy.schema.RoleBounds). Every engine joins
+from `[autoscale.ROLE]` (pdkv.deploy.plan.schema.RoleBounds). Every engine joins
 the first prefill's members registry, as the listed ones do, so the proxy
 routes to it without a restart.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 
-from pdkv.deploy.engine import parse_cores
-from pdkv.deploy.ports import EngineSlot, PortAllocation, Role
-from pdkv.deploy.schema import Deployment, EngineEntry
-from pdkv.deploy.topology import Part, slot_parts
+from pdkv.deploy.plan.cores import least_bound_cores, parse_cores
+from pdkv.deploy.plan.ports import EngineSlot, PortAllocation, Role
+from pdkv.deploy.plan.schema import Deployment, EngineEntry
+from pdkv.deploy.plan.topology import Part, slot_parts
 from pdkv.errors import ConfigError
 from pdkv.planner import load_profile
 
@@ -55,7 +55,7 @@ def autoscaled(dep: Deployment, file: str | Path) -> tuple[Deployment, list[str]
 
 def added_entry(dep: Deployment, role: Role, added: int, busy_cores: dict[int, int]) -> EngineEntry:
     """The table of the role's `added`-th added engine (0: the first beyond the file's): the role's first table
-    with its own cores (CPU) or GPUs; its ports are its slot's (pdkv.deploy.ports). `busy_cores`: engines bound
+    with its own cores (CPU) or GPUs; its ports are its slot's (pdkv.deploy.plan.ports). `busy_cores`: engines bound
     to each core now."""
     assert dep.autoscale is not None
     template = (dep.prefill if role == "prefill" else dep.decode)[0]
@@ -72,52 +72,10 @@ def added_entry(dep: Deployment, role: Role, added: int, busy_cores: dict[int, i
     return msgspec.structs.replace(entry, gpu=bounds.gpu[added % len(bounds.gpu)])
 
 
-def least_bound_cores(busy: dict[int, int], want: int) -> str:
-    """`want` cores of this host with the fewest engines bound to them (the higher-numbered first on a tie: core
-    0 takes the system's own work), as an omp_bind value."""
-    cores = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
-    chosen = sorted(sorted(cores, key=lambda c: (busy.get(c, 0), -c))[: max(1, want)])
-    return ",".join(map(str, chosen))
-
-
 def added_slot_parts(dep: Deployment, ports: PortAllocation, role: Role, index: int, entry: EngineEntry) -> list[Part]:
-    """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.ports):
+    """The parts of `role`'s slot `index` running `entry` on the ports `ports` reserved for it (pdkv.deploy.plan.ports):
     [bootstrap, prefill] (standalone bootstrap) or [engine]. ConfigError for a slot past the role's max."""
     name = f"{role}-{index}"
     if name not in ports.slots:
         raise ConfigError(f"{name} is past [autoscale.{role}] max: no ports are reserved for it")
     return slot_parts(dep, EngineSlot(role, index, entry, added=True), ports)
-
-
-def scale_steps(desired: int, active: int, bounds: tuple[int, int]) -> int:
-    """Engines to start (> 0) or drain (< 0) to bring `active` (running or starting) to `desired` within `bounds`."""
-    lo, hi = bounds
-    target = min(hi, max(lo, desired))
-    return target - active
-
-
-class RetryBackoff:
-    """When a role's scale step that failed (an added engine that could not start, or died) is tried again: after
-    `initial_s`, doubling with each failure in a row up to `max_s`; a step that serves resets it. Pure: the caller
-    owns the clock. Not thread-safe: the autoscaler's watch thread owns it."""
-
-    def __init__(self, initial_s: float = 10.0, max_s: float = 300.0) -> None:
-        if not 0 < initial_s <= max_s:
-            raise ValueError("retry backoff needs 0 < initial_s <= max_s")
-        self.initial_s, self.max_s = initial_s, max_s
-        self.failures = 0  # failed steps in a row
-        self.not_before = 0.0
-
-    def failed(self, now: float) -> float:
-        """Record a failed step at `now`; the seconds until the next may start."""
-        delay = min(self.max_s, self.initial_s * 2**self.failures)
-        self.failures += 1
-        self.not_before = now + delay
-        return delay
-
-    def served(self) -> None:
-        """The step's engine is serving: the next failure waits `initial_s` again."""
-        self.failures = 0
-
-    def due(self, now: float) -> bool:
-        return now >= self.not_before

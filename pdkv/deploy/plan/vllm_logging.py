@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from pdkv.deploy.topology import Part
+    from pdkv.deploy.plan.topology import Part
 
 CONFIG_NAME = "vllm-logging.json"
 SHUTDOWN_LOGGER = "vllm.entrypoints.launchers.launcher"

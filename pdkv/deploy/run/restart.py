@@ -19,11 +19,11 @@ from __future__ import annotations
 import signal
 from collections import deque
 from enum import StrEnum
-from typing import Literal
 
 import msgspec
 
-RestartMode = Literal["on-failure", "no"]
+from pdkv.deploy.plan import RestartMode
+
 RESTART_MODES: tuple[str, ...] = ("on-failure", "no")
 
 

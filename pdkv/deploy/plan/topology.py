@@ -1,8 +1,11 @@
 """The launch of every part of a deployment (pure, but for asking which address is routable): from a
-`Deployment` (pdkv.deploy.schema) to its `Part`s, and the built-in local 1P1D.
+`Deployment` (pdkv.deploy.plan.schema) to its `Part`s, the built-in local 1P1D, and the one engine `pdkv up
+--role` starts from flags. The bootstrap server's and the proxy's command lines are built here too
+(`bootstrap_args`, `proxy_args`: `pdkv k8s render` uses them as well); an engine's comes from
+pdkv.deploy.plan.engine.
 
 Order of parts: bootstrap server(s), prefill engines, decode engines, proxy.
-Every port comes from pdkv.deploy.ports, the one allocator (the engines
+Every port comes from pdkv.deploy.plan.ports, the one allocator (the engines
 `[autoscale]` may add have theirs there too). Each prefill gets its own bootstrap: vLLM's registry holds one engine per
 DP rank, so two prefills sharing one would refuse each other.
 """
@@ -10,28 +13,18 @@ DP rank, so two prefills sharing one would refuse each other.
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
-from pdkv.deploy.args import bootstrap_args, check_one_instance_per_table, planner_args, proxy_args
-from pdkv.deploy.engine import (
-    Connector,
-    EngineSpec,
-    Launch,
-    bootstrap_address,
-    connect_host,
-    engine_launch,
-    http_url,
-    joining,
-    kv_events_endpoints,
-)
-from pdkv.deploy.fleet import host_address
-from pdkv.deploy.machine import rdma_devices
-from pdkv.deploy.ports import EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
-from pdkv.deploy.restart import RestartMode
-from pdkv.deploy.schema import BootstrapEntry, Deployment, EngineEntry, ProxyEntry
+from pdkv.deploy.plan.engine import Connector, EngineSpec, engine_launch, joining, kv_events_endpoints
+from pdkv.deploy.plan.fleet import host_address
+from pdkv.deploy.plan.launch import Launch, bootstrap_address, connect_host, http_url
+from pdkv.deploy.plan.machine import rdma_devices
+from pdkv.deploy.plan.ports import ANY_ADDRESS, EngineSlot, PortAllocation, PortUse, allocate_ports, engine_slots
+from pdkv.deploy.plan.schema import AutoscaleEntry, BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode
+from pdkv.errors import ConfigError, UsageError
 from pdkv.peer_address import advertised_address
 from pdkv.tinymodel import tiny_model_path
 from pdkv.transport import TransportName
@@ -50,7 +43,7 @@ class Part(msgspec.Struct, frozen=True):
 
     kind: PartKind
     launch: Launch
-    ports: list[PortUse]  # its HTTP port first (pdkv.deploy.ports)
+    ports: list[PortUse]  # its HTTP port first (pdkv.deploy.plan.ports)
     bootstrap_url: str | None = None
     spec: EngineSpec | None = None
     restart: RestartMode = "on-failure"
@@ -111,6 +104,41 @@ def local_deployment(
 
 def _pdkv_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "pdkv", *args]
+
+
+def bootstrap_args(host: str, port: int) -> list[str]:
+    """`pdkv bootstrap`'s arguments for a standalone server (here and in Kubernetes, pdkv.k8s)."""
+    return ["bootstrap", "--host", host, "--port", str(port)]
+
+
+def proxy_args(dep: Deployment, host: str) -> list[str]:
+    """`pdkv proxy`'s arguments before its backends (--prefill/--decode, or --members) and the file's extra_args."""
+    assert dep.proxy is not None
+    argv = ["proxy", "--host", host, "--port", str(dep.proxy.port), "--connector", dep.connector]
+    if dep.proxy.policy is not None:
+        argv += ["--policy", dep.proxy.policy]
+    if dep.proxy.local_prefill_tokens is not None:
+        argv += ["--local-prefill-tokens", str(dep.proxy.local_prefill_tokens)]
+    return argv
+
+
+def planner_args(a: AutoscaleEntry) -> list[str]:
+    """`pdkv proxy`'s flags that run the planner's signal with `[autoscale]`'s targets, bounds and waits."""
+    return ["--planner-profile", a.profile, "--slo", f"ttft={a.ttft_ms:g},itl={a.itl_ms:g}", "--slo-quantile", f"{a.quantile:g}",
+            "--planner-interval", f"{a.interval_s:g}",
+            "--planner-bounds", f"prefill={a.prefill.min}:{a.prefill.max},decode={a.decode.min}:{a.decode.max}",
+            "--planner-waits", f"up={a.up_after_s:g},down={a.down_after_s:g},margin={a.down_margin:g}"]
+
+
+def check_one_instance_per_table(dep: Deployment) -> None:
+    """`pdkv up` starts each [[prefill]]/[[decode]] table once; `replicas` above 1 is Kubernetes' (pdkv k8s render)."""
+    for role, entries in (("prefill", dep.prefill), ("decode", dep.decode)):
+        for i, e in enumerate(entries):
+            if e.replicas != 1:
+                raise ConfigError(
+                    f"[[{role}]] {i + 1} has replicas = {e.replicas}: pdkv up starts one engine per table",
+                    hint="write one table per engine (each its own port and GPU), or render it for Kubernetes: pdkv k8s render -f FILE",
+                )
 
 
 def engine_spec(
@@ -222,8 +250,8 @@ def slot_parts(dep: Deployment, slot: EngineSlot, ports: PortAllocation) -> list
 
 def deployment_parts(dep: Deployment) -> list[Part]:
     """Every process of `dep` (bootstraps, prefills, decodes, proxy: the order they start in), with its exact
-    command and environment, on the ports pdkv.deploy.ports gives it. The engines `[autoscale]` may add are not
-    among them (pdkv.deploy.scaling starts them)."""
+    command and environment, on the ports pdkv.deploy.plan.ports gives it. The engines `[autoscale]` may add are not
+    among them (pdkv.deploy.plan.added_engines starts them)."""
     check_one_instance_per_table(dep)
     ports = allocate_ports(dep)
     listed = [slot_parts(dep, s, ports) for s in engine_slots(dep) if not s.added]
@@ -247,7 +275,7 @@ def deployment_parts(dep: Deployment) -> list[Part]:
                 host = p.launch.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
                 pub, replay = kv_events_endpoints(host, p.spec.kv_events_port)
                 argv += ["--kv-events", f"{p.launch.url}={pub},{replay}"]
-        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.autoscale)
+        if dep.autoscale is not None and not dep.hosts:  # the proxy runs the signal `pdkv up` scales by (pdkv.deploy.run.autoscaler)
             argv += planner_args(dep.autoscale)
         proxy_at = host_address(dep, dep.proxy.host) or connect_host(dep.host)
         launch = Launch(name="proxy", argv=_pdkv_argv(*argv, *dep.proxy.extra_args), env={}, url=http_url(proxy_at, dep.proxy.port))
@@ -263,3 +291,28 @@ def external_bootstraps(dep: Deployment) -> list[str]:
     for url in urls:
         bootstrap_address(url)  # validates the form
     return sorted(set(urls))
+
+
+# --- one engine by role (`pdkv up --role`) -------------------------------------
+
+
+def role_parts(role: str, members: str | None = None, **kw: Any) -> tuple[list[Part], list[str]]:
+    """One P or D engine started by flags (`pdkv up --role`), joining `members` when given; and the bootstraps it names."""
+    if role not in ("prefill", "decode"):
+        raise UsageError(f"unknown role {role!r}", hint="use --role prefill or --role decode")
+    if kw["bootstrap_url"] and role == "decode":
+        raise UsageError("--bootstrap is for prefill engines", hint="decode engines learn the bootstrap from the proxy's request")
+    spec = EngineSpec(role=role, **kw)  # type: ignore[arg-type]
+    launch = engine_launch(spec, name=role)
+    if members:
+        if spec.connector != "pdkv":
+            raise UsageError("--members needs pdkv's connector",
+                             hint="vLLM's MooncakeConnector joins no members registry; list it in the proxy")
+        from pdkv.proxy import parse_decode  # the proxy's parser of a URL; imported only for --members
+
+        reached = launch.url if spec.host not in ("0.0.0.0", "::", "") else http_url(launch.env["VLLM_HOST_IP"], spec.port)
+        launch = joining(launch, parse_decode(members), reached)
+    ports = [PortUse(role, "HTTP", spec.host, spec.port, "--port")]
+    if role == "prefill" and not spec.bootstrap_url and spec.bootstrap_port is not None:
+        ports.append(PortUse(role, "bootstrap", ANY_ADDRESS, spec.bootstrap_port, "--bootstrap-port"))
+    return [Part(kind=role, launch=launch, ports=ports, spec=spec)], [spec.bootstrap_url] if spec.bootstrap_url else []

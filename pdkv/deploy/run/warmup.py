@@ -19,7 +19,7 @@ from pdkv.errors import RemoteError, StartError, TimeoutError_, UnreachableError
 from pdkv.proxy_api import ProxyClient
 
 if TYPE_CHECKING:
-    from pdkv.deploy.topology import Part
+    from pdkv.deploy.plan import Part
 
 WARMUP_PROMPT = "Warm-up: the bootstrap, the side channel and the transport make first contact."
 WARMUP_TIMEOUT_S = 120.0
