@@ -217,6 +217,9 @@ class UpstreamPool:
         except OSError as exc:
             exchange.fail(UpstreamError("connect", f"cannot connect to {self.origin}: {exc.strerror or exc}"))
             return
+        if conn.closed:  # the backend closed it between accepting and this request (one that was just killed)
+            exchange.fail(UpstreamError("connect", f"{self.origin} closed the connection before the request was sent"))
+            return
         self._open.add(conn)
         if exchange.finished:  # cancelled while connecting
             self.release(conn, True)
