@@ -7,7 +7,6 @@ import pytest
 from pdkv.errors import TransferError
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import parse_session, split
-from pdkv.transport.sockets.streams import chunked
 
 
 def test_a_head_is_read_back_and_anything_else_is_refused():
@@ -88,7 +87,6 @@ def test_a_transfer_splits_into_nearly_equal_shares_in_order():
     assert sum(n for _, _, n in flat) == 12 << 20
     # Few bytes: one connection carries them.
     assert split([(0, 0, 4096), (8192, 8192, 4096)], 4) == [[(0, 0, 4096), (8192, 8192, 4096)]]
-    assert chunked([(0, 10), (100, 3)], 4) == [(0, 4), (4, 4), (8, 2), (100, 3)]
 
 
 def test_session_addresses():

@@ -1,11 +1,7 @@
-"""Moving a write's bytes between memory and a socket: host memory straight through memoryviews, GPU memory through
-pinned host buffers of the transport's own, double-buffered on a CUDA stream of its own.
+"""Moving a write's bytes between host memory and a socket, straight through memoryviews (GPU memory: staging.py).
 
-Host memory: P sends memoryviews of its KV (sendmsg, no copy in Python) and D receives into memoryviews of its KV
-(recvmsg_into), up to IOV_MAX ranges a call: the kernel's copies are the only ones. GPU memory: each range is cut
-into chunks of `chunk_bytes`; P copies chunk k+1 out of the GPU while chunk k is on the wire, D copies chunk k into
-the GPU while chunk k+1 arrives.
-torch is imported only when a transport stages GPU memory.
+P sends memoryviews of its KV (sendmsg, no copy in Python) and D receives into memoryviews of its KV
+(recvmsg_into), up to IOV_MAX ranges a call: the kernel's copies are the only ones.
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ from typing import Any
 from pdkv.errors import TransferError
 
 IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
-DEFAULT_CHUNK_BYTES = 8 << 20  # one staging buffer; two per connection and side
 
 
 def host_view(addr: int, length: int) -> memoryview:
@@ -79,15 +74,6 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         i = _advance(pending, i, k)
 
 
-def chunked(ranges: Sequence[tuple[int, int]], chunk: int) -> list[tuple[int, int]]:
-    """`ranges` cut into pieces of at most `chunk` bytes, in order."""
-    out: list[tuple[int, int]] = []
-    for addr, length in ranges:
-        for off in range(0, length, chunk):
-            out.append((addr + off, min(chunk, length - off)))
-    return out
-
-
 class HostMemory:
     """Ranges of this process's host memory, sent and received in place."""
 
@@ -99,71 +85,6 @@ class HostMemory:
 
     def close(self) -> None:
         pass
-
-
-class _CudaSpan:
-    """`length` bytes of GPU memory at `addr`, for torch.as_tensor (the CUDA array interface, no copy)."""
-
-    def __init__(self, addr: int, length: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False), "version": 3}
-
-
-class CudaStaging:
-    """Ranges of GPU memory, sent and received through two pinned host buffers on a stream of the staging's own.
-
-    One per connection (the buffers are the connection's): not shared between threads.
-    """
-
-    def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
-        import torch
-
-        self._torch = torch
-        self.device = device
-        self.chunk = chunk_bytes
-        torch.cuda.set_device(device)
-        self._stream = torch.cuda.Stream(device=device)
-        self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self._views = [host_view(int(b.data_ptr()), chunk_bytes) for b in self._buffers]
-        self._events = [torch.cuda.Event() for _ in range(2)]
-
-    def _span(self, addr: int, length: int) -> Any:
-        return self._torch.as_tensor(_CudaSpan(addr, length), device=f"cuda:{self.device}")
-
-    def _copy(self, i: int, dst: Any, src: Any) -> None:
-        with self._torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            self._events[i % 2].record(self._stream)
-
-    def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        """Copy chunk k+1 out of the GPU while chunk k goes out on `sock`."""
-        pieces = chunked(ranges, self.chunk)
-        for i in range(min(2, len(pieces))):
-            self._copy_out(i, pieces[i])
-        for i, (_, n) in enumerate(pieces):
-            self._events[i % 2].synchronize()
-            sock.sendall(self._views[i % 2][:n])
-            if i + 2 < len(pieces):
-                self._copy_out(i + 2, pieces[i + 2])
-
-    def _copy_out(self, i: int, piece: tuple[int, int]) -> None:
-        addr, n = piece
-        self._copy(i, self._buffers[i % 2][:n], self._span(addr, n))
-
-    def receive(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        """Copy chunk k into the GPU while chunk k+1 arrives on `sock`; return once every byte is in GPU memory."""
-        try:
-            for i, (addr, n) in enumerate(chunked(ranges, self.chunk)):
-                if i >= 2:
-                    self._events[i % 2].synchronize()  # the buffer's last copy into the GPU is done
-                recv_exact_into(sock, self._views[i % 2][:n])
-                self._copy(i, self._span(addr, n), self._buffers[i % 2][:n])
-        finally:
-            self._stream.synchronize()
-
-    def close(self) -> None:
-        self._stream.synchronize()
-        self._buffers.clear()
-        self._views.clear()
 
 
 def read_frame(sock: socket.socket, expect: Sequence[Any]) -> tuple[Any, bytes]:

@@ -21,7 +21,8 @@ from pdkv.transport.descriptor_writes import DescriptorWrites
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
-from pdkv.transport.sockets.streams import DEFAULT_CHUNK_BYTES, HostMemory
+from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES
+from pdkv.transport.sockets.streams import HostMemory
 
 DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
 # Each connection's socket buffer (the kernel doubles it): small enough that a write's bytes stay in the CPU's caches
@@ -85,7 +86,7 @@ class SocketTransport(DescriptorWrites):
     def _memory(self) -> Any:
         if self.gpu is None:
             return HostMemory()
-        from pdkv.transport.sockets.streams import CudaStaging
+        from pdkv.transport.sockets.staging import CudaStaging
 
         return CudaStaging(self.gpu, self.chunk_bytes)
 
