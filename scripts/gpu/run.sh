@@ -223,7 +223,7 @@ for c in r["cases"]:
           f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
 PYEOF
     # pdkv's socket transport on GPU memory (staged through pinned buffers) against Mooncake tcp, same run, same bytes.
-    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout contiguous \
+    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout all \
         --baseline --iters 30 --json > "$AUX/bench-socket.json" 2> "$AUX/bench-socket.stderr" || rc=1
     $PY - "$AUX/bench-socket.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
