@@ -103,12 +103,15 @@ def main() -> int:
         phases = {p.name: p.p50_ms for p in summ.phases}
         write = [t.transfer.write_ms for t in got if t.transfer is not None and t.transfer.write_ms is not None]
         gbps = [t.transfer.achieved_gbps for t in got if t.transfer is not None and t.transfer.achieved_gbps is not None]
+        # Descriptors a write: 36 (one a layer) where D's blocks lie back to back, up to 36 x 63 where they scattered.
+        descriptors = [t.transfer.descriptors for t in got if t.transfer is not None]
         fine = {f"{a} -> {b}": statistics.median(gaps) for a, b in FINE if (gaps := _gaps(got, a, b))}
         traces[name] = {"phases_p50_ms": phases, "fine_p50_ms": fine,
                         "client_ttft_p50_ms": summ.client_ttft.p50_ms if summ.client_ttft else None,
                         "write_ms_p50": statistics.median(write) if write else None,
                         "achieved_gbps_p50": statistics.median(gbps) if gbps else None,
-                        "bytes": got[-1].transfer.bytes if got[-1].transfer else None}
+                        "bytes": got[-1].transfer.bytes if got[-1].transfer else None,
+                        "descriptors": descriptors}
         print(f"\n{name}: seed request traced {args.traces}x, p50 per phase (ms):")
         for pname, ms in phases.items():
             print(f"  {pname:34} {ms:8.2f}")
@@ -116,7 +119,7 @@ def main() -> int:
         for pname, ms in fine.items():
             print(f"    {pname:40} {ms:8.2f}")
         print(f"  client TTFT p50 {traces[name]['client_ttft_p50_ms']}; KV write p50 {traces[name]['write_ms_p50']} ms "
-              f"({traces[name]['achieved_gbps_p50']} Gb/s) for {traces[name]['bytes']} B")
+              f"({traces[name]['achieved_gbps_p50']} Gb/s) for {traces[name]['bytes']} B in {descriptors} descriptors")
     if args.json:
         args.json.write_text(json.dumps({"samples": samples, "summary": summary, "traces": traces}, indent=1))
     return 0
