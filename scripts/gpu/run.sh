@@ -9,7 +9,10 @@
 #   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
 #   STEPS   any of "bench tests transport profile check kill", run in the order named (default "bench tests
-#           transport kill"); kill last: the deployments' P restart after it. profile: `pdkv profile` of the ipc
+#           transport kill"); kill last: the deployments' P restart after it. transport: tests/gpu but the
+#           deployment tests, which allocate GPU memory of their own (two D processes of 4.75 GB of KV each in
+#           test_ipc_concurrency): on an 80 GB H100 with two deployments up (71.7 GB) run them alone first
+#           (PREPARE_ONLY=1 ... then `python3 -m pytest -m gpu tests/gpu --ignore tests/gpu/test_vllm_pd.py`). profile: `pdkv profile` of the ipc
 #           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
