@@ -11,8 +11,8 @@
 #   STEPS   any of "bench tests transport profile check kill", run in the order named (default "bench tests
 #           transport kill"); kill last: the deployments' P restart after it. transport: tests/gpu but the
 #           deployment tests, which allocate GPU memory of their own (two D processes of 4.75 GB of KV each in
-#           test_ipc_concurrency): on an 80 GB H100 with two deployments up (71.7 GB) run them alone first
-#           (PREPARE_ONLY=1 ... then `python3 -m pytest -m gpu tests/gpu --ignore tests/gpu/test_vllm_pd.py`). profile: `pdkv profile` of the ipc
+#           test_ipc_concurrency): on an 80 GB H100 with two deployments up (71.7 GB) run them with no engine up,
+#           PREPARE_ONLY=1 STEPS=transport. profile: `pdkv profile` of the ipc
 #           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
@@ -25,7 +25,7 @@
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
 #           before is ready, as vLLM 0.34 measures each engine's KV cache from the memory free after its warm-up).
-#   PREPARE_ONLY=1  unpack and write the weights, then stop.
+#   PREPARE_ONLY=1  unpack and write the weights, run the transport step if STEPS names it, then stop.
 #   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
 #           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
 #           With ATTACH=1, a running deployment DEPLOYMENTS does not name is stopped first and one it names that is not
@@ -104,7 +104,15 @@ if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if h
         || { say "model: writing the weights failed"; exit 3; }
 fi
 say "model ready ($(elapsed))"
-[ "${PREPARE_ONLY:-0}" = 1 ] && exit 0  # unpack and weights only (a command of its own where each is bounded)
+step_transport() {
+    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$OUT/tests-transport.log" 2>&1 || rc=1
+    say "transport tests: $(tail -n 1 "$OUT/tests-transport.log") ($(elapsed))"
+}
+rc=0
+if [ "${PREPARE_ONLY:-0}" = 1 ]; then  # unpack and weights only (a command of its own where each is bounded),
+    [[ " $STEPS " == *" transport "* ]] && step_transport  # and the transport tests while no engine holds the GPU
+    exit $rc
+fi
 
 FILES="$WORK/deployments"
 $PY -m tests.gpu.deployments "$WORK/model" "$FILES" > /dev/null
@@ -243,10 +251,6 @@ PYEOF
 step_kill() {
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_vllm_pd.py -k "killed" > "$OUT/tests-kill.log" 2>&1 || rc=1
     say "kill tests: $(tail -n 1 "$OUT/tests-kill.log") ($(elapsed))"
-}
-step_transport() {
-    $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$AUX/tests-transport.log" 2>&1 || rc=1
-    say "transport tests: $(tail -n 1 "$AUX/tests-transport.log") ($(elapsed))"
 }
 step_profile() {
     local p d kv gpu profile="$OUT/qwen3-8b.profile.json"
