@@ -6,14 +6,13 @@ import concurrent.futures
 import contextlib
 import hashlib
 import multiprocessing as mp
-import os
-import signal
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from support.stopping import stop_process
 
 from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport import Descriptor, Transport, check_mooncake_transport, link_gbps_of, open_transport, plan_descriptors
@@ -160,7 +159,10 @@ def test_a_peer_that_answered_once_then_stops_is_bounded_too():
         p.register([(src.ctypes.data, src.nbytes)])
         p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
         p.write(peer, [Descriptor(src.ctypes.data, dst_base + 4096, 4096)])
-        os.kill(proc.pid, signal.SIGSTOP)
+        # Every thread stopped, not only signalled: until then its io thread can still take the write
+        # and acknowledge it. A 4 KiB write fits the socket's buffers; it is Mooncake's acknowledgment
+        # (sent once the bytes are in the peer's memory) that a stopped peer cannot give.
+        stop_process(proc.pid)
         start = time.monotonic()
         with pytest.raises(TransferError, match="no answer within 1 s"):
             p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
@@ -288,7 +290,7 @@ def test_a_stalled_peer_does_not_delay_writes_to_another():
         p.register([(src.ctypes.data, src.nbytes)])
         d.register([(dst.ctypes.data, dst.nbytes)])
         p.write(stalled, [Descriptor(src.ctypes.data, stalled_base, 4096)])  # it answered once
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop_process(proc.pid)
         healthy_s: list[float] = []
 
         def to_stalled() -> None:
