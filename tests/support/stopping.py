@@ -33,3 +33,8 @@ def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP `pid` and return once every one of its threads is stopped (state T); AssertionError after `timeout` s."""
     os.kill(pid, signal.SIGSTOP)
     wait_for(lambda: set(thread_states(pid)) == {"T"}, timeout, f"every thread of process {pid} to stop", interval=0.001)
+
+
+def resume_process(pid: int) -> None:
+    """SIGCONT `pid`."""
+    os.kill(pid, signal.SIGCONT)
