@@ -27,7 +27,11 @@ connection but never answers (a stopped process) blocks Mooncake's handshake
 for 60 s, and no `MC_*` setting shortens that read. The worker lets `write`
 raise TransferError after `write_timeout_s`; the stalled call is abandoned
 and `close()` waits for it, bounded, before unregistering memory. Until
-`close()` returns the caller must keep the source memory alive.
+`close()` returns the caller must keep the source memory alive. A write
+whose caller stopped waiting before it reached Mooncake (queued behind the
+stalled one) is never started: its caller was told it failed, and the peer
+may have given those blocks to another request since. The stalled call
+itself cannot be called back, and may land once the peer resumes.
 
 Each peer has a worker of its own, so a stalled or slow D delays only the
 writes to that D; writes to one peer run one after another, in the order
@@ -149,6 +153,8 @@ class _Worker:
             if job is None:
                 return
             fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller stopped waiting before it started: it must never start
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # handed to the waiting caller
@@ -317,6 +323,8 @@ class MooncakeTransport(DescriptorWrites, UncheckedWrites):
         try:
             rc = fut.result(timeout=bound)
         except FutureTimeout:
+            # A write still queued behind a stalled one is dropped; one already in Mooncake's hands may yet land.
+            fut.cancel()
             with self._lock:
                 # The stalled worker finishes (or times out inside Mooncake) on its own; later writes get a fresh one.
                 if self._workers.get(peer) is worker:

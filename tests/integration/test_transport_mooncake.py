@@ -6,14 +6,13 @@ import concurrent.futures
 import contextlib
 import hashlib
 import multiprocessing as mp
-import os
-import signal
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from support.stopping import resume_process, stop_process
 
 from pdkv.errors import StartError, TransferError, UsageError
 from pdkv.transport import Descriptor, Transport, check_mooncake_transport, link_gbps_of, open_transport, plan_descriptors
@@ -160,11 +159,43 @@ def test_a_peer_that_answered_once_then_stops_is_bounded_too():
         p.register([(src.ctypes.data, src.nbytes)])
         p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
         p.write(peer, [Descriptor(src.ctypes.data, dst_base + 4096, 4096)])
-        os.kill(proc.pid, signal.SIGSTOP)
+        # Every thread stopped, not only signalled: until then its io thread can still take the write
+        # and acknowledge it. A 4 KiB write fits the socket's buffers; it is Mooncake's acknowledgment
+        # (sent once the bytes are in the peer's memory) that a stopped peer cannot give.
+        stop_process(proc.pid)
         start = time.monotonic()
         with pytest.raises(TransferError, match="no answer within 1 s"):
             p.write(peer, [Descriptor(src.ctypes.data, dst_base, 4096)])
         assert time.monotonic() - start < 3
+
+
+def test_a_write_that_timed_out_before_it_started_never_starts():
+    # Two writes to a stopped peer: one in Mooncake's hands, one queued behind it; both callers are told they
+    # failed. Once the peer resumes, the write in flight lands (it cannot be called back), but the queued one
+    # must not run: its caller has been told it failed, and D may have given those blocks to another request.
+    with target_process() as (parent, proc, peer, dst_base), MooncakeTransport(settings=QUIET, write_timeout_s=1.0) as p:
+        src = np.ones(2 * BL, dtype=np.uint8)
+        p.register([(src.ctypes.data, src.nbytes)])
+        p.write(peer, [Descriptor(src.ctypes.data, dst_base, BL)])  # block 0: it answered once
+        stop_process(proc.pid)
+        try:
+            outcomes = _concurrently([lambda b=b: p.write(peer, [Descriptor(src.ctypes.data, dst_base + b * BL, BL)]) for b in (1, 2)])
+            assert all(isinstance(e, TransferError) and "no answer" in e.message for e in outcomes), outcomes
+        finally:
+            resume_process(proc.pid)
+        p.close()  # joins the abandoned worker: whatever it was going to run has run
+        parent.send([0, 1, 2])
+        assert parent.poll(30)
+        landed = parent.recv()
+
+    def digest(blocks: tuple[int, ...]) -> str:
+        mem = np.zeros(LAYERS * BLOCKS * BL, dtype=np.uint8)
+        for b in blocks:
+            mem[b * BL : (b + 1) * BL] = 1  # layer 0's block b
+        return hashlib.sha256(spans(mem, layer_regions(mem), [0, 1, 2])).hexdigest()
+
+    assert landed != digest((0, 1, 2)), "the write queued behind the stalled one ran after its caller was told it failed"
+    assert landed in (digest((0, 1)), digest((0, 2)))
 
 
 def test_a_rejected_write_after_an_answered_one_fails_and_the_next_lands(pair):
@@ -288,7 +319,7 @@ def test_a_stalled_peer_does_not_delay_writes_to_another():
         p.register([(src.ctypes.data, src.nbytes)])
         d.register([(dst.ctypes.data, dst.nbytes)])
         p.write(stalled, [Descriptor(src.ctypes.data, stalled_base, 4096)])  # it answered once
-        os.kill(proc.pid, signal.SIGSTOP)
+        stop_process(proc.pid)
         healthy_s: list[float] = []
 
         def to_stalled() -> None:
