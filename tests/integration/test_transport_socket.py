@@ -259,10 +259,12 @@ def test_a_connection_cut_mid_transfer_fails_that_transfer_at_once(source):
         d.close()
 
 
-def test_many_small_ranges_land_whole_however_the_bytes_arrive():
+@pytest.mark.parametrize("bound", ["kernel", "python"])
+def test_many_small_ranges_land_whole_however_the_bytes_arrive(bound: str):
     # D receives scattered blocks with one recvmsg_into per up to IOV_MAX ranges: the bytes come in pieces that end
-    # anywhere inside a range, and more ranges than one call takes.
-    from pdkv.transport.sockets.streams import IOV_MAX, recv_views
+    # anywhere inside a range, and more ranges than one call takes; on a blocking socket bounded by the kernel (the
+    # transport's) and on one with a Python timeout alike.
+    from pdkv.transport.sockets.streams import IOV_MAX, bound_waits, recv_views
 
     rng = np.random.default_rng(7)
     sizes = [int(n) for n in rng.integers(1, 300, size=IOV_MAX + 500)]
@@ -274,7 +276,10 @@ def test_many_small_ranges_land_whole_however_the_bytes_arrive():
         off += n + 2
     a, b = socket.socketpair()
     with a, b:
-        b.settimeout(10)
+        if bound == "kernel":
+            bound_waits(b, 10)
+        else:
+            b.settimeout(10)
 
         def send() -> None:
             pos = 0
@@ -304,3 +309,52 @@ def test_a_peer_that_closes_mid_range_fails_the_receive():
         a.close()
         with pytest.raises(TransferError, match="closed after 100 of 150 bytes"):
             recv_views(b, [memoryview(bytearray(50)), memoryview(bytearray(100))])
+
+
+def test_a_bounded_wait_ends_at_its_bound_and_a_shutdown_ends_it_at_once():
+    """The transport's sockets block in the kernel (bound_waits): a receive from a silent peer and a send to a peer
+    that reads nothing fail at their bound; a receive blocked mid-range ends as soon as another thread shuts the
+    socket down (what P's abort and D's close do)."""
+    from pdkv.transport.sockets.streams import WAIT_EXPIRED, bound_waits, recv_views, send_views
+
+    a, b = socket.socketpair()
+    with a, b:
+        bound_waits(b, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(WAIT_EXPIRED):
+            recv_views(b, [memoryview(bytearray(10))])
+        assert 0.25 < time.monotonic() - t0 < 3
+        bound_waits(a, 0.3)
+        t0 = time.monotonic()
+        with pytest.raises(WAIT_EXPIRED):
+            send_views(a, [memoryview(bytearray(64 << 20))])  # far more than both socket buffers hold
+        assert time.monotonic() - t0 < 5
+    a, b = socket.socketpair()
+    with a, b:
+        bound_waits(b, 30)
+        a.sendall(b"x" * 10)
+        outcome: dict[str, object] = {}
+
+        def receive() -> None:
+            outcome["tid"] = threading.get_native_id()
+            try:
+                recv_views(b, [memoryview(bytearray(100))])
+            except TransferError as exc:
+                outcome["error"] = exc
+
+        def asleep_in_the_kernel() -> bool:  # waiting for bytes (not for the GIL, not yet running)
+            try:
+                with open(f"/proc/self/task/{outcome['tid']}/wchan") as f:
+                    where = f.read()
+            except (KeyError, OSError):
+                return False
+            return where not in ("", "0") and "futex" not in where
+
+        th = threading.Thread(target=receive, daemon=True)
+        th.start()
+        wait_for(asleep_in_the_kernel, 10, "the receive to block in the kernel")
+        t0 = time.monotonic()
+        b.shutdown(socket.SHUT_RDWR)
+        th.join(5)
+        assert not th.is_alive() and time.monotonic() - t0 < 2
+        assert "closed after 10 of 100 bytes" in str(outcome.get("error"))

@@ -21,7 +21,7 @@ from typing import Any
 
 from pdkv.errors import TransferError
 from pdkv.transport.sockets import wire
-from pdkv.transport.sockets.streams import read_frame
+from pdkv.transport.sockets.streams import WAIT_EXPIRED, bound_waits, read_frame
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def dial(host: str, port: int, session_id: bytes, key: bytes, timeout_s: float, 
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
-        sock.settimeout(timeout_s)
+        bound_waits(sock, timeout_s)
         p_nonce = secrets.token_bytes(wire.NONCE_BYTES)
         sock.sendall(wire.frame(wire.Kind.HELLO, wire.HELLO.pack(session_id, p_nonce)))
         kind, body = read_frame(sock, (wire.Kind.CHALLENGE, wire.Kind.REFUSE))
@@ -177,7 +177,6 @@ class Lane:
 
     def _write(self, key: str, share: list[tuple[int, int, int]]) -> int:
         sock = self._socket()
-        sock.settimeout(self.timeout_s)
         frames = [share[i : i + wire.MAX_RANGES] for i in range(0, len(share), wire.MAX_RANGES)]
         first = self._seq
         try:
@@ -195,7 +194,7 @@ class Lane:
                 if seq != first + 1 + i:
                     raise TransferError(f"decode acknowledged write {seq}, {first + 1 + i} was due")
                 landed += nbytes
-        except TimeoutError:
+        except WAIT_EXPIRED:
             raise TransferError(f"decode's socket listener made no progress within {self.timeout_s:g} s",
                                 hint="is the decode process stopped or overloaded?") from None
         except (OSError, wire.FrameError) as exc:

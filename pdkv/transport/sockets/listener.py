@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pdkv.auth import RefusalLog
 from pdkv.errors import StartError, TransferError
 from pdkv.transport.sockets import wire
-from pdkv.transport.sockets.streams import HostMemory, read_frame, recv_exact
+from pdkv.transport.sockets.streams import WAIT_EXPIRED, HostMemory, bound_waits, read_frame, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SocketListener:
         memory = None
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.handshake_timeout_s)
+            bound_waits(conn, self.handshake_timeout_s)
             if not self._handshake(conn, peer):
                 return
             memory = self._memory()
@@ -132,14 +132,14 @@ class SocketListener:
 
     def _one_write(self, conn: socket.socket, peer: str, memory) -> bool:
         """Serve one WRITE frame; False when the connection ends (idle too long, closed, refused)."""
-        conn.settimeout(self.idle_timeout_s)
+        bound_waits(conn, self.idle_timeout_s)
         try:
             first = conn.recv(1)
-        except TimeoutError:
+        except WAIT_EXPIRED:
             return False
         if not first:
             return False
-        conn.settimeout(self.progress_timeout_s)
+        bound_waits(conn, self.progress_timeout_s)
         try:
             _, length = wire.read_head(first + recv_exact(conn, wire.HEAD.size - 1), (wire.Kind.WRITE,))
             seq, key, ranges = wire.parse_write(recv_exact(conn, length))

@@ -1,19 +1,46 @@
 """Moving a write's bytes between host memory and a socket, straight through memoryviews (GPU memory: staging.py).
 
 P sends memoryviews of its KV (sendmsg, no copy in Python) and D receives into memoryviews of its KV
-(recvmsg_into), up to IOV_MAX ranges a call: the kernel's copies are the only ones.
+(recvmsg_into), up to IOV_MAX ranges a call: the kernel's copies are the only ones. The sockets block, each wait
+bounded by the kernel (`bound_waits`), so one call moves all the bytes it was given rather than one socket buffer's
+worth.
 """
 
 from __future__ import annotations
 
 import ctypes
 import socket
+import struct
 from collections.abc import Sequence
 from typing import Any
 
 from pdkv.errors import TransferError
 
 IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
+# What a send or receive call raises when its bound passed with no byte moved: TimeoutError on a socket with a Python
+# timeout, BlockingIOError (EAGAIN) on one bounded by the kernel (bound_waits).
+WAIT_EXPIRED = (TimeoutError, BlockingIOError)
+
+
+def bound_waits(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` block, each send or receive call on it waiting at most `seconds` (SO_SNDTIMEO, SO_RCVTIMEO).
+
+    Why not `settimeout`: a socket with a Python timeout is non-blocking underneath, so every call returns once one
+    socket buffer's worth has moved and a poll() comes before the next: hundreds of calls, each taking the GIL, for
+    one write. A blocking call moves everything it was given (MSG_WAITALL on receive), sleeping in the kernel. A call
+    that reaches its bound returns what it moved; one that moved nothing raises BlockingIOError (see WAIT_EXPIRED).
+    A shutdown() from another thread wakes it at once.
+    """
+    if sock.gettimeout() is not None:
+        sock.settimeout(None)
+    micros = max(1, round(seconds * 1_000_000))  # a zero timeval would mean no bound at all
+    tv = struct.pack("@ll", *divmod(micros, 1_000_000))  # struct timeval
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+
+
 
 
 def host_view(addr: int, length: int) -> memoryview:
@@ -25,7 +52,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock`; TransferError when the peer closes first. The socket's timeout bounds each wait."""
     got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if k == 0:
             raise TransferError(f"the connection closed after {got} of {n} bytes")
         got += k
@@ -67,7 +94,7 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
     total, i = sum(len(v) for v in pending), 0
     got = 0
     while i < len(pending):
-        k = sock.recvmsg_into(pending[i : i + IOV_MAX])[0]
+        k = sock.recvmsg_into(pending[i : i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
         if k == 0:
             raise TransferError(f"the connection closed after {got} of {total} bytes")
         got += k
