@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 
 from pdkv.errors import TransferError
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import parse_session, split
+from pdkv.transport.sockets.streams import HostSpans
 
 
 def test_a_head_is_read_back_and_anything_else_is_refused():
@@ -87,6 +91,57 @@ def test_a_transfer_splits_into_nearly_equal_shares_in_order():
     assert sum(n for _, _, n in flat) == 12 << 20
     # Few bytes: one connection carries them.
     assert split([(0, 0, 4096), (8192, 8192, 4096)], 4) == [[(0, 0, 4096), (8192, 8192, 4096)]]
+
+
+def _split_one_range_at_a_time(ranges, lanes, min_share):
+    # The plain statement of the split, range by range, that `split` must agree with.
+    total = sum(n for _, _, n in ranges)
+    count = max(1, min(lanes, total // min_share))
+    target = -(-total // count)
+    shares, room = [[]], target
+    for src, dst, length in ranges:
+        off = 0
+        while off < length:
+            if room == 0:
+                shares.append([])
+                room = target
+            n = min(room, length - off)
+            shares[-1].append((src + off, dst + off, n))
+            off += n
+            room -= n
+    return [s for s in shares if s]
+
+
+def test_the_split_agrees_with_cutting_range_by_range_for_any_lengths():
+    rng = random.Random(5)
+    for _ in range(300):
+        ranges = [(rng.randrange(1 << 40), rng.randrange(1 << 40), rng.choice([0, 1, rng.randrange(1, 5000)]))
+                  for _ in range(rng.randrange(1, 60))]
+        lanes, min_share = rng.randint(1, 6), rng.choice([1, 100, 4096])
+        assert split(ranges, lanes, min_share) == _split_one_range_at_a_time(ranges, lanes, min_share), (ranges, lanes, min_share)
+    assert split([], 4) == [] and split([(0, 0, 0)], 4) == []
+
+
+def test_spans_find_the_first_range_outside_them():
+    spans = wire.Spans([(100, 50), (150, 50), (400, 10)])
+    assert spans.spans == [(100, 100), (400, 10)]
+    assert spans.outside([(100, 100), (400, 10), (199, 1)]) is None
+    assert spans.outside([(100, 1), (199, 2), (90, 5)]) == (199, 2)
+    assert spans.outside([(0, 1)]) == (0, 1) and spans.outside([(120, 0)]) == (120, 0)
+    assert wire.Spans().outside([(100, 1)]) == (100, 1) and wire.Spans().outside([]) is None
+
+
+def test_host_spans_give_views_of_registered_memory_and_refuse_ranges_past_it():
+    mem = np.arange(256, dtype=np.uint8)
+    base = mem.ctypes.data
+    host = HostSpans(wire.Spans([(base, 64), (base + 128, 128)]).spans)
+    a, b = host.views([(base + 10, 5), (base + 200, 56)])
+    assert bytes(a) == bytes(range(10, 15)) and bytes(b) == bytes(range(200, 256))
+    b[0] = 7  # the views are the memory, not copies
+    assert mem[200] == 7
+    for addr, n in ((base + 60, 8), (base + 64, 1), (base - 1, 1), (base + 250, 7)):
+        with pytest.raises(TransferError, match="not inside"):
+            host.views([(addr, n)])
 
 
 def test_session_addresses():

@@ -8,7 +8,9 @@ next transfer opens a new one. Writes on one connection run in the order they we
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import logging
 import queue
 import secrets
@@ -33,22 +35,31 @@ MIN_SHARE_BYTES = 1 << 20  # a transfer smaller than N of these uses fewer conne
 def split(ranges: Sequence[tuple[int, int, int]], lanes: int, min_share: int = MIN_SHARE_BYTES) -> list[list[tuple[int, int, int]]]:
     """(src, dst, length) ranges cut into at most `lanes` shares of nearly equal bytes, in order; a range is cut where
     a share ends. Fewer shares when the bytes are few (each at least `min_share`, but always one)."""
-    total = sum(n for _, _, n in ranges)
+    ranges = [r for r in ranges if r[2] > 0]
+    ends = list(itertools.accumulate(n for _, _, n in ranges))  # where each range ends in the transfer's bytes
+    total = ends[-1] if ends else 0
+    if total <= 0:
+        return []
     count = max(1, min(lanes, total // max(1, min_share)))
     target = -(-total // count)
-    shares: list[list[tuple[int, int, int]]] = [[]]
-    room = target
-    for src, dst, length in ranges:
-        off = 0
-        while off < length:
-            if room == 0:
-                shares.append([])
-                room = target
-            n = min(room, length - off)
-            shares[-1].append((src + off, dst + off, n))
-            off += n
-            room -= n
-    return [s for s in shares if s]
+    shares: list[list[tuple[int, int, int]]] = []
+    for start in range(0, total, target):
+        stop = min(total, start + target)
+        # The share is bytes [start, stop): whole ranges sliced out of the list, the two at its edges cut. Thousands
+        # of scattered blocks make thousands of ranges; only the edges are looked at one by one.
+        first, last = bisect.bisect_right(ends, start), bisect.bisect_left(ends, stop)
+        head_off = start - (ends[first] - ranges[first][2])
+        if first == last:
+            shares.append([_cut(ranges[first], head_off, stop - start)])
+            continue
+        tail_len = stop - (ends[last] - ranges[last][2])
+        head_len = ranges[first][2] - head_off
+        shares.append([_cut(ranges[first], head_off, head_len), *ranges[first + 1 : last], _cut(ranges[last], 0, tail_len)])
+    return shares
+
+
+def _cut(r: tuple[int, int, int], off: int, length: int) -> tuple[int, int, int]:
+    return r if off == 0 and length == r[2] else (r[0] + off, r[1] + off, length)
 
 
 def parse_session(session: str) -> tuple[str, int, bytes]:
@@ -183,8 +194,7 @@ class Lane:
             for part in frames:
                 self._seq += 1
                 body = wire.write_body(self._seq, key, [(dst, n) for _, dst, n in part])
-                sock.sendall(wire.frame(wire.Kind.WRITE, body))
-                self._memory.send(sock, [(src, n) for src, _, n in part])
+                self._memory.send(sock, [(src, n) for src, _, n in part], wire.frame(wire.Kind.WRITE, body))
             landed = 0
             for i in range(len(frames)):
                 kind, body = read_frame(sock, (wire.Kind.ACK, wire.Kind.REFUSE))

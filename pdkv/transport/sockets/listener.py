@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pdkv.auth import RefusalLog
 from pdkv.errors import StartError, TransferError
 from pdkv.transport.sockets import wire
-from pdkv.transport.sockets.streams import WAIT_EXPIRED, HostMemory, bound_waits, read_frame, recv_exact
+from pdkv.transport.sockets.streams import WAIT_EXPIRED, bound_waits, read_frame, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class SocketListener:
     """
 
     def __init__(
-        self, host: str, port: int, grants: wire.Grants, *, key: bytes, memory: Callable[[], object] = HostMemory,
+        self, host: str, port: int, grants: wire.Grants, *, key: bytes, memory: Callable[[], object],
         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S, progress_timeout_s: float = PROGRESS_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S, buffer_bytes: int = 0,
     ) -> None:

@@ -149,11 +149,13 @@ class CudaStaging:
             else:
                 ext.copy_(dev[off : off + n], non_blocking=True)
 
-    def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        """Gather batch k+1 out of the GPU while batch k goes out on `sock`."""
+    def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]], head: bytes = b"") -> None:
+        """`head` (a frame), then the ranges: batch k+1 is gathered out of the GPU while batch k goes out on `sock`."""
         batches = packed(ranges, self.chunk)
         for i in range(min(2, len(batches))):
             self._gather(i, batches[i])
+        if head:
+            sock.sendall(head)
         for i, batch in enumerate(batches):
             self._events[i % 2].synchronize()
             sock.sendall(self._views[i % 2][: batch_bytes(batch)])

@@ -8,10 +8,11 @@ worth.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdkv.errors import TransferError
@@ -37,8 +38,6 @@ def bound_waits(sock: socket.socket, seconds: float) -> None:
     tv = struct.pack("@ll", *divmod(micros, 1_000_000))  # struct timeval
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-
-
 
 
 
@@ -101,14 +100,44 @@ def recv_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         i = _advance(pending, i, k)
 
 
-class HostMemory:
-    """Ranges of this process's host memory, sent and received in place."""
+class HostSpans:
+    """This process's registered host memory as memoryviews, one per merged span: a range inside it becomes a view by
+    slicing, with no ctypes object per range. Immutable: the transport replaces it whole when its registration
+    changes."""
 
-    def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        send_views(sock, [host_view(a, n) for a, n in ranges])
+    def __init__(self, spans: Sequence[tuple[int, int]]) -> None:
+        """`spans`: merged (address, length) spans, sorted."""
+        self._starts = [a for a, _ in spans]
+        self._views = [host_view(a, n) for a, n in spans]
+
+    def views(self, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """A view of each (address, length); TransferError for a range not inside one registered span (memory
+        unregistered since it was checked)."""
+        out: list[memoryview] = []
+        starts, views, find = self._starts, self._views, bisect.bisect_right
+        for addr, length in ranges:
+            i = find(starts, addr) - 1
+            off = addr - starts[i] if i >= 0 else -1
+            view = views[i][off : off + length] if off >= 0 else None
+            if view is None or len(view) != length:  # a slice past a span's end comes back short
+                raise TransferError(f"{addr:#x}+{length} is not inside this process's registered memory")
+            out.append(view)
+        return out
+
+
+class HostMemory:
+    """Ranges of this process's host memory, sent and received in place. `spans()`: the registered memory now."""
+
+    def __init__(self, spans: Callable[[], HostSpans]) -> None:
+        self._spans = spans
+
+    def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]], head: bytes = b"") -> None:
+        """`head` (a frame), then the bytes of `ranges`, in as few calls as the kernel allows."""
+        views = self._spans().views(ranges)
+        send_views(sock, [memoryview(head), *views] if head else views)
 
     def receive(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
-        recv_views(sock, [host_view(a, n) for a, n in ranges])
+        recv_views(sock, self._spans().views(ranges))
 
     def close(self) -> None:
         pass

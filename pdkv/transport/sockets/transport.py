@@ -22,7 +22,7 @@ from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
 from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES
-from pdkv.transport.sockets.streams import HostMemory
+from pdkv.transport.sockets.streams import HostMemory, HostSpans
 
 DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
 # Each connection's socket buffer (the kernel doubles it): small enough that a write's bytes stay in the CPU's caches
@@ -72,7 +72,8 @@ class SocketTransport(DescriptorWrites):
         self.grants = wire.Grants()
         self._lock = threading.Lock()
         self._raw: list[tuple[int, int]] = []  # registered (address, length), as given; replaced whole under _lock
-        self._spans: tuple[list[tuple[int, int]], list[int]] = ([], [])  # the same merged, and their addresses; ditto
+        self._spans = wire.Spans()  # the same merged; ditto
+        self._host = HostSpans([])  # the same as memoryviews, for host memory; ditto
         self._peers: OrderedDict[str, PeerLanes] = OrderedDict()  # guarded by _lock
         self._closed = False
         self.listener = (
@@ -85,7 +86,7 @@ class SocketTransport(DescriptorWrites):
 
     def _memory(self) -> Any:
         if self.gpu is None:
-            return HostMemory()
+            return HostMemory(lambda: self._host)
         from pdkv.transport.sockets.staging import CudaStaging
 
         return CudaStaging(self.gpu, self.chunk_bytes)
@@ -110,10 +111,9 @@ class SocketTransport(DescriptorWrites):
 
     def expect(self, transfer: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Let peers write `ranges` of this process's registered memory under `transfer`, until `forget(transfer)`."""
-        spans, starts = self._spans
-        for addr, length in ranges:
-            if length <= 0 or not wire.covered(spans, starts, addr, length):
-                raise TransferError(f"cannot expect a write of {addr:#x}+{length}: it is outside the registered memory")
+        bad = self._spans.outside(ranges)
+        if bad is not None:
+            raise TransferError(f"cannot expect a write of {bad[0]:#x}+{bad[1]}: it is outside the registered memory")
         self.grants.grant(transfer, ranges)
 
     def forget(self, transfer: str) -> None:
@@ -125,12 +125,12 @@ class SocketTransport(DescriptorWrites):
             raise TransferError("the socket transport is closed")
         if not descriptors:
             return
-        spans, starts = self._spans
-        for d in descriptors:
-            if d.length <= 0 or not wire.covered(spans, starts, d.src, d.length):
-                raise TransferError(f"local range 0x{d.src:x}+{d.length} is outside the registered memory")
-        total = sum(d.length for d in descriptors)
-        landed = self._lanes(peer).write(transfer, [(d.src, d.dst, d.length) for d in descriptors], timeout_s)
+        ranges = [(d.src, d.dst, d.length) for d in descriptors]
+        bad = self._spans.outside((src, n) for src, _, n in ranges)
+        if bad is not None:
+            raise TransferError(f"local range 0x{bad[0]:x}+{bad[1]} is outside the registered memory")
+        total = sum(n for _, _, n in ranges)
+        landed = self._lanes(peer).write(transfer, ranges, timeout_s)
         if landed != total:
             raise TransferError(f"decode acknowledged {landed:,} of {total:,} B")
 
@@ -153,8 +153,9 @@ class SocketTransport(DescriptorWrites):
     # -- internals --
     def _set_spans(self, spans: list[tuple[int, int]]) -> None:
         self._raw = sorted(set(spans))
-        merged = wire.merge_spans(self._raw)
-        self._spans = (merged, [a for a, _ in merged])
+        self._spans = wire.Spans(self._raw)
+        if self.gpu is None:
+            self._host = HostSpans(self._spans.spans)
 
     def _lanes(self, peer: str) -> PeerLanes:
         with self._lock:
