@@ -2,7 +2,7 @@
 Qwen3-8B as 36 layer-sized descriptors) from this process into a second one over 127.0.0.1, bytes not verified
 (`pdkv bench --transport socket` verifies them), p50 of 12 writes after 2 warm-up writes.
 
-Run: python benchmarks/socket_lanes.py [--buffers 0,262144,524288,1048576] [--connections 1,2,4,8]
+Run: python benchmarks/socket_lanes.py [--buffers 0,131072,262144,524288,1048576] [--connections 1,2,4,8]
 (0: the kernel's autotuned socket buffers). docs/socket.md and docs/bench.md quote it.
 """
 
@@ -36,7 +36,7 @@ def _decode(queue, stop, buffer_bytes: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--buffers", default="0,262144,524288,1048576")
+    ap.add_argument("--buffers", default="0,131072,262144,524288,1048576")
     ap.add_argument("--connections", default="1,2,4,8")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")

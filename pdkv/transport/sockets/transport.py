@@ -25,9 +25,10 @@ from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES
 from pdkv.transport.sockets.streams import HostMemory, HostSpans
 
 DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
-# Each connection's socket buffer (the kernel doubles it): small enough that a write's bytes stay in the CPU's caches
-# between the two copies, large enough for a 100 Gb/s link's bandwidth-delay product over 4 connections. 0: autotuning.
-DEFAULT_BUFFER_BYTES = 256 << 10
+# Each connection's socket buffers (the kernel doubles them): small enough that a write's bytes stay in the CPU's caches
+# between the two copies (256 KiB cost a third more CPU per write between two namespace hosts, docs/bench.md), large
+# enough for a 100 Gb/s link's bandwidth-delay product at 80 us over 4 connections. 0: the kernel's autotuning.
+DEFAULT_BUFFER_BYTES = 128 << 10
 MAX_CONNECTIONS = 64
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 MAX_PEERS = 64  # D engines one P keeps connections to; past it the least recently written loses them
