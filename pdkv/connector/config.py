@@ -70,6 +70,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P, transport socket: TCP connections to each D, every transfer split over them (docs/socket.md); 0: as many
     # as the worker's cores, at most 4.
     socket_connections: int = 0
+    # Both, transport socket: each connection's socket buffers in bytes (SO_SNDBUF on P, SO_RCVBUF on D; the kernel
+    # doubles them). Unset: the transport's 96 KiB, for P and D sharing a host's cores (docs/socket.md); a long or
+    # fast path wants more; 0: the kernel's autotuning.
+    socket_buffer_bytes: int | None = None
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -103,6 +107,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 0 <= self.socket_connections <= MAX_SOCKET_CONNECTIONS:
             raise ConfigError(
                 f"kv_connector_extra_config.socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {self.socket_connections}")
+        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes != 0 and not 4096 <= self.socket_buffer_bytes <= 1 << 30:
+            raise ConfigError(
+                f"kv_connector_extra_config.socket_buffer_bytes must be 0 or 4096..1073741824, got {self.socket_buffer_bytes}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

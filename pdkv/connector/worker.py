@@ -102,6 +102,7 @@ class ConnectorWorker:
             self.config.transport, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
             writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
             port=self.config.socket_port + self.tp_rank if self.config.socket_port else 0, connections=self.config.socket_connections,
+            buffer_bytes=self.config.socket_buffer_bytes,
         )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"

@@ -99,6 +99,16 @@ def test_it_is_a_transport_chosen_by_name_and_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_socket_buffers_are_the_setting_or_the_transports_default():
+    from pdkv.transport.sockets.transport import DEFAULT_BUFFER_BYTES
+
+    for given, want in ((None, DEFAULT_BUFFER_BYTES), (1 << 20, 1 << 20)):
+        with open_transport("socket", buffer_bytes=given) as t:
+            assert t.buffer_bytes == want
+            # Accepted connections inherit the listener's receive buffer; Linux doubles what is asked.
+            assert t.listener._sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == 2 * want
+
+
 def test_blocks_land_exactly_and_many_transfers_in_flight_share_the_connections(source):
     mem, local = source
     d = Decode()

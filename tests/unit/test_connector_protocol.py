@@ -220,6 +220,10 @@ def test_config_socket_settings():
     c = load_config({"mooncake_protocol": "socket", "socket_port": "7000", "socket_connections": 3})
     assert (c.transport, c.socket_port, c.socket_connections) == ("socket", 7000, 3)
     assert load_config({}).socket_connections == 0  # the worker's cores, at most 4 (SocketTransport decides)
-    for key, bad, needle in (("socket_port", 65000, "0..64511"), ("socket_connections", 65, "0..64"), ("socket_connections", -1, "0..64")):
+    assert load_config({}).socket_buffer_bytes is None  # the transport's default
+    assert load_config({"socket_buffer_bytes": 0}).socket_buffer_bytes == 0  # the kernel's autotuning
+    assert load_config({"socket_buffer_bytes": "1048576"}).socket_buffer_bytes == 1 << 20
+    for key, bad, needle in (("socket_port", 65000, "0..64511"), ("socket_connections", 65, "0..64"), ("socket_connections", -1, "0..64"),
+                             ("socket_buffer_bytes", 100, "0 or 4096"), ("socket_buffer_bytes", -1, "0 or 4096")):
         with pytest.raises(ConfigError, match=needle):
             load_config({key: bad})

@@ -406,6 +406,12 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
     assert kv_config(parts["prefill"])["kv_connector_extra_config"]["socket_connections"] == 3
     extra = kv_config(parts["decode"])["kv_connector_extra_config"]
     assert extra == {"mooncake_protocol": "socket", "socket_port": 7100}
+    # Socket buffers go to both ends when the file sets them, to neither when it does not.
+    sized = deployment_from_dict(_dep(transport="socket", platform="cpu", socket_buffer_bytes=1 << 20))
+    for part in deployment_parts(sized):
+        if part.kind in ("prefill", "decode"):
+            assert kv_config(part)["kv_connector_extra_config"]["socket_buffer_bytes"] == 1 << 20
+    assert "socket_buffer_bytes" not in kv_config(parts["prefill"])["kv_connector_extra_config"]
     listeners = [u for u in parts["decode"].ports if u.what.startswith("KV listener")]
     assert [(u.bind, u.port, u.setting) for u in listeners] == [("0.0.0.0", 7100, "[[decode]] 1 socket_port"),
                                                                  ("0.0.0.0", 7101, "[[decode]] 1 socket_port")]

@@ -198,3 +198,5 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     autoscale: AutoscaleEntry | None = None  # the planner starts and stops engines within bounds (pdkv.planner)
     # Transport socket: each P's TCP connections to each D (docs/socket.md); 0: the worker's cores, at most 4.
     socket_connections: int = 0
+    # Transport socket: each connection's socket buffers, on P and D (docs/socket.md); unset: the transport's 96 KiB.
+    socket_buffer_bytes: int | None = None
