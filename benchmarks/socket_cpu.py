@@ -6,8 +6,12 @@ On a shared 2-core machine wall times swing with whatever else runs; the CPU eac
 the process, all its threads, over the timed writes) swings far less, and `others` (the machine's busy time not
 spent by P or D, in % of both cores) says whether anything else ran. Bytes are not verified (`pdkv bench` does).
 Each round runs every (socket buffer, layout) once, with new processes and, with --netns, new namespaces.
+`--pin same` puts each connection's sending thread (P) and receiving thread (D) on one core, connection i on core
+i mod 2; `--pin split` puts them on different cores: the two arrangements the kernel settles into when P and D
+share 2 cores, one of which writes up to twice as slow.
 
-Run: python benchmarks/socket_cpu.py [--netns] [--buffers 131072,262144] [--connections 2] [--layouts contiguous,scattered]
+Run: python benchmarks/socket_cpu.py [--netns] [--buffers 98304,262144] [--connections 2] [--layouts contiguous,scattered]
+     [--pin same|split]
 """
 
 from __future__ import annotations
@@ -54,9 +58,15 @@ def _regions(num_blocks: int, fill: bool):
     return [rng.integers(0, 255, size, dtype=np.uint8) if fill else np.zeros(size, np.uint8) for _ in range(LAYERS)]
 
 
-def decode_main(host: str, buffer_bytes: int, num_blocks: int) -> None:
-    """D: registers and grants its regions, prints its session, then answers `mark` and `stop` on stdin (its CPU
-    time and context switches between the two)."""
+def _pin(thread_id: int, core: int) -> None:
+    os.sched_setaffinity(thread_id, {core % (os.cpu_count() or 1)})
+
+
+def decode_main(host: str, buffer_bytes: int, num_blocks: int, pin: str) -> None:
+    """D: registers and grants its regions, prints its session, then answers `mark` (with P's lanes by local port,
+    for `pin`) and `stop` on stdin (its CPU time and context switches between the two)."""
+    import threading
+
     from pdkv.transport.sockets import SocketTransport
 
     bufs = _regions(num_blocks, fill=False)
@@ -68,6 +78,11 @@ def decode_main(host: str, buffer_bytes: int, num_blocks: int) -> None:
         cpu0 = sw0 = 0.0
         for line in sys.stdin:
             if line.startswith("mark"):
+                lanes = json.loads(line[4:])
+                for t in threading.enumerate():  # a connection's thread is named after P's address and port
+                    port = t.name.rsplit(":", 1)[-1]
+                    if pin != "none" and t.name.startswith("pdkv-socket-conn") and port in lanes and t.native_id:
+                        _pin(t.native_id, lanes[port] + (pin == "split"))
                 cpu0, sw0 = _cpu_s(), _switches()
                 print("ok", flush=True)
             elif line.startswith("stop"):
@@ -84,7 +99,7 @@ def prefill_main(args: argparse.Namespace) -> None:
 
     num_blocks = blocks_needed("scattered", BLOCKS)
     argv = [*args.d_prefix.split(), sys.executable, __file__, "--role", "d", "--host", args.host, "--buffer", str(args.buffer),
-            "--num-blocks", str(num_blocks)]
+            "--num-blocks", str(num_blocks), "--pin", args.pin]
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as d:
         assert d.stdin is not None and d.stdout is not None
         ready = json.loads(d.stdout.readline())
@@ -100,7 +115,13 @@ def prefill_main(args: argparse.Namespace) -> None:
 
             for _ in range(3):
                 write()
-            d.stdin.write("mark\n")
+            lanes = next(iter(p._peers.values())).lanes  # a diagnostic reaches into the transport: not for callers
+            if args.pin != "none":
+                for i, lane in enumerate(lanes):
+                    assert lane._thread.native_id is not None
+                    _pin(lane._thread.native_id, i)
+            ports = {str(lane._sock.getsockname()[1]): i for i, lane in enumerate(lanes) if lane._sock is not None}
+            d.stdin.write(f"mark{json.dumps(ports)}\n")
             d.stdin.flush()
             d.stdout.readline()
             cpu0, sw0, busy0, t0 = _cpu_s(), _switches(), _busy_s(), time.perf_counter()
@@ -123,7 +144,8 @@ def prefill_main(args: argparse.Namespace) -> None:
 
 
 def run_case(args: argparse.Namespace, buffer_bytes: int, layout: str, hosts) -> dict:
-    common = ["--layout", layout, "--buffer", str(buffer_bytes), "--connections", str(args.connections), "--iters", str(args.iters)]
+    common = ["--layout", layout, "--buffer", str(buffer_bytes), "--connections", str(args.connections), "--iters", str(args.iters),
+              "--pin", args.pin]
     env = f"PYTHONPATH={ROOT}"
     if hosts is None:
         argv = [sys.executable, __file__, "--role", "p", "--host", "127.0.0.1", *common]
@@ -140,11 +162,13 @@ def run_case(args: argparse.Namespace, buffer_bytes: int, layout: str, hosts) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--netns", action="store_true", help="P and D in two network namespaces (root), not over 127.0.0.1")
-    ap.add_argument("--buffers", default="131072,262144", help="socket buffer sizes (SO_SNDBUF/SO_RCVBUF; the kernel doubles them)")
+    ap.add_argument("--buffers", default="98304,131072,262144", help="socket buffer sizes (SO_SNDBUF/SO_RCVBUF; the kernel doubles them)")
     ap.add_argument("--connections", type=int, default=0, help="connections per write (0: the transport's default)")
     ap.add_argument("--layouts", default="contiguous,scattered")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pin", choices=("none", "same", "split"), default="none",
+                    help="each connection's two ends on one core (same) or on two (split); default: where the kernel puts them")
     ap.add_argument("--role", default="", help=argparse.SUPPRESS)
     ap.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--d-prefix", default="", help=argparse.SUPPRESS)
@@ -153,7 +177,7 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role == "d":
-        decode_main(args.host, args.buffer, args.num_blocks)
+        decode_main(args.host, args.buffer, args.num_blocks, args.pin)
         return 0
     if args.role == "p":
         prefill_main(args)
