@@ -55,10 +55,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--traces", type=int, default=5, help="seed requests traced per pdkv deployment")
     ap.add_argument("--json", type=Path, help="write every sample and the summary here")
+    ap.add_argument("--prompt-seed", type=int, default=None,
+                    help="the prompts' random seed (default: a new one each run, so that engines kept up from an earlier "
+                         "run hold none of them in their prefix caches)")
     args = ap.parse_args()
     if BASELINE not in ACTIVE:
         ap.error(f"the ratios are to {BASELINE}: name it in PDKV_GPU_DEPLOYMENTS (now {' '.join(ACTIVE)})")
-    rng = random.Random(20261203)
+    seed = args.prompt_seed if args.prompt_seed is not None else random.SystemRandom().randrange(1 << 62)
+    rng = random.Random(seed)
 
     def fresh() -> list[int]:
         return [rng.randrange(VOCAB) for _ in range(args.prompt_tokens)]
@@ -86,7 +90,7 @@ def main() -> int:
         summary[name]["ratio_of_medians"] = summary[name]["pd_ttft_ms"] / summary[BASELINE]["pd_ttft_ms"]
         summary[name]["median_round_ratio"] = statistics.median(per_round)
 
-    print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts, {args.rounds} rounds (median; ratio to {BASELINE})")
+    print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts (seed {seed}), {args.rounds} rounds (median; ratio to {BASELINE})")
     print(f"{'deployment':14} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
     for name in ACTIVE:
         s = summary[name]
@@ -121,7 +125,7 @@ def main() -> int:
         print(f"  client TTFT p50 {traces[name]['client_ttft_p50_ms']}; KV write p50 {traces[name]['write_ms_p50']} ms "
               f"({traces[name]['achieved_gbps_p50']} Gb/s) for {traces[name]['bytes']} B in {descriptors} descriptors")
     if args.json:
-        args.json.write_text(json.dumps({"samples": samples, "summary": summary, "traces": traces}, indent=1))
+        args.json.write_text(json.dumps({"prompt_seed": seed, "samples": samples, "summary": summary, "traces": traces}, indent=1))
     return 0
 
 
