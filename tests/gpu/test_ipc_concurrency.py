@@ -221,16 +221,26 @@ def _capture_while_computing(conn) -> None:
         except BaseException as e:  # the failure this test looks for
             errors.append(repr(e))
 
+    most = 256
+    src = torch.randint(0, 256, (LAYERS, most, BLOCK_LEN), dtype=torch.uint8, device="cuda:0")
+    dst = torch.zeros_like(src)
+    bases = [x.data_ptr() for x in src] + [x.data_ptr() for x in dst]
     with CudaIpcTransport(0) as t:
         worker = threading.Thread(target=model)
         worker.start()
         try:
-            for nb in (16, 32, 64, 128, 256):
-                t._block_graph(0, LAYERS, nb, BLOCK_LEN).graph.replay()
+            for nb in (16, 32, 64, 128, most):
+                graph = t._block_graph(0, LAYERS, nb, BLOCK_LEN)
+                # The table a write fills before each replay: every layer's base on both sides, then block ids (a
+                # graph replayed on its zeroed table would copy from address 0).
+                graph.host.numpy()[:] = bases + list(range(nb)) + list(range(nb))
+                graph.graph.replay()
             torch.cuda.synchronize(0)
         finally:
             stop.set()
             worker.join(30)
+        if not errors and not torch.equal(src, dst):
+            errors.append("the replayed graphs did not copy every block")
         conn.send(errors)
     conn.send("closed")
 
@@ -238,15 +248,19 @@ def _capture_while_computing(conn) -> None:
 def test_graphs_captured_while_another_thread_computes_leave_that_thread_working():
     """The engine's model runs in one thread while the sender captures a write's CUDA graph in another: a capture in
     torch's default ("global") mode made the model's next matmul fail (operation not permitted when stream is
-    capturing) and killed P. In a child process, so that a crash (at the graphs' release, say) is a failure here."""
+    capturing) and killed P. The graphs then copy every block they were given. In a child process, so that a crash
+    (at the graphs' release, say) is a failure here."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_capture_while_computing, args=(child,))
     proc.start()
     try:
-        assert parent.poll(120), "no word from the capturing process"
+        deadline = time.monotonic() + 120
+        while not parent.poll(0.5):  # a crash (a CUDA error aborts the process) fails the test at once
+            assert proc.is_alive() or parent.poll(0), f"the capturing process died (exit code {proc.exitcode}) before answering"
+            assert time.monotonic() < deadline, "no word from the capturing process within 120 s"
         errors = parent.recv()
-        assert not errors, f"the computing thread failed during a capture: {errors[0]}"
+        assert not errors, f"during the captures: {errors[0]}"
         assert parent.poll(60) and parent.recv() == "closed", "the transport did not close"
         proc.join(30)
         assert proc.exitcode == 0, f"the capturing process ended with {proc.exitcode} after closing its transport"
