@@ -90,7 +90,8 @@ def main() -> int:
         summary[name]["ratio_of_medians"] = summary[name]["pd_ttft_ms"] / summary[BASELINE]["pd_ttft_ms"]
         summary[name]["median_round_ratio"] = statistics.median(per_round)
 
-    print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts (seed {seed}), {args.rounds} rounds (median; ratio to {BASELINE})")
+    print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts (seed {seed}), {args.rounds} rounds "
+          f"(median; ratio to {BASELINE})")
     print(f"{'deployment':14} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
     for name in ACTIVE:
         s = summary[name]
