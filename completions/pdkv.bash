@@ -30,14 +30,14 @@ _pdkv() {
     done
     local words
     case "$path" in
-        "bench run") words="--baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --src --sweep --target --tp --transport --warmup --help" ;;
-        "bench serve") words="--advertise --device --dst --host --json --mc --once --port --transport --help" ;;
+        "bench run") words="--baseline --block-size --blocks --connections --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --socket-buffer --src --sweep --target --tp --transport --warmup --help" ;;
+        "bench serve") words="--advertise --device --dst --host --json --mc --once --port --socket-buffer --transport --help" ;;
         "bootstrap deregister") words="--json --retries --timeout --token --url --help" ;;
         "bootstrap query") words="--json --retries --timeout --help" ;;
         "k8s render") words="--file --json --namespace --out --help" ;;
         "model random") words="--config --json --no-weights --seed --weights --help" ;;
         "model tiny") words="--json --seed --std --help" ;;
-        "bench") words="run serve --baseline --block-size --blocks --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --src --sweep --target --tp --transport --warmup --help" ;;
+        "bench") words="run serve --baseline --block-size --blocks --connections --csv --device --dst --dtype --head-dim --hostname --iters --json --kv-heads --layers --layout --link-gbps --mc --model --seed --socket-buffer --src --sweep --target --tp --transport --warmup --help" ;;
         "bootstrap") words="deregister query --host --json --port --probe-failures --probe-interval --probe-timeout --quiet --token --help" ;;
         "doctor") words="--device --json --mooncake-timeout --port --skip-mooncake --transport --help" ;;
         "down") words="--grace --json --log-dir --pid --timeout --help" ;;

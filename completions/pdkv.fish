@@ -20,6 +20,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l baseline
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l block-size
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l blocks
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l connections
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l csv
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l device
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l dst
@@ -35,6 +36,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l seed
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l socket-buffer
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subcommand_from run serve' -l target
@@ -44,6 +46,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and not __fish_seen_subc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l baseline
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l block-size
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l blocks
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l connections
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l csv
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l device
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l dst
@@ -59,6 +62,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomma
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l model
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l seed
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l socket-buffer
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l src
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l sweep
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from run' -l target
@@ -73,6 +77,7 @@ complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcomma
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l mc
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l once
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l port
+complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l socket-buffer
 complete -c pdkv -n '__fish_seen_subcommand_from bench; and __fish_seen_subcommand_from serve' -l transport
 complete -c pdkv -n '__fish_seen_subcommand_from bootstrap; and not __fish_seen_subcommand_from deregister query' -a deregister
 complete -c pdkv -n '__fish_seen_subcommand_from bootstrap; and not __fish_seen_subcommand_from deregister query' -a query

@@ -8,13 +8,14 @@ channel), `baseline` (bare TransferEngine calls, transfer_engine_bench),
 """
 
 from pdkv.bench.control import BenchTarget
-from pdkv.bench.options import parse_settings, spec_from_options
+from pdkv.bench.options import check_socket_options, parse_settings, spec_from_options
 from pdkv.bench.runner import BenchReport, BenchSpec, run_bench, settings_from_env
 
 __all__ = [
     "BenchReport",
     "BenchSpec",
     "BenchTarget",
+    "check_socket_options",
     "parse_settings",
     "run_bench",
     "settings_from_env",

@@ -96,9 +96,11 @@ class BenchTarget:
         dst: str = "cpu",
         settings: Mapping[str, str] | None = None,
         max_bytes: int | None = None,
+        socket_buffer_bytes: int | None = None,
     ) -> None:
         """`max_bytes`: the most KV memory one Setup may ask for (default: half the host memory available now,
-        for host memory), so that whoever reaches the control port cannot exhaust the host."""
+        for host memory), so that whoever reaches the control port cannot exhaust the host. `socket_buffer_bytes`:
+        transport socket's (None: its default)."""
         import zmq
 
         from pdkv.bench.memory import parse_device
@@ -128,7 +130,8 @@ class BenchTarget:
             raise StartError(f"cannot listen on {bind_host}:{port}: {exc}", hint="pick another --port") from None
         self.address = f"{self.advertise}:{bound}"
         gpu = int(self.dst[5:]) if self.dst.startswith("cuda:") else None
-        self.transport = open_transport(transport, self.advertise, device_name, gpu=gpu, settings=settings)
+        self.transport = open_transport(transport, self.advertise, device_name, gpu=gpu, settings=settings,
+                                        buffer_bytes=socket_buffer_bytes)
         self.baseline: Any = None  # transport socket: Mooncake tcp beside it, for the baseline in the same run
         if transport == "socket":
             try:

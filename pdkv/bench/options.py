@@ -12,6 +12,7 @@ from pdkv.bench.runner import BenchSpec, settings_from_env
 from pdkv.errors import StartError, UsageError
 from pdkv.geometry import geometry_from_options, parse_tp_pair
 from pdkv.peer_address import advertised_address
+from pdkv.transport import MAX_SOCKET_CONNECTIONS, socket_buffer_problem
 
 
 def parse_settings(items: Sequence[str]) -> dict[str, str]:
@@ -32,6 +33,18 @@ def address_towards(target: str) -> str:
         return advertised_address(towards=target.rsplit(":", 1)[0].strip("[]"))
     except StartError:
         return "127.0.0.1"
+
+
+def check_socket_options(transport: str, connections: int, socket_buffer: int | None) -> None:
+    """--connections and --socket-buffer: the socket transport's, in its ranges."""
+    given = [flag for flag, is_set in (("--connections", connections != 0), ("--socket-buffer", socket_buffer is not None)) if is_set]
+    if given and transport != "socket":
+        raise UsageError(f"{' and '.join(given)}: the socket transport's settings, and the transport is {transport}",
+                         hint="add --transport socket, or leave them out")
+    if not 0 <= connections <= MAX_SOCKET_CONNECTIONS:
+        raise UsageError(f"--connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {connections}", hint="0 takes the cores, at most 4")
+    if socket_buffer is not None and (problem := socket_buffer_problem(socket_buffer)):
+        raise UsageError(f"--socket-buffer {problem}", hint="leave it out for the transport's 96 KiB")
 
 
 def check_target(target: str) -> None:
@@ -64,6 +77,8 @@ def spec_from_options(
     hostname: str | None = None,
     mc: Sequence[str] = (),
     tp: str = "1",
+    connections: int = 0,
+    socket_buffer: int | None = None,
 ) -> BenchSpec:
     """The BenchSpec of `pdkv bench` given these options (named as its flags are, `--kv-heads` as
     `kv_heads`); raises UsageError for options that cannot be used."""
@@ -73,6 +88,7 @@ def spec_from_options(
     swept = parse_sweep(sweep)
     if target is not None:
         check_target(target)
+    check_socket_options(transport, connections, socket_buffer)
     return BenchSpec(
         geometry=geometry,
         block_size=block_size,
@@ -91,4 +107,6 @@ def spec_from_options(
         target=target,
         settings=settings_from_env(parse_settings(mc)),
         tp=(1, 1) if p_tp == d_tp else (p_tp, d_tp),
+        connections=connections,
+        socket_buffer_bytes=socket_buffer,
     )

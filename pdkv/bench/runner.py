@@ -51,6 +51,8 @@ class BenchSpec(msgspec.Struct, frozen=True):
     target: str | None = None
     settings: dict[str, str] = msgspec.field(default_factory=dict)
     tp: tuple[int, int] = (1, 1)  # P's, D's; unequal: D rank 0's heads from each P rank holding them (geometry: whole model)
+    connections: int = 0  # transport socket: P's connections to D (0: the transport's default)
+    socket_buffer_bytes: int | None = None  # transport socket, both sides (None: the transport's default; 0: autotuning)
 
 
 class BaselineResult(msgspec.Struct, frozen=True):
@@ -92,6 +94,8 @@ class BenchReport(msgspec.Struct, frozen=True):
     mc_settings: dict[str, str]
     cases: list[CaseResult]
     note: str | None = None
+    connections: int | None = None  # transport socket: P's connections to D, as opened
+    socket_buffer_bytes: int | None = None  # transport socket: as asked (None: the transport's default)
 
 
 def link_rate(spec: BenchSpec) -> tuple[float, str]:
@@ -155,11 +159,12 @@ def resolve_transport(spec: BenchSpec) -> tuple[BenchSpec, str | None]:
     return msgspec.structs.replace(spec, transport="tcp"), note
 
 
-def _local_target_main(conn, transport: str, device: str, dst: str, settings: dict[str, str]) -> None:
+def _local_target_main(conn, transport: str, device: str, dst: str, settings: dict[str, str], buffer_bytes: int | None) -> None:
     from pdkv.bench.control import BenchTarget
 
     try:
-        target = BenchTarget("127.0.0.1", 0, transport=transport, device_name=device, dst=dst, settings=settings)
+        target = BenchTarget("127.0.0.1", 0, transport=transport, device_name=device, dst=dst, settings=settings,
+                             socket_buffer_bytes=buffer_bytes)
     except PdkvError as exc:
         conn.send(("error", exc.message, exc.hint))
         return
@@ -176,7 +181,7 @@ def local_target(spec: BenchSpec, timeout_s: float = TARGET_START_TIMEOUT_S) -> 
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=_local_target_main,
-        args=(writer, spec.transport, spec.device, spec.dst, dict(spec.settings)),
+        args=(writer, spec.transport, spec.device, spec.dst, dict(spec.settings), spec.socket_buffer_bytes),
         name="pdkv-bench-target",
         daemon=True,
     )
@@ -241,7 +246,8 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
     client = stack.enter_context(TargetClient(address))
     gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
-    transport = stack.enter_context(open_transport(spec.transport, spec.hostname, spec.device, gpu=gpu, settings=spec.settings))
+    transport = stack.enter_context(open_transport(spec.transport, spec.hostname, spec.device, gpu=gpu, settings=spec.settings,
+                                                   connections=spec.connections, buffer_bytes=spec.socket_buffer_bytes))
     memory = KVMemory(spec.src, g.layers, block_len, num_blocks)
     stack.callback(memory.close)
     memory.fill(spec.seed)
@@ -302,6 +308,8 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         peer=peer,
         mc_settings=transport.settings,
         cases=cases,
+        connections=getattr(transport, "connections", None),
+        socket_buffer_bytes=spec.socket_buffer_bytes,
     )
 
 

@@ -37,6 +37,8 @@ Examples:
 
   pdkv bench --model ./Qwen3-8B --tp 2:1 --transport cma    # D TP 1 takes half its heads from each of 2 P ranks
 
+  pdkv bench --model ./Qwen3-8B --transport socket --layout all --baseline --connections 8 --socket-buffer 0
+
   pdkv bench serve --host 0.0.0.0 --port 18600 --transport rdma --device mlx5_0 --dst cuda:0
 
   pdkv bench run --target 10.0.0.2:18600 --model ./Qwen3-8B --transport rdma --device mlx5_0 --src cuda:0
@@ -84,6 +86,10 @@ def bench(
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
     csv_file: Path | None = typer.Option(None, "--csv", help="Also write one row per case to this CSV file."),
     tp: str = typer.Option("1", "--tp", help="TP size (one rank's KV), or P:D: D rank 0's heads written from each P rank holding them."),
+    connections: int = typer.Option(0, "--connections", help="socket: P's TCP connections to D [default: the cores, at most 4]."),
+    socket_buffer: int | None = typer.Option(
+        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes, both sides; 0: autotuning [default: 96 KiB]."
+    ),
     json_out: JsonOpt = False,
 ) -> None:
     if ctx.invoked_subcommand is not None:
@@ -94,6 +100,7 @@ def bench(
         model=model, layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, block_size=block_size, blocks=blocks,
         layout=layout, sweep=sweep, transport=transport, device=device, src=src, dst=dst, iters=iters, warmup=warmup, seed=seed,
         link_gbps=link_gbps, baseline=baseline, target=target, hostname=hostname, mc=mc, tp=tp,
+        connections=connections, socket_buffer=socket_buffer,
     )  # fmt: skip
     with Progress(
         TextColumn("{task.description}"),
@@ -212,12 +219,17 @@ def serve(
     dst: str = typer.Option("cpu", "--dst", help="Where D's KV lives: cpu or cuda:N."),
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
+    socket_buffer: int | None = typer.Option(
+        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes; 0: the kernel's autotuning [default: 96 KiB]."
+    ),
     json_out: JsonOpt = False,
 ) -> None:
-    from pdkv.bench import BenchTarget, parse_settings, settings_from_env
+    from pdkv.bench import BenchTarget, check_socket_options, parse_settings, settings_from_env
 
+    check_socket_options(transport, 0, socket_buffer)
     with BenchTarget(
-        host, port, advertise=advertise, transport=transport, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc))
+        host, port, advertise=advertise, transport=transport, device_name=device, dst=dst, settings=settings_from_env(parse_settings(mc)),
+        socket_buffer_bytes=socket_buffer,
     ) as target:
         if json_out:
             print_json({"address": target.address, "session": target.transport.session_address, "transport": transport, "dst": target.dst})

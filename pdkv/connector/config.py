@@ -18,7 +18,7 @@ import msgspec
 from pdkv.bootstrap import DEFAULT_PORT, PORT_ENV
 from pdkv.errors import ConfigError, ParamsError
 from pdkv.wire import DecodeParams, PrefillParams
-from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, TransportName
+from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, TransportName, socket_buffer_problem
 
 # kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
 TRANSPORT_KEYS = ("mooncake_protocol", "transport")
@@ -107,9 +107,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not 0 <= self.socket_connections <= MAX_SOCKET_CONNECTIONS:
             raise ConfigError(
                 f"kv_connector_extra_config.socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {self.socket_connections}")
-        if self.socket_buffer_bytes is not None and self.socket_buffer_bytes != 0 and not 4096 <= self.socket_buffer_bytes <= 1 << 30:
-            raise ConfigError(
-                f"kv_connector_extra_config.socket_buffer_bytes must be 0 or 4096..1073741824, got {self.socket_buffer_bytes}")
+        if self.socket_buffer_bytes is not None and (problem := socket_buffer_problem(self.socket_buffer_bytes)):
+            raise ConfigError(f"kv_connector_extra_config.socket_buffer_bytes {problem}")
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

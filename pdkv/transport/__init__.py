@@ -46,6 +46,7 @@ __all__ = [
     "open_transport",
     "plan_descriptors",
     "ptrace_scope",
+    "socket_buffer_problem",
 ]
 
 
@@ -62,6 +63,10 @@ def __getattr__(name: str) -> Any:
         from pdkv.transport.sockets import MAX_CONNECTIONS
 
         return MAX_CONNECTIONS
+    elif name == "socket_buffer_problem":
+        from pdkv.transport.sockets import buffer_bytes_problem
+
+        return buffer_bytes_problem
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(home, name)

@@ -43,6 +43,10 @@ def test_python_m_pdkv_bench_builds_the_same_spec_as_the_library():
         ({}, "no model geometry given"),
         ({"layers": 2, "kv_heads": 2, "head_dim": 32, "target": "nowhere"}, "not HOST:PORT"),
         ({"layers": 2, "kv_heads": 2, "head_dim": 32, "mc": ["MC_X"]}, "cannot read --mc"),
+        ({"layers": 2, "kv_heads": 2, "head_dim": 32, "connections": 2}, "--connections: the socket transport's settings"),
+        ({"layers": 2, "kv_heads": 2, "head_dim": 32, "socket_buffer": 0}, "--socket-buffer: the socket transport's"),
+        ({"layers": 2, "kv_heads": 2, "head_dim": 32, "transport": "socket", "connections": 65}, r"--connections must be 0\.\.64"),
+        ({"layers": 2, "kv_heads": 2, "head_dim": 32, "transport": "socket", "socket_buffer": 1000}, "--socket-buffer must be 0"),
     ],
 )
 def test_unusable_options_are_usage_errors(options, message):

@@ -412,6 +412,10 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
         if part.kind in ("prefill", "decode"):
             assert kv_config(part)["kv_connector_extra_config"]["socket_buffer_bytes"] == 1 << 20
     assert "socket_buffer_bytes" not in kv_config(parts["prefill"])["kv_connector_extra_config"]
+    # Out-of-range settings are refused when the file is read, before any engine starts.
+    for key, bad, needle in (("socket_buffer_bytes", 100, "socket_buffer_bytes must be 0"), ("socket_connections", 65, r"0\.\.64")):
+        with pytest.raises(ConfigError, match=needle):
+            deployment_from_dict(_dep(transport="socket", platform="cpu", **{key: bad}))
     listeners = [u for u in parts["decode"].ports if u.what.startswith("KV listener")]
     assert [(u.bind, u.port, u.setting) for u in listeners] == [("0.0.0.0", 7100, "[[decode]] 1 socket_port"),
                                                                  ("0.0.0.0", 7101, "[[decode]] 1 socket_port")]

@@ -13,7 +13,7 @@ import msgspec
 from pdkv.deploy.plan.fleet import check_hosts
 from pdkv.deploy.plan.schema import Deployment
 from pdkv.errors import ConfigError
-from pdkv.transport import TRANSPORTS
+from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, socket_buffer_problem
 
 
 def load_deployment(path: str | Path) -> Deployment:
@@ -48,8 +48,18 @@ def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") ->
         raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
     if dep.autoscale is not None:
         _check_autoscale(dep, source)
+    _check_socket(dep, source)
     check_hosts(dep, source=source)
     return dep
+
+
+def _check_socket(dep: Deployment, source: str) -> None:
+    """The socket transport's settings, refused here rather than by each engine's connector once it starts."""
+    if not 0 <= dep.socket_connections <= MAX_SOCKET_CONNECTIONS:
+        raise ConfigError(f"{source}: socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {dep.socket_connections}",
+                          hint="0 takes the worker's cores, at most 4 (docs/socket.md)")
+    if dep.socket_buffer_bytes is not None and (problem := socket_buffer_problem(dep.socket_buffer_bytes)):
+        raise ConfigError(f"{source}: socket_buffer_bytes {problem}", hint="leave it out for the transport's 96 KiB (docs/socket.md)")
 
 
 def _check_autoscale(dep: Deployment, source: str) -> None:

@@ -7,6 +7,6 @@ memory and a socket (host memory in place, GPU memory staged); `listener` is D's
 
 from __future__ import annotations
 
-from pdkv.transport.sockets.transport import MAX_CONNECTIONS, SocketTransport
+from pdkv.transport.sockets.transport import MAX_CONNECTIONS, SocketTransport, buffer_bytes_problem
 
-__all__ = ["MAX_CONNECTIONS", "SocketTransport"]
+__all__ = ["MAX_CONNECTIONS", "SocketTransport", "buffer_bytes_problem"]

@@ -32,6 +32,14 @@ DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this proce
 # faster paths want more (`socket_buffer_bytes`); 0: the kernel's autotuning.
 DEFAULT_BUFFER_BYTES = 96 << 10
 MAX_CONNECTIONS = 64
+MIN_BUFFER_BYTES, MAX_BUFFER_BYTES = 4096, 1 << 30
+
+
+def buffer_bytes_problem(n: int) -> str | None:
+    """What is wrong with `n` as each connection's socket buffer size, or None when it will do (0: autotuning)."""
+    if n == 0 or MIN_BUFFER_BYTES <= n <= MAX_BUFFER_BYTES:
+        return None
+    return f"must be 0 (the kernel's autotuning) or {MIN_BUFFER_BYTES}..{MAX_BUFFER_BYTES} bytes, got {n}"
 DEFAULT_WRITE_TIMEOUT_S = 30.0
 MAX_PEERS = 64  # D engines one P keeps connections to; past it the least recently written loses them
 
@@ -63,6 +71,8 @@ class SocketTransport(DescriptorWrites):
         connections = connections or default_connections()
         if not 1 <= connections <= MAX_CONNECTIONS:
             raise UsageError(f"socket connections must be 1..{MAX_CONNECTIONS}, got {connections}")
+        if problem := buffer_bytes_problem(buffer_bytes):
+            raise UsageError(f"the socket buffer size {problem}")
         if write_timeout_s <= 0:
             raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
         self.hostname = hostname
