@@ -18,8 +18,11 @@
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
 #           for a prompt against how long it was idle before it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
-#   SOCKET_CONNECTIONS  the bench step's socket write once per value, P's connections to D (default "0": the
-#           transport's default, the worker's cores at most 4), e.g. "0 8 16" to see what a many-core host wants.
+#   SOCKET_CONNECTIONS, SOCKET_BUFFERS  the bench step's socket write once per pair of values: P's connections to D
+#           (default "0": the transport's default, the worker's cores at most 4) and each connection's socket buffers
+#           in bytes ("default": the transport's 96 KiB; 0: the kernel's autotuning), e.g. SOCKET_CONNECTIONS="4 8"
+#           SOCKET_BUFFERS="default 0 1048576" to see what a many-core host wants (pdkv bench --connections,
+#           --socket-buffer).
 #   DEPLOYMENTS  which of tests/gpu/deployments.py to start and test (default pdkv-ipc pdkv-tcp mooncake-tcp:
 #           three fit one H200; pdkv-socket is the fourth, e.g. DEPLOYMENTS="pdkv-ipc pdkv-socket mooncake-tcp");
 #           profile and check need pdkv-ipc alone, bench mooncake-tcp.
@@ -236,18 +239,22 @@ for c in r["cases"]:
           f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
 PYEOF
     # pdkv's socket transport on GPU memory (staged through pinned buffers) against Mooncake tcp, same run, same bytes.
-    for conns in ${SOCKET_CONNECTIONS:-0}; do
+    for conns in ${SOCKET_CONNECTIONS:-0}; do for buf in ${SOCKET_BUFFERS:-default}; do
+        local sized=() name="bench-socket-$conns-$buf"
+        [ "$buf" = default ] || sized=(--socket-buffer "$buf")
         $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout all \
-            --connections "$conns" --baseline --iters 30 --json > "$AUX/bench-socket-$conns.json" 2> "$AUX/bench-socket-$conns.stderr" || rc=1
-        $PY - "$AUX/bench-socket-$conns.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+            --connections "$conns" "${sized[@]}" --baseline --iters 30 --json > "$AUX/$name.json" 2> "$AUX/$name.stderr" || rc=1
+        $PY - "$AUX/$name.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
+buffers = "96 KiB (default)" if r["socket_buffer_bytes"] is None else f"{r['socket_buffer_bytes']:,} B buffers"
 for c in r["cases"]:
     b = c["baseline"]["bare"]
-    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {r['connections']} connections: p50 {c['timing']['p50_ms']:.2f} ms; "
-          f"Mooncake tcp p50 {b['p50_ms']:.2f} ms; socket/Mooncake throughput {b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
+    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {r['connections']} connections, {buffers}: p50 "
+          f"{c['timing']['p50_ms']:.2f} ms; Mooncake tcp p50 {b['p50_ms']:.2f} ms; socket/Mooncake throughput "
+          f"{b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
 PYEOF
-    done
+    done; done
     # vLLM's MooncakeConnector times its own writes (P's stats log, every 10 s): beside pdkv's traced write.
     grep -h "KV Transfer metrics" "$AUX"/logs-mooncake-tcp/* 2>/dev/null | tail -n 3 | cut -c1-400 >> "$SUMMARY"
     say "bench done ($(elapsed))"
