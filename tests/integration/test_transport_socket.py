@@ -6,8 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import multiprocessing as mp
-import os
-import signal
 import socket
 import struct
 import termios
@@ -16,6 +14,7 @@ import time
 
 import numpy as np
 import pytest
+from support.stopping import resume_process, stop_process
 from support.waiting import wait_for
 
 from pdkv.errors import TransferError
@@ -208,7 +207,7 @@ def test_a_d_that_stalls_fails_the_write_within_its_bound_and_its_peers_writes_g
             blocks = list(range(BLOCKS))
             for d in (stalled, healthy):
                 assert d.ask("expect", "a", blocks) == "ok"
-            os.kill(stalled.proc.pid, signal.SIGSTOP)
+            stop_process(stalled.proc.pid)  # every thread stopped: none can still take the write
             try:
                 t0 = time.monotonic()
                 # Stopped before or after P's connection finished its handshake (a loaded host decides which):
@@ -218,7 +217,7 @@ def test_a_d_that_stalls_fails_the_write_within_its_bound_and_its_peers_writes_g
                 assert time.monotonic() - t0 < 5
                 p.write_blocks(healthy.session, blocks, blocks, local, healthy.regions, transfer="a")
             finally:
-                os.kill(stalled.proc.pid, signal.SIGCONT)
+                resume_process(stalled.proc.pid)
         assert np.array_equal(healthy.memory(), mem.reshape(LAYERS, BLOCKS, BL))
     finally:
         stalled.close()
@@ -245,7 +244,7 @@ def test_a_connection_cut_mid_transfer_fails_that_transfer_at_once(source):
             blocks = list(range(BLOCKS))
             assert d.ask("expect", "a", blocks) == "ok"
             p.write_blocks(d.session, [0], [0], local, d.regions, transfer="a")  # the connection is up
-            os.kill(d.proc.pid, signal.SIGSTOP)
+            stop_process(d.proc.pid)
             outcome: dict[str, object] = {}
 
             def write() -> None:
