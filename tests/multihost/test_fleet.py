@@ -142,7 +142,9 @@ def measured(fleet: Fleet) -> dict:
     a, b = fleet.hosts["A"], fleet.hosts["B"]
     cmd = a.argv(sys.executable, str(HERE / "fleet_client.py"), f"http://{a.address}:8000", f"http://{b.address}:8100",
                  str(fleet.file), str(fleet.model), *map(str, LENGTHS))
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    # The client imports pdkv from this checkout, installed or not (a script's own folder is its only path).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
