@@ -3,7 +3,7 @@ side (`pdkv bench serve`) in one namespace, P's (`pdkv bench run --target`) in t
 bridge; optionally with the link shaped by `tc` (a token bucket on both hosts' eth0) to a line rate, to see what share
 of it the write reaches. Needs root and iproute2; the namespaces are removed afterwards.
 
-Run: python benchmarks/socket_netns.py [--rate 10gbit] [--iters 20] [--layout contiguous]
+Run: python benchmarks/socket_netns.py [--rate 10gbit] [--iters 20] [--layout contiguous] [--socket-buffer BYTES] [--connections N]
 """
 
 from __future__ import annotations
@@ -34,16 +34,19 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layout", default="contiguous")
     ap.add_argument("--model", default=str(ROOT / "tests/fixtures/configs/qwen3-8b"))
+    ap.add_argument("--socket-buffer", type=int, default=None, help="each connection's socket buffers, both hosts (pdkv bench --socket-buffer)")
+    ap.add_argument("--connections", type=int, default=0, help="P's connections to D (pdkv bench --connections; 0: the default)")
     args = ap.parse_args()
     if why := unavailable():
         sys.exit(f"socket_netns: {why}")
     env_path = f"PYTHONPATH={ROOT}"
+    sized = ["--socket-buffer", str(args.socket_buffer)] if args.socket_buffer is not None else []
     with TestBed(["P", "D"]) as (p, d):
         if args.rate:
             shape(p, args.rate)
             shape(d, args.rate)
         serve = subprocess.Popen(d.argv("env", env_path, sys.executable, "-m", "pdkv", "bench", "serve", "--host", d.address,
-                                        "--port", str(PORT), "--transport", "socket", "--once", "--json"),
+                                        "--port", str(PORT), "--transport", "socket", "--once", "--json", *sized),
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert serve.stdout is not None
@@ -58,7 +61,7 @@ def main() -> int:
             ready = json.loads(text)
             run = subprocess.run(p.argv("env", env_path, sys.executable, "-m", "pdkv", "bench", "run", "--target", ready["address"],
                                         "--model", args.model, "--blocks", "63", "--transport", "socket", "--layout", args.layout,
-                                        "--baseline", "--iters", str(args.iters), "--json"),
+                                        "--baseline", "--iters", str(args.iters), "--connections", str(args.connections), "--json", *sized),
                                  capture_output=True, text=True, timeout=900)
             if run.returncode != 0:
                 sys.exit(f"pdkv bench run failed: {run.stderr[-2000:]}")
