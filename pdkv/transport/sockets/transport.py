@@ -25,11 +25,10 @@ from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES
 from pdkv.transport.sockets.streams import HostMemory, HostSpans
 
 DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
-# Each connection's socket buffers (the kernel doubles them), sized for P and D sharing a host's cores: small enough
-# that a write's bytes stay in the CPU's caches between the two copies (docs/bench.md: with 128 KiB or more, some runs
-# on 2 cores took up to twice as long, each connection's two ends having been put on different cores). Four
-# connections of them keep about 0.75 MiB in flight: a 100 Gb/s link's bandwidth-delay product at 60 us. Longer or
-# faster paths want more (`socket_buffer_bytes`); 0: the kernel's autotuning.
+# Each connection's socket buffers (the kernel doubles them): small enough that a write's bytes stay in the CPU's
+# caches between the two copies (docs/bench.md: between two namespace hosts on 2 cores 256 KiB was 1.5-1.8x slower,
+# on loopback 10% faster). Four connections of them keep about 0.75 MiB in flight: a 100 Gb/s link's
+# bandwidth-delay product at 60 us. Longer or faster paths want more (`socket_buffer_bytes`); 0: autotuning.
 DEFAULT_BUFFER_BYTES = 96 << 10
 MAX_CONNECTIONS = 64
 MIN_BUFFER_BYTES, MAX_BUFFER_BYTES = 4096, 1 << 30
