@@ -34,7 +34,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--layout", default="contiguous")
     ap.add_argument("--model", default=str(ROOT / "tests/fixtures/configs/qwen3-8b"))
-    ap.add_argument("--socket-buffer", type=int, default=None, help="each connection's socket buffers, both hosts (pdkv bench --socket-buffer)")
+    ap.add_argument("--socket-buffer", type=int, default=None,
+                    help="each connection's socket buffers, both hosts (pdkv bench --socket-buffer)")
     ap.add_argument("--connections", type=int, default=0, help="P's connections to D (pdkv bench --connections; 0: the default)")
     args = ap.parse_args()
     if why := unavailable():
