@@ -14,7 +14,6 @@ from pdkv.connector.send_table import StartSend
 from pdkv.connector.writers import write_layers
 from pdkv.errors import TransferError
 from pdkv.wire import Announce, PullRequest, Region
-from support.waiting import wait_for
 
 LAYERS = 3
 BLOCKS = 8
@@ -247,5 +246,5 @@ def test_layers_marked_from_one_thread_while_many_writers_take_them_are_each_wri
     board.forward_done(None)
     for th in threads:
         th.join(10)
-    wait_for(lambda: not any(th.is_alive() for th in threads), 5, "every writer to end")
+    assert not any(th.is_alive() for th in threads), "a writer did not end"
     assert all(sorted(t) == list(range(32)) for t in taken)
