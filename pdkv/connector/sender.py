@@ -1,11 +1,11 @@
 """P's worker side (steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
 
-`KVSender` owns the side-channel server, the SendTable and the writes. The
-model runner's thread calls `apply_step` (scheduler metadata),
-`take_finished` (step 32) and `wait_finished`; everything else runs on the
-sender's loop thread. Writes run on a small thread pool per D
-(pdkv.connector.writers), so a slow D never stalls the listener nor the
-transfers to another D, or layer by layer (`layers`; pdkv.connector.layer_writes).
+`KVSender` owns the side-channel server, the SendTable and the writes. The model
+runner's thread calls `apply_step` (scheduler metadata), `prompt_done`, `take_finished`
+(step 32), `wait_finished`, and writing layer by layer (`layers`) `prompt_starts` and
+`layer_ready`; everything else runs on the sender's loop thread. Writes run on a small
+thread pool per D (pdkv.connector.writers, layer_writes), so a slow D never stalls the
+listener nor the transfers to another D.
 """
 
 from __future__ import annotations
