@@ -92,10 +92,10 @@ def main() -> int:
 
     print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts (seed {seed}), {args.rounds} rounds "
           f"(median; ratio to {BASELINE})")
-    print(f"{'deployment':14} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
+    print(f"{'deployment':18} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
     for name in ACTIVE:
         s = summary[name]
-        print(f"{name:14} {s['pd_ttft_ms']:8.1f}ms {s['p_alone_ttft_ms']:7.1f}ms {s['handover_ms']:7.1f}ms "
+        print(f"{name:18} {s['pd_ttft_ms']:8.1f}ms {s['p_alone_ttft_ms']:7.1f}ms {s['handover_ms']:7.1f}ms "
               f"{s['ratio_of_medians']:7.2f} {s['median_round_ratio']:10.2f}")
 
     traces: dict[str, dict] = {}
@@ -130,10 +130,12 @@ def main() -> int:
     return 0
 
 
-# The handover's events one by one (pdkv.connector.timing): where the ms between P's forward and D's step go.
+# The handover's events one by one (pdkv.connector.timing): where the ms between P's forward and D's step go. Written
+# layer by layer (pdkv-socket-layers) the write starts inside P's forward (p_forward_done -> transfer_start below 0);
+# p_forward_done -> transfer_end is then what is left of it once the forward is done.
 FINE = (("p_forward_done", "transfer_start"), ("transfer_start", "kv_ready"), ("kv_ready", "transfer_end"),
-        ("transfer_end", "reply_sent"), ("reply_sent", "notified"), ("notified", "reported"),
-        ("reported", "first_token_scheduled"))
+        ("p_forward_done", "transfer_end"), ("transfer_end", "reply_sent"), ("reply_sent", "notified"),
+        ("notified", "reported"), ("reported", "first_token_scheduled"))
 
 
 def _gaps(traces, a: str, b: str) -> list[float]:

@@ -15,6 +15,8 @@ starts (the environment it hands an engine, how an engine's arguments decide the
                        (its wire and one-shot client: pdkv.wire.side_channel)
     registration.py    the standing registrations with the bootstrap server
     sender.py          P's worker: hold blocks, push them to D
+    writers.py         P's writes of one transfer, on a thread pool per D
+    layer_writes.py    which layers of a forward are ready for a write layer by layer (socket_write_layers)
     receiver.py        D's worker: ask P, wait within bounds
     timing.py          per-transfer traces and metrics
     scheduler.py       scheduler-side hooks

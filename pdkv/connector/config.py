@@ -74,6 +74,10 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # doubles them). Unset: the transport's 96 KiB, for P and D sharing a host's cores (docs/socket.md); a long or
     # fast path wants more; 0: the kernel's autotuning.
     socket_buffer_bytes: int | None = None
+    # P, transport socket: write each layer's blocks as the forward that completes a one-token prompt computes it
+    # (vLLM's save_kv_layer), rather than all of them once that forward is done (docs/socket.md). Off by default;
+    # refused with any other transport.
+    socket_write_layers: bool = False
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -109,6 +113,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"kv_connector_extra_config.socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {self.socket_connections}")
         if self.socket_buffer_bytes is not None and (problem := socket_buffer_problem(self.socket_buffer_bytes)):
             raise ConfigError(f"kv_connector_extra_config.socket_buffer_bytes {problem}")
+        if self.socket_write_layers and self.transport != "socket":
+            raise ConfigError(
+                f"kv_connector_extra_config.socket_write_layers needs the socket transport, not {self.transport}",
+                hint="over Mooncake tcp a layer-by-layer write slowed P's forward (docs/bench.md); set mooncake_protocol to socket "
+                     "or leave socket_write_layers out",
+            )
         if self.register_interval_s < 0:
             raise ConfigError(f"kv_connector_extra_config.register_interval_s must be 0 or more, got {self.register_interval_s}")
         if not 0 <= self.idle_wait_ms <= 1_000:

@@ -94,6 +94,22 @@ def regions_for_caches(tensors: Sequence[TensorInfo], num_blocks: int) -> list[R
     return out
 
 
+def layer_regions(
+    tensors: Sequence[TensorInfo], num_blocks: int, regions: Sequence[Region],
+) -> tuple[dict[str, int], list[tuple[int, ...]]]:
+    """({layer name: its layer index}, [the indices into `regions` of each layer]), for writing layer by layer.
+
+    `regions` is regions_for_caches(tensors, num_blocks). Layers that share one cache (its regions counted once there)
+    share one index: the cache is ready once the first of them has written it. Indices follow `tensors`' order."""
+    at = {(r.base, r.block_len): i for i, r in enumerate(regions)}
+    index: dict[tuple[int, ...], int] = {}
+    of_name: dict[str, int] = {}
+    for t in tensors:
+        mine = tuple(at[(r.base, r.block_len)] for r in regions_for_layer(t, num_blocks))
+        of_name[t.name] = index.setdefault(mine, len(index))
+    return of_name, list(index)
+
+
 def memory_ranges(regions: Sequence[Region]) -> list[tuple[int, int]]:
     """Merge regions into the fewest (address, length) ranges to register with the transport."""
     spans = sorted((r.base, r.base + r.size) for r in regions)

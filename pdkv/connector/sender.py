@@ -1,17 +1,18 @@
 """P's worker side (steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
 
-`KVSender` owns the side-channel server, the SendTable and the writes. The
-model runner's thread calls `apply_step` (scheduler metadata),
-`take_finished` (step 32) and `wait_finished`; everything else runs on the
-sender's loop thread. Writes run on a small thread pool per D
-(pdkv.connector.writers), so a slow D never stalls the listener nor the
-transfers to another D.
+`KVSender` owns the side-channel server, the SendTable and the writes. The model
+runner's thread calls `apply_step` (scheduler metadata), `prompt_done`, `take_finished`
+(step 32), `wait_finished`, and writing layer by layer (`layers`) `prompt_starts` and
+`layer_ready`; everything else runs on the sender's loop thread. Writes run on a small
+thread pool per D (pdkv.connector.writers, layer_writes), so a slow D never stalls the
+listener nor the transfers to another D.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -21,9 +22,10 @@ from typing import Any
 from pdkv.auth import FrameSealer
 from pdkv.connector.side_channel import EventLoopThread, SideChannelServer
 from pdkv.connector.checks import announced_share, check_announce, check_pull
+from pdkv.connector.layer_writes import LayerBoard, LayerCursor
 from pdkv.connector.send_table import Free, Reply, SendLimits, SendTable, StartSend, pull_key
 from pdkv.connector.timing import TraceLog
-from pdkv.connector.writers import WriterPools, write_transfer
+from pdkv.connector.writers import WriterPools, write_layers, write_transfer
 from pdkv.errors import PdkvError
 from pdkv.wire import Announce, ErrorReply, PullReply, PullRequest, PullStatus, Region, Release, StatsQuery, StatsReply, TraceReport
 from pdkv.transport import Transport
@@ -67,9 +69,11 @@ class KVSender:
         port: int = 0,
         wait_write_s: float = 0.0,
         sealer: FrameSealer | None = None,
+        layers: LayerBoard | None = None,
     ) -> None:
         """`sealer`: the deployment key's frame sealer (pdkv.auth.sealer_from_env()); None: frames unsealed.
-        `kv_heads`: the model's KV heads, all ranks together (0: unknown, and only a D of this TP size is served)."""
+        `kv_heads`: the model's KV heads, all ranks together (0: unknown, and only a D of this TP size is served).
+        `layers`: what writes layer by layer go through (None: one write after the forward completing a prompt)."""
         self._closed = False  # set under _table_lock: no send starts once it is
         self.transport = transport
         self.regions = list(regions)
@@ -85,6 +89,8 @@ class KVSender:
         self._lock = threading.Lock()
         self._news = threading.Event()  # set when blocks may be freed (`_finished` grew), cleared when they are taken
         self._writers = WriterPools()
+        self._board = layers if layers is not None else LayerBoard()
+        self._forward_sends: list[concurrent.futures.Future] = []  # sends of the open forward; guarded by _table_lock
         # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
         self._fences: dict[str, Any] = {}
         # (D session, D TP rank) -> its latest accepted announcement, or why the latest was refused; ranks of one
@@ -130,28 +136,50 @@ class KVSender:
         """{p_req_id: (transfer_id, blocks)} whose prompt the forward just completed; `fence`, if set,
         is an event the KV writes wait for (the forward may still run on the GPU).
 
-        Sends whose pull is already here start now, on the transfer threads. With `wait_write_s` (KV in
-        host memory: the write and this thread share the cores) this thread then steps aside for at most
-        that long while they run, and P samples its token after."""
+        Sends whose pull is already here start now (or did at prompt_starts), on the transfer threads. With
+        `wait_write_s` (KV in host memory: the write and this thread share the cores) this thread then steps aside
+        for at most that long while they run, and P samples its token after."""
         now = time.time()
-        sends: list[concurrent.futures.Future[None]] = []
-        rest: list[Any] = []
         with self._table_lock:
             if self._closed:
                 return  # shutting down: the scheduler frees what it holds
-            for p_req_id, (tid, blocks) in items.items():
+            for p_req_id, (tid, _) in items.items():
                 self.trace.event(tid, "p_forward_done", now, p_req_id=p_req_id)
-                if fence is not None:
-                    self._fences[tid] = fence
-                for a in self.table.prompt_done(tid, p_req_id, blocks, now):
-                    if isinstance(a, StartSend):
-                        sends.append(self._start_send(a))
-                    else:
-                        rest.append(a)
-        if rest:
-            self._loop.call_soon(self._run, rest)
+            if self._board.forward_done(fence):
+                sends, self._forward_sends = self._forward_sends, []
+            else:
+                sends = self._blocks_computed(items, now, fence)
         if sends and self.wait_write_s > 0:
             concurrent.futures.wait(sends, timeout=self.wait_write_s)
+
+    def prompt_starts(self, items: dict[str, tuple[str, list[int]]], stale_fence: Any = None) -> None:
+        """Writing layer by layer: the forward completing these prompts begins, and ends with `prompt_done`; each
+        layer may be sent once `layer_ready` says so. `stale_fence`: where an unended forward before it is done."""
+        with self._table_lock:
+            if self._closed or not self._board.on:
+                return
+            self._board.open((tid for tid, _ in items.values()), stale_fence)
+            self._forward_sends = self._blocks_computed(items, time.time(), None)
+
+    def layer_ready(self, layer: int, fence: Any = None) -> None:
+        """Layer `layer` of the open forward has its KV in the cache; its writes wait for `fence` first, if set."""
+        self._board.layer_ready(layer, fence)
+
+    def _blocks_computed(self, items: dict[str, tuple[str, list[int]]], now: float, fence: Any) -> list[concurrent.futures.Future]:
+        """Tell the table these prompts' KV may be sent; start the sends whose pull is here (under _table_lock)."""
+        sends: list[concurrent.futures.Future[None]] = []
+        rest: list[Any] = []
+        for p_req_id, (tid, blocks) in items.items():
+            if fence is not None:
+                self._fences[tid] = fence
+            for a in self.table.prompt_done(tid, p_req_id, blocks, now):
+                if isinstance(a, StartSend):
+                    sends.append(self._start_send(a))
+                else:
+                    rest.append(a)
+        if rest:
+            self._loop.call_soon(self._run, rest)
+        return sends
 
     def take_finished(self) -> set[str]:
         """P request ids whose blocks may be freed now (sent, failed, expired or released)."""
@@ -190,6 +218,7 @@ class KVSender:
                 actions = self.table.ready(tid, p_req_id, blocks, now)
             self._run(actions)
         for tid, reason in cancelled.items():
+            self._board.drop(tid)
             self.trace.event(tid, "p_finished", now)
             self.trace.finish(tid, "cancelled", reason)
             with self._table_lock:
@@ -211,6 +240,7 @@ class KVSender:
             elif isinstance(a, Free):
                 with self._table_lock:
                     self._fences.pop(a.transfer_id, None)
+                self._board.drop(a.transfer_id)
                 self.trace.event(a.transfer_id, "freed")
                 if a.outcome in ("expired", "released", "duplicate"):
                     self.trace.finish(a.transfer_id, a.outcome)
@@ -284,7 +314,8 @@ class KVSender:
                 told.set_result(None)
                 return told
             fence = self._fences.pop(a.transfer_id, None)
-            fut = self._writers.submit(a.pull.request.session, self._transfer, a, fence)
+            cursor = self._board.cursor(a.transfer_id)
+            fut = self._writers.submit(a.pull.request.session, self._transfer, a, fence, cursor)
         fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f, told))
         return told
 
@@ -297,12 +328,13 @@ class KVSender:
         task = asyncio.get_running_loop().create_task(self._conclude(a, *fut.result()))
         task.add_done_callback(lambda _t: told.set_result(None))
 
-    def _transfer(self, a: StartSend, fence: Any) -> tuple[str | None, int, int]:
+    def _transfer(self, a: StartSend, fence: Any, cursor: LayerCursor | None = None) -> tuple[str | None, int, int]:
         """Write one transfer (on a transfer thread): (error, bytes, descriptors). `fence`: what the write waits
-        for first (write_transfer)."""
+        for first (write_transfer); `cursor`: write it layer by layer instead, as its forward gives them."""
+        event = functools.partial(self.trace.event, a.transfer_id)
         try:
-            nbytes, ndesc = write_transfer(self.transport, self.regions, a, fence,
-                                           lambda name, **fields: self.trace.event(a.transfer_id, name, **fields))
+            nbytes, ndesc = (write_layers(self.transport, self.regions, a, cursor, event) if cursor is not None
+                             else write_transfer(self.transport, self.regions, a, fence, event))
         except PdkvError as exc:
             return str(exc), 0, 0
         except Exception as exc:  # noqa: BLE001 - any failure must reach D and free the blocks
@@ -354,6 +386,7 @@ class KVSender:
                 return
             self._closed = True
         self._news.set()  # a model runner waiting in wait_finished goes on
+        self._board.close()  # writes waiting for a layer fail now
         self._ticker.cancel()
         self.server.close()
         self._loop.stop()

@@ -208,6 +208,12 @@ class PdkvConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches, sorted(kv_caches, key=_layer_index))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Before the forward (start_load_kv may come after it): with socket_write_layers its writes begin here.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, PdkvConnectorMetadata):
+            self._worker.forward_begins(connector_metadata.step)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._connector_metadata
@@ -218,7 +224,10 @@ class PdkvConnector(KVConnectorBase_V1):
         return None  # the KV lands between steps, before the request is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # P pushes whole requests once they finish, not layer by layer
+        # P with socket_write_layers: this layer's KV is in the cache; the writes of this step's completed prompts
+        # may take it. Otherwise nothing: P writes each request once the forward completing its prompt is done.
+        if self._worker is not None:
+            self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         # After the forward: requests whose prompt it completed start sending now (on CPU hosts the

@@ -15,7 +15,8 @@ import msgspec
 
 from pdkv.auth import sealer_from_env, token_from_env
 from pdkv.connector.config import ConnectorConfig, bootstrap_bind, bootstrap_url, membership
-from pdkv.connector.layout import TensorInfo, memory_ranges, regions_for_caches
+from pdkv.connector.layer_writes import LayerBoard
+from pdkv.connector.layout import TensorInfo, layer_regions, memory_ranges, regions_for_caches
 from pdkv.connector.receiver import KVReceiver, Results
 from pdkv.connector.scheduler import StepMeta
 from pdkv.connector.sender import KVSender
@@ -81,6 +82,8 @@ class ConnectorWorker:
         self.member: Any = None  # TP0: StandingRegistration of this engine's member record
         self.identity = identity or EngineIdentity()
         self._on_gpu = False
+        self._layer_of: dict[str, int] = {}  # P writing layer by layer: layer name -> layer index
+        self._forward_open = False  # P writing layer by layer: this step's forward completes prompts (model runner's)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_order: list[str]) -> None:
         """Steps 1, 3-5: start Mooncake, register the KV memory, start the side channel (P) or receiver (D)."""
@@ -122,11 +125,17 @@ class ConnectorWorker:
             self.bootstrap = start_background(host, port, token=token_from_env())
             log.info("pdkv: bootstrap server listening on %s:%d", host, port)
         limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
+        board = None
+        if self.config.socket_write_layers:
+            self._layer_of, groups = layer_regions(tensors, self.num_blocks, regions)
+            board = LayerBoard(groups, wait_s=self.config.write_timeout_s)
+            log.info("pdkv: P writes KV layer by layer (%d layers) as the forward computes them", len(groups))
         self.sender = KVSender(
             self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
             engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,
             wait_write_s=0.0 if self._on_gpu else self.config.wait_write_ms / 1000, sealer=sealer_from_env(),
             port=self.config.side_channel_port + self.dp_rank * self.tp_size + self.tp_rank if self.config.side_channel_port else 0,
+            layers=board,
         )
         self._register_with_bootstrap()
         self._join_members()
@@ -173,11 +182,30 @@ class ConnectorWorker:
         if self.receiver is not None:
             self.receiver.apply_step(meta.pulls, meta.aborts, meta.first_tokens, meta.releases)
 
+    def forward_begins(self, meta: StepMeta) -> None:
+        """Before the forward, writing layer by layer (P): the requests whose prompt it completes may be sent from
+        now on, each layer as `layer_saved` reports it. Their transfers' bindings are known before any send starts."""
+        if self.sender is None or not self._layer_of or not meta.prompt_done:
+            return
+        self.sender.apply_step(bindings=meta.bindings)
+        self.sender.prompt_starts(meta.prompt_done, self._fence() if self._forward_open else None)
+        self._forward_open = True
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM saved `layer_name`'s KV during the forward (save_kv_layer). Writing layer by layer with a forward that
+        completes prompts, its writes may take that layer: on a GPU once an event recorded here (on the forward's
+        stream) has completed, which the writer thread waits for; on a CPU the KV is there now."""
+        if self._forward_open and (layer := self._layer_of.get(layer_name)) is not None:
+            assert self.sender is not None
+            self.sender.layer_ready(layer, self._fence())
+
     def forward_done(self, meta: StepMeta) -> None:
-        """After the forward: start sending the requests whose prompt it completed (P).
+        """After the forward: start sending the requests whose prompt it completed (P); writing layer by layer,
+        their writes started with the forward and may now take every layer.
 
         On a GPU the forward may still be running: the write waits on an event recorded here and this
         returns at once. With the KV in host memory this waits up to wait_write_ms for those writes."""
+        self._forward_open = False
         if self.sender is None or not meta.prompt_done:
             return
         self.sender.prompt_done(meta.prompt_done, self._fence())

@@ -265,6 +265,9 @@ def assemble(
         notes.append(f"{len(records)} P workers (TP ranks) moved this request: bytes are their sum, times the slowest's")
     if crit is not None and (len(records) > 1 or any(r.d_rank_bytes for r in records)):
         notes.append(f"bytes by TP rank: {bytes_by_rank(records)}")
+    if crit is not None and crit.events.get("transfer_start", float("inf")) < crit.events.get("p_forward_done", float("-inf")):
+        notes.append("P wrote this KV layer by layer during its forward (socket_write_layers): the write's time runs from "
+                     "its first layer's start to its last layer's end, waits for the forward's layers included")
     if crit is not None and crit.status not in ("", "sent"):
         notes.append(f"the transfer ended as {crit.status}: {crit.error or 'no reason given'}")
     if proxy.error:

@@ -2,7 +2,7 @@
 
 - `tiny_model`: one tiny model per session (written once, ~1 s).
 - `start_vllm`: a module-scoped factory. `start_vllm(role=..., connector=...,
-  transport=..., omp_bind=..., env=..., cpu_accelerator_shim=...)` starts one engine on a
+  transport=..., omp_bind=..., env=..., cpu_accelerator_shim=..., connector_extra=...)` starts one engine on a
   free loopback port through pdkv.deploy.plan.engine, waits for /health (bounded) and
   returns it; `start_vllm.pair(p_kwargs, d_kwargs)` starts both at once and
   waits for both (P and D are bound to different cores); every engine is stopped by process group when its module ends,
@@ -92,6 +92,7 @@ class EngineFactory:
         transport: str = "tcp",
         load_failure: str | None = None,
         kv_events_port: int | None = None,
+        connector_extra: dict | None = None,
     ) -> ManagedProcess:
         extra_env = dict(env or {})
         if cpu_accelerator_shim:
@@ -114,6 +115,7 @@ class EngineFactory:
             extra_env=extra_env,
             load_failure=load_failure,  # type: ignore[arg-type]
             kv_events_port=kv_events_port,
+            connector_extra=dict(connector_extra or {}),
         )
         label = name or f"{role}-{connector}-{len(self.started)}"
         engine = ManagedProcess(engine_launch(spec, name=label), self.logs / f"{label}.log")

@@ -1,8 +1,9 @@
 """Load through a real local 1P1D (tiny model, CPU): many requests in flight, nothing lost, nothing leaked.
 
 For each deployment (pdkv's connector over cma, over Mooncake tcp and over
-its own TCP (socket), vLLM's MooncakeConnector behind the test-only CPU accelerator
-shim): completions and chat, streaming and not, prompts of 2 to ~1000
+its own TCP (socket), the last also with P writing layer by layer during its
+forward (socket_write_layers), vLLM's MooncakeConnector behind the test-only CPU
+accelerator shim): completions and chat, streaming and not, prompts of 2 to ~1000
 tokens, at concurrency 1, 8 and 32. Every request must succeed and every
 greedy answer must equal the one P alone gives for the same prompt (KV
 written into another request's blocks shows up as a different answer).
@@ -22,13 +23,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import httpx
 import pytest
 
 from support import loadclient
-from support.loadclient import ENDPOINTS, PROMPTS, Answer, Case, kv_usage, mixed_cases, one, run_load, same_greedy_answer
+from support.loadclient import ENDPOINTS, PROMPTS, Answer, Case, kv_usage, mixed_cases, one, prompts, run_load, same_greedy_answer
 from support.ports import free_port
 from pdkv.deploy.run.process import ManagedProcess
 from pdkv.proxy.config import build_config
@@ -36,8 +37,10 @@ from pdkv.proxy.server import BackgroundProxy
 
 pytestmark = pytest.mark.e2e
 
-DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma"), "pdkv-tcp": ("pdkv", "tcp"), "pdkv-socket": ("pdkv", "socket"),
-               "vllm-mooncake-tcp": ("mooncake", "tcp")}
+# name -> (connector, transport, P's kv_connector_extra_config beside the transport's)
+DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma", {}), "pdkv-tcp": ("pdkv", "tcp", {}), "pdkv-socket": ("pdkv", "socket", {}),
+               "pdkv-socket-layers": ("pdkv", "socket", {"socket_write_layers": True}),
+               "vllm-mooncake-tcp": ("mooncake", "tcp", {})}
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Deployment:
     proxy_url: str
     model: str
     alone: dict[tuple[str, str], Answer]  # (endpoint, prompt) -> P alone's greedy answer
+    bootstrap_url: str = ""
 
 
 def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
@@ -63,12 +67,12 @@ def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
 
 @pytest.fixture(scope="module", params=list(DEPLOYMENTS), ids=list(DEPLOYMENTS))
 def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
-    connector, transport = DEPLOYMENTS[request.param]
+    connector, transport, p_extra = DEPLOYMENTS[request.param]
     shim = connector == "mooncake"
     bootstrap_port = free_port()
     prefill, decode = start_vllm.pair(
         dict(role="prefill", connector=connector, transport=transport, omp_bind="0", bootstrap_port=bootstrap_port,
-             cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}"),
+             cpu_accelerator_shim=shim, name=f"load-prefill-{request.param}", connector_extra=p_extra),
         dict(role="decode", connector=connector, transport=transport, omp_bind="1", cpu_accelerator_shim=shim,
              name=f"load-decode-{request.param}"),
     )
@@ -86,7 +90,7 @@ def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
             assert time.monotonic() < end, "proxy not ready"
             time.sleep(0.2)
         yield Deployment(request.param, prefill, decode, proxy.url, model,
-                         {(c.endpoint, c.prompt): a for c, a in zip(refs, answers, strict=True)})
+                         {(c.endpoint, c.prompt): a for c, a in zip(refs, answers, strict=True)}, f"http://127.0.0.1:{bootstrap_port}")
     # Free the two cores for the next deployment.
     decode.stop(grace=15)
     prefill.stop(grace=15)
@@ -110,6 +114,44 @@ def test_every_answer_under_load_equals_p_alone(deployment, concurrency, n):
     answers = asyncio.run(run_load(deployment.proxy_url, cases, deployment.model, concurrency))
     check_answers(deployment, cases, answers)
     assert_no_blocks_held(deployment)
+
+
+def p_traces(bootstrap_url: str) -> list:
+    """Every transfer record of every prefill worker registered at `bootstrap_url` (their side channels' StatsReply)."""
+    from pdkv.bootstrap import BootstrapClient
+    from pdkv.wire import query_stats
+
+    with BootstrapClient(bootstrap_url, timeout=2.0, retries=1) as bs:
+        addrs = [a for entry in bs.query().values() for pps in entry.worker_addr.values() for a in pps.values()]
+
+    async def ask_all() -> list:
+        return list(await asyncio.gather(*(query_stats(a) for a in addrs)))
+
+    return [t for reply in asyncio.run(ask_all()) for t in reply.traces]
+
+
+def test_writes_layer_by_layer_ran_beside_ps_forward(deployment):
+    # Fresh long prompts (no prefix cache holds them), 8 in flight, until one of P's writes began inside the forward
+    # computing its prompt: D's pull was there first (bounded: a few rounds). Their answers equal P alone's.
+    if not DEPLOYMENTS[deployment.name][2].get("socket_write_layers"):
+        pytest.skip("P writes once after its forward here")
+    inside, rounds = [], 0
+    while not inside and rounds < 6:
+        cases = [Case(ENDPOINTS[0], text, stream=bool(i % 2)) for i, text in enumerate(prompts(1000 + rounds, [270] * 8))]
+        answers = asyncio.run(run_load(deployment.proxy_url, cases, deployment.model, 8))
+        alone = asyncio.run(run_load(deployment.prefill.url, [Case(c.endpoint, c.prompt, stream=False) for c in cases],
+                                     deployment.model, 4, top=2))
+        check_answers(with_reference(deployment, cases, alone), cases, answers)
+        sent = [t for t in p_traces(deployment.bootstrap_url) if t.status == "sent" and "p_forward_done" in t.events]
+        inside = [t for t in sent if t.events["transfer_start"] < t.events["p_forward_done"]]
+        rounds += 1
+    assert inside, f"none of P's writes began inside its forward after {rounds} rounds of 8 fresh prompts"
+    assert_no_blocks_held(deployment)
+
+
+def with_reference(dep: Deployment, cases: list[Case], alone: list[Answer]) -> Deployment:
+    """`dep` with P alone's answers for `cases` as its reference."""
+    return replace(dep, alone={(c.endpoint, c.prompt): a for c, a in zip(cases, alone, strict=True)})
 
 
 def test_streams_cut_at_random_points_leak_no_blocks(deployment):

@@ -5,7 +5,8 @@
   request through D (kv_load_failure_policy "recompute", pdkv up's default),
   each answer equal to P alone's, D's KV usage back to 0; with "fail" each
   request fails at once with a clear error instead.
-- P killed (kill -9) while 8 clients stream, over cma, tcp and socket: no
+- P killed (kill -9) while 8 clients stream, over cma, tcp and socket (and
+  socket with P writing layer by layer during its forward): no
   client sees a failure (requests whose P died go to D alone), every answer
   equals P alone's; while P is down D answers alone (the request record
   says so, with its TTFT); once P is back the proxy disaggregates again.
@@ -57,8 +58,16 @@ def restart_and_wait_routable(engine: ManagedProcess, proxy_url: str) -> None:
         time.sleep(0.25)
 
 
+def transport_of(kind: str) -> tuple[str, dict]:
+    """A test's kind of engine: its transport, and P's kv_connector_extra_config beside it ("socket-layers": socket,
+    P writing layer by layer during its forward)."""
+    transport, _, mode = kind.partition("-")
+    return transport, ({"socket_write_layers": True} if mode == "layers" else {})
+
+
 class Engines:
-    """Prefill engines per transport (core 0) and decode engines (core 1), with P alone's answers."""
+    """Prefill engines per kind (transport_of; core 0) and decode engines per transport (core 1), with P alone's
+    answers."""
 
     def __init__(self, start_vllm, model: str) -> None:
         self.start_vllm = start_vllm
@@ -66,12 +75,15 @@ class Engines:
         self.bootstrap: dict[str, int] = {}
         self.alone: dict[str, Answer] = {}
 
-    def _prefill_args(self, transport: str) -> dict:
-        port = self.bootstrap.setdefault(transport, free_port())
-        return dict(role="prefill", transport=transport, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{transport}")
+    def _prefill_args(self, kind: str) -> dict:
+        port = self.bootstrap.setdefault(kind, free_port())
+        transport, p_extra = transport_of(kind)
+        extra = {"connector_extra": p_extra} if p_extra else {}
+        return dict(role="prefill", transport=transport, omp_bind="0", bootstrap_port=port, name=f"recompute-prefill-{kind}", **extra)
 
     @staticmethod
-    def _decode_args(transport: str, load_failure: str | None = None) -> dict:
+    def _decode_args(kind: str, load_failure: str | None = None) -> dict:
+        transport, _ = transport_of(kind)  # D is the same whatever P's kind
         extra = {"load_failure": load_failure} if load_failure else {}
         return dict(role="decode", transport=transport, omp_bind="1", name=f"recompute-decode-{transport}-{load_failure}", **extra)
 
@@ -148,7 +160,7 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
     wait_usage_zero(d.url)
 
 
-@pytest.mark.parametrize("transport", ["cma", "tcp", "socket"])
+@pytest.mark.parametrize("transport", ["cma", "tcp", "socket", "socket-layers"])
 def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, transport: str):
     engines.pair(transport, transport)
     d = engines.decode(transport)

@@ -2,9 +2,11 @@
 
 Four deployments, one per connector/transport a GPU user would pick: pdkv's connector over CUDA IPC (`pdkv-ipc`),
 over its own TCP connections (`pdkv-socket`, what hosts without RDMA use) and over Mooncake tcp (`pdkv-tcp`), and
-vLLM's MooncakeConnector over Mooncake tcp (`mooncake-tcp`). One H200 holds three at once (six engines of
-Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS (scripts/gpu/run.sh sets it from DEPLOYMENTS), else `pdkv-ipc
-pdkv-tcp mooncake-tcp`; `pdkv-socket` runs when named there. Each file says how its two engines share the GPU: a fixed KV cache size
+vLLM's MooncakeConnector over Mooncake tcp (`mooncake-tcp`); and `pdkv-socket-layers`, `pdkv-socket` with P writing
+each layer's KV as its forward computes it (`socket_write_layers`), to measure beside the one write after the
+forward. One H200 holds three at once (six engines of Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS
+(scripts/gpu/run.sh sets it from DEPLOYMENTS), else `pdkv-ipc pdkv-tcp mooncake-tcp`; `pdkv-socket` and
+`pdkv-socket-layers` run when named there. Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), CUDA graphs
 of whole decode steps without torch.compile (or, with PDKV_GPU_GRAPHS=eager, eager mode),
 FlashAttention, each prompt in one forward (no chunked prefill), and `VLLM_BATCH_INVARIANT=1`, so that P alone
@@ -31,7 +33,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp", "pdkv-socket")
+NAMES = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp", "pdkv-socket", "pdkv-socket-layers")
 DEFAULT_ACTIVE = ("pdkv-ipc", "pdkv-tcp", "mooncake-tcp")
 
 
@@ -87,6 +89,7 @@ PORTS = {
     "pdkv-tcp": Ports(8001, 8101, 8201, 9010, 5620),
     "mooncake-tcp": Ports(8002, 8102, 8202, 9020, 5640),
     "pdkv-socket": Ports(8003, 8103, 8203, 9030, 5660),
+    "pdkv-socket-layers": Ports(8004, 8104, 8204, 9040, 5680),
 }
 
 
@@ -97,8 +100,10 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
         raise ValueError(f"PDKV_GPU_KV must be fixed or extensible, got {KV_SIZING!r}")
     sizing = (["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)] if KV_SIZING == "fixed"
               else ["--gpu-memory-utilization", str(KV_SHARE)])
-    connector, transport = name.split("-")
+    connector, transport, *mode = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
+    # pdkv-socket-layers: P writes each layer's KV as its forward computes it, the one difference from pdkv-socket.
+    layers = "socket_write_layers = true\n" if mode == ["layers"] else ""
     p = PORTS[name]
     args = [
         *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", *sizing, "--max-num-seqs", "32",
@@ -112,7 +117,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     # vLLM 0.26's MooncakeConnector has no bootstrap_server_address: its P serves the registry itself.
     bootstrap = "standalone" if connector == "pdkv" else "in-worker"
     return f"""# {name}: 1P1D on GPU 0, both engines on the one GPU (KV cache {KV_SIZING}), KV over {transport}, {graphs},
-# D's scheduling {DECODE_SCHEDULING}.
+# D's scheduling {DECODE_SCHEDULING}{", P writing layer by layer" if layers else ""}.
 model = "{model}"
 served_model_name = "qwen3-8b-random"
 connector = "{connector}"
@@ -125,7 +130,7 @@ max_model_len = 4096
 startup_timeout = {READY_TIMEOUT_S:.0f}
 restart = "on-failure"
 kv_events_port = {p.kv_events}
-
+{layers}
 [bootstrap]
 mode = "{bootstrap}"
 port = {p.bootstrap}

@@ -1,4 +1,5 @@
-"""P and D of different TP sizes over real ZMQ, a real bootstrap server and real Mooncake tcp (or cma) on loopback.
+"""P and D of different TP sizes over real ZMQ, a real bootstrap server and real Mooncake tcp (or cma, or socket with
+P writing layer by layer) on loopback.
 
 Each TP rank is a KVSender or KVReceiver of its own, with memory shaped as vLLM's LBHNC cache: per layer a
 region of blocks, each block the rank's heads one after another. P ranks hold random bytes; after the pull,
@@ -13,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support.kv_pair import KVHarness, Side, wait_freed, wait_results
+from support.kv_pair import KVHarness, Side, wait_freed, wait_parked, wait_results
 from support.slow_link import LateForwarder
 
+from pdkv.connector.layer_writes import LayerBoard
 from pdkv.connector.receiver import PullSpec, Results
 from pdkv.tp_heads import rank_heads
 
@@ -46,14 +48,18 @@ class Deployment:
 
     def __init__(
         self, kv: KVHarness, p_tp: int, d_tp: int, transport: str, *, heads: int = HEADS, d_kv_heads: int | None = None,
-        liveness_s: float = 3.0, bootstrap_timeout: float = 2.0,
+        liveness_s: float = 3.0, bootstrap_timeout: float = 2.0, layers: bool = False,
     ) -> None:
+        """`layers`: P's ranks write layer by layer (socket_write_layers), one region a layer."""
         self.bootstrap = kv.bootstrap_url
         self.ps = [make_rank(kv, p_tp, r, transport, fill=True, heads=heads) for r in range(p_tp)]
         self.ds = [make_rank(kv, d_tp, r, transport, fill=False, heads=heads) for r in range(d_tp)]
-        self.senders = [kv.sender(p.side, engine_id=ENGINE, tp_rank=r, tp_size=p_tp, kv_heads=heads) for r, p in enumerate(self.ps)]
+        self.senders = [kv.sender(p.side, engine_id=ENGINE, tp_rank=r, tp_size=p_tp, kv_heads=heads,
+                                  layers=LayerBoard([(i,) for i in range(LAYERS)], wait_s=3.0) if layers else None)
+                        for r, p in enumerate(self.ps)]
         self.receivers = [kv.receiver(d.side, tp_rank=r, tp_size=d_tp, kv_heads=heads if d_kv_heads is None else d_kv_heads,
-                                      liveness_s=liveness_s, bootstrap_timeout=bootstrap_timeout) for r, d in enumerate(self.ds)]
+                                      liveness_s=liveness_s, bootstrap_timeout=bootstrap_timeout, transport=d.side.transport)
+                          for r, d in enumerate(self.ds)]
 
     def transfer(self, tid: str, p_blocks: list[int], d_blocks: list[int]) -> list[Results]:
         spec = PullSpec("d1", tid, self.bootstrap, ENGINE, d_blocks)
@@ -88,6 +94,34 @@ def test_every_d_rank_gets_exactly_its_heads_from_the_p_ranks_that_hold_them(kv,
     assert moved == len(p_blocks) * LAYERS * HEADS * UNIT
     if d_tp > p_tp:
         assert all(len(t.d_rank_bytes) == d_tp // p_tp for t in records)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)], ids=["p1-d2", "p2-d1"])
+def test_written_layer_by_layer_every_d_rank_gets_exactly_its_heads(kv, p_tp, d_tp):
+    # Over socket, every P rank writing each layer as its forward reports it; D's pulls wait at P before the forward.
+    p_blocks, d_blocks = [2, 3, 4, 9], [5, 6, 7, 12]
+    dep = Deployment(kv, p_tp, d_tp, "socket", layers=True)
+    spec = PullSpec("d1", "x-layers", dep.bootstrap, ENGINE, d_blocks)
+    for rx in dep.receivers:
+        rx.apply_step(pulls=[spec])
+    items = {"p1": ("x-layers", p_blocks)}
+    for sender in dep.senders:
+        sender.apply_step(registered={"p1": "x-layers"})
+        wait_parked(sender, "x-layers")  # D rank(s) pulling this P rank asked first
+        sender.prompt_starts(items)
+    for layer in range(LAYERS):
+        for sender in dep.senders:  # each rank's model runner reports its own layers
+            sender.layer_ready(layer)
+    for sender in dep.senders:
+        sender.prompt_done(items)
+    for rx in dep.receivers:
+        res = wait_results(rx, {"d1"})
+        assert res.failed == {}, res.failed
+    assert_heads(dep, p_blocks, d_blocks)
+    for sender in dep.senders:
+        sender.apply_step(ready={"p1": ("x-layers", p_blocks)})
+        wait_freed(sender, {"p1"})
+    assert sum(s.trace.get("x-layers").bytes for s in dep.senders) == len(p_blocks) * LAYERS * HEADS * UNIT
 
 
 def assert_heads(dep: Deployment, p_blocks: list[int], d_blocks: list[int]) -> None:

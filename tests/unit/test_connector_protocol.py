@@ -227,3 +227,15 @@ def test_config_socket_settings():
                              ("socket_buffer_bytes", 100, r"0 \(the kernel.s autotuning\) or 4096"), ("socket_buffer_bytes", -1, "4096..")):
         with pytest.raises(ConfigError, match=needle):
             load_config({key: bad})
+
+
+def test_config_writing_layer_by_layer_is_off_by_default_and_only_for_the_socket_transport():
+    assert load_config({"mooncake_protocol": "socket"}).socket_write_layers is False
+    assert load_config({"transport": "socket", "socket_write_layers": "true"}).socket_write_layers is True
+    assert load_config({"mooncake_protocol": "tcp", "socket_write_layers": False}).socket_write_layers is False
+    for transport in ("tcp", "rdma", "ipc", "cma"):
+        with pytest.raises(ConfigError, match=f"socket_write_layers needs the socket transport, not {transport}") as err:
+            load_config({"mooncake_protocol": transport, "socket_write_layers": True})
+        assert "docs/bench.md" in (err.value.hint or "")
+    with pytest.raises(ConfigError, match="socket_write_layers"):
+        load_config({"mooncake_protocol": "socket", "socket_write_layers": "sometimes"})

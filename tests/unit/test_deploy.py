@@ -426,3 +426,14 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
     assert given > 0 and any(u.port == given and u.what == "KV listener" for u in derived["decode"].ports)
     tcp = {p.kind: p for p in deployment_parts(deployment_from_dict(_dep(decode=[{"port": 8200, "socket_port": 7100}])))}
     assert "socket_port" not in kv_config(tcp["decode"])["kv_connector_extra_config"]  # other transports: ignored
+
+
+def test_writing_layer_by_layer_reaches_each_prefills_connector_alone_and_needs_the_socket_transport() -> None:
+    parts = deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu", socket_write_layers=True)))
+    extras = {p.launch.name: kv_config(p)["kv_connector_extra_config"] for p in parts if p.kind in ("prefill", "decode")}
+    assert [n for n, e in extras.items() if e.get("socket_write_layers") is True] == ["prefill-0", "prefill-1"]
+    off = deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu")))
+    assert not any("socket_write_layers" in kv_config(p)["kv_connector_extra_config"] for p in off if p.kind == "prefill")
+    for transport in ("tcp", "rdma", "cma", "ipc"):
+        with pytest.raises(ConfigError, match=f"socket_write_layers needs transport = \"socket\", not '{transport}'"):
+            deployment_from_dict(_dep(transport=transport, socket_write_layers=True))

@@ -44,3 +44,21 @@ def test_decode_scheduling_changes_d_alone(tmp_path, monkeypatch, scheduling: st
     monkeypatch.setattr(deployments, "DECODE_SCHEDULING", "synch")
     with pytest.raises(ValueError, match="async or sync"):
         deployment_toml("pdkv-ipc", "/models/qwen3-8b")
+
+
+def test_the_layered_socket_deployment_is_the_socket_one_with_p_writing_layer_by_layer(tmp_path) -> None:
+    def extra(name: str) -> dict[str, dict]:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(deployment_toml(name, "/models/qwen3-8b"))
+        out = {}
+        for part in deployment_parts(load_deployment(path)):
+            if part.kind in ("prefill", "decode"):
+                argv = part.launch.argv
+                config = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+                ports = ("side_channel_port", "socket_port", "bootstrap_server_address")  # each deployment its own
+                out[part.kind] = {k: v for k, v in config.items() if k not in ports}
+        return out
+
+    one_write, layered = extra("pdkv-socket"), extra("pdkv-socket-layers")
+    assert layered["prefill"] == {**one_write["prefill"], "socket_write_layers": True}
+    assert layered["decode"] == one_write["decode"] and "socket_write_layers" not in one_write["prefill"]

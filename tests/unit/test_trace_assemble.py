@@ -210,6 +210,19 @@ def test_on_a_gpu_the_wait_for_ps_forward_there_is_ps_not_the_transfers() -> Non
     assert t.transfer is not None and t.transfer.write_ms == near(0.5)  # the write alone, not the GPU's tail
 
 
+def test_a_write_layer_by_layer_runs_beside_ps_forward_and_the_transfer_is_what_is_left_after_it() -> None:
+    # socket_write_layers: the first layer went at 12.0, inside the forward that ended at 20.0; the last landed at 20.6.
+    events = {"registered": 10.0, "pull_received": 11.0, "transfer_start": 12.0, "p_forward_done": 20.0, "transfer_end": 20.6,
+              "reply_sent": 20.8, "notified": 21.0, "p_computed": 23.0, "p_finished": 25.0, "reported": 21.5,
+              "first_token_scheduled": 22.5}
+    t = assemble(proxy_record(decode_first_byte=27.0), [connector_record(events)], model="tiny")
+    got = {p.name: p.ms for p in t.phases}
+    assert got["P prefill"] == near(10.0) and got["wait for D's pull"] == near(0.0) and got["transfer"] == near(1.0)
+    assert t.phases_ms == near(27.0)
+    assert t.transfer is not None and t.transfer.write_ms == near(8.6)  # first layer's start to last layer's end
+    assert any("layer by layer" in n for n in t.notes)
+
+
 def test_the_kv_aware_plan_is_the_first_note() -> None:
     plan = "prefix_hit: P1 holds 640/1000; D0 holds 0/1000; P costs [1000, 360]; D costs [250]"
     routed = msgspec.structs.replace(proxy_record(), route=plan)

@@ -60,6 +60,9 @@ def _check_socket(dep: Deployment, source: str) -> None:
                           hint="0 takes the worker's cores, at most 4 (docs/socket.md)")
     if dep.socket_buffer_bytes is not None and (problem := socket_buffer_problem(dep.socket_buffer_bytes)):
         raise ConfigError(f"{source}: socket_buffer_bytes {problem}", hint="leave it out for the transport's 96 KiB (docs/socket.md)")
+    if dep.socket_write_layers and dep.transport != "socket":
+        raise ConfigError(f"{source}: socket_write_layers needs transport = \"socket\", not {dep.transport!r}",
+                          hint="over Mooncake tcp a layer-by-layer write slowed P's forward (docs/bench.md); leave it out")
 
 
 def _check_autoscale(dep: Deployment, source: str) -> None:

@@ -200,3 +200,6 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     socket_connections: int = 0
     # Transport socket: each connection's socket buffers, on P and D (docs/socket.md); unset: the transport's 96 KiB.
     socket_buffer_bytes: int | None = None
+    # Transport socket: each P writes a prompt's KV layer by layer as its forward computes it (docs/socket.md); off:
+    # one write once that forward is done. Refused with any other transport.
+    socket_write_layers: bool = False
