@@ -91,8 +91,7 @@ class KVSender:
         self._writers = WriterPools()
         self._board = layers if layers is not None else LayerBoard()
         self._forward_sends: list[concurrent.futures.Future] = []  # sends of the open forward; guarded by _table_lock
-        # transfer_id -> event the write waits for (GPU forward still running); guarded by _table_lock
-        self._fences: dict[str, Any] = {}
+        self._fences: dict[str, Any] = {}  # transfer_id -> the GPU event its writes wait for; guarded by _table_lock
         # (D session, D TP rank) -> its latest accepted announcement, or why the latest was refused; ranks of one
         # process (one cma session) announce apart; owned by the loop thread
         self._announced: OrderedDict[tuple[str, int], Announce | str] = OrderedDict()
@@ -222,6 +221,7 @@ class KVSender:
             self.trace.event(tid, "p_finished", now)
             self.trace.finish(tid, "cancelled", reason)
             with self._table_lock:
+                self._fences.pop(tid, None)  # a cancelled transfer may have no Free to come
                 actions = self.table.cancelled(tid, reason, now)
             self._run(actions)
 
@@ -313,7 +313,7 @@ class KVSender:
             if self._closed:  # the pool is shut down; the scheduler frees what it holds
                 told.set_result(None)
                 return told
-            fence = self._fences.pop(a.transfer_id, None)
+            fence = self._fences.get(a.transfer_id)  # every pull of the transfer waits for it; dropped at Free
             cursor = self._board.cursor(a.transfer_id)
             fut = self._writers.submit(a.pull.request.session, self._transfer, a, fence, cursor)
         fut.add_done_callback(lambda f: self._loop.call_soon(self._concluded, a, f, told))

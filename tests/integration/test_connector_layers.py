@@ -138,3 +138,4 @@ def test_a_connection_cut_between_layers_fails_the_write_at_the_next_layer_and_t
     wait_freed(pair.sender, {"p1"})
     assert concluded(pair) == 1
     assert board.remembered() == 0
+

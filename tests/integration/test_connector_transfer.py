@@ -382,3 +382,37 @@ def test_socket_d_lets_a_pull_write_only_its_own_blocks_and_nothing_after_it_con
     assert_copied(pair, [2, 3], [5, 6])
     with pytest.raises(TransferError, match="no transfer"):
         p.write_blocks(pair.d.transport.session_address, [0], [5], pair.p.regions, pair.d.regions, transfer=write_key("x1", "d1"))
+
+
+class HeldFence:
+    """A GPU event of a forward still running, as a write sees it: synchronize() returns once `finish()` is called."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        assert self._done.wait(10), "the forward never finished"
+
+    def finish(self) -> None:
+        self._done.set()
+
+
+def test_one_write_after_the_forward_every_pull_of_a_transfer_waits_for_the_forwards_event(make_pair):
+    """Two choices (n = 2) of one prompt, one write each after P's forward (not layer by layer): the second pull must
+    wait for the forward's event as the first does, or it could read KV the GPU has not written yet."""
+    pair = make_pair(transport="socket")
+    fence = HeldFence()
+    items = {"p1": ("x1", [1, 2, 3])}
+    pair.sender.apply_step(registered={"p1": "x1"}, fanout={"x1": 2})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [7, 8, 9])])
+    wait_parked(pair.sender, "x1")
+    pair.sender.prompt_done(items, fence)  # the forward may still run: its writes wait for the event
+    pair.receiver.apply_step(pulls=[pair.spec("d2", "x1", [10, 11, 12])])
+    wait_for(lambda: fence.waits == 2, 5, "both pulls' writes to wait for the forward's event")
+    assert not any(pair.d.block(0, b).any() for b in (7, 8, 9, 10, 11, 12))  # no byte before the forward ended
+    fence.finish()
+    assert wait_results(pair.receiver, {"d1", "d2"}).failed == {}
+    assert_copied(pair, [1, 2, 3], [7, 8, 9])
+    assert_copied(pair, [1, 2, 3], [10, 11, 12])
