@@ -22,7 +22,8 @@
 #           (default "0": the transport's default, the worker's cores at most 4) and each connection's socket buffers
 #           in bytes ("default": the transport's 96 KiB; 0: the kernel's autotuning), e.g. SOCKET_CONNECTIONS="4 8"
 #           SOCKET_BUFFERS="default 0 1048576" to see what a many-core host wants (pdkv bench --connections,
-#           --socket-buffer).
+#           --socket-buffer). PDKV_GPU_SOCKET_CONNECTIONS / PDKV_GPU_SOCKET_BUFFER give the socket deployments the
+#           setting that measurement chose (tests/gpu/deployments.py).
 #   DEPLOYMENTS  which of tests/gpu/deployments.py to start and test (default pdkv-ipc pdkv-tcp mooncake-tcp:
 #           three fit one H200; pdkv-socket is the fourth, e.g. DEPLOYMENTS="pdkv-ipc pdkv-socket mooncake-tcp");
 #           profile and check need pdkv-ipc alone, bench mooncake-tcp. pdkv-socket-layers is pdkv-socket with P

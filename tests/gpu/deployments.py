@@ -69,6 +69,10 @@ KV_SIZING = os.environ.get("PDKV_GPU_KV", "fixed")
 # Each engine's share of the GPU under "extensible" (PDKV_GPU_KV_SHARE): 6 x 0.15 x 141 GiB (an H200) leaves each
 # engine its 15.3 GiB of weights and a few GiB of KV; four engines on an 80 GB H100 fit at 0.22.
 KV_SHARE = float(os.environ.get("PDKV_GPU_KV_SHARE", "0.15"))
+# The socket deployments' settings (docs/socket.md), where a GPU host's measurement (run.sh's SOCKET_CONNECTIONS and
+# SOCKET_BUFFERS sweep) says other than the transport's defaults: P's connections to D, each connection's buffers.
+SOCKET_CONNECTIONS = int(os.environ.get("PDKV_GPU_SOCKET_CONNECTIONS", "0"))
+SOCKET_BUFFER = os.environ.get("PDKV_GPU_SOCKET_BUFFER", "")  # bytes; "": the transport's default
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
@@ -104,6 +108,8 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     # pdkv-socket-layers: P writes each layer's KV as its forward computes it, the one difference from pdkv-socket.
     layers = "socket_write_layers = true\n" if mode == ["layers"] else ""
+    if transport == "socket":
+        layers += f"socket_connections = {SOCKET_CONNECTIONS}\n" + (f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else "")
     p = PORTS[name]
     args = [
         *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", *sizing, "--max-num-seqs", "32",

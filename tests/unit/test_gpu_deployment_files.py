@@ -62,3 +62,20 @@ def test_the_layered_socket_deployment_is_the_socket_one_with_p_writing_layer_by
     one_write, layered = extra("pdkv-socket"), extra("pdkv-socket-layers")
     assert layered["prefill"] == {**one_write["prefill"], "socket_write_layers": True}
     assert layered["decode"] == one_write["decode"] and "socket_write_layers" not in one_write["prefill"]
+
+
+def test_the_socket_deployments_take_the_hosts_measured_settings(tmp_path, monkeypatch) -> None:
+    import gpu.deployments as deployments
+
+    monkeypatch.setattr(deployments, "SOCKET_CONNECTIONS", 8)
+    monkeypatch.setattr(deployments, "SOCKET_BUFFER", "1048576")
+    for name in ("pdkv-socket", "pdkv-socket-layers"):
+        path = tmp_path / f"{name}.toml"
+        path.write_text(deployment_toml(name, "/models/qwen3-8b"))
+        extra = {p.kind: json.loads(p.launch.argv[p.launch.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+                 for p in deployment_parts(load_deployment(path)) if p.kind in ("prefill", "decode")}
+        assert extra["prefill"]["socket_connections"] == 8
+        assert extra["prefill"]["socket_buffer_bytes"] == extra["decode"]["socket_buffer_bytes"] == 1 << 20
+    path = tmp_path / "pdkv-tcp.toml"
+    path.write_text(deployment_toml("pdkv-tcp", "/models/qwen3-8b"))  # other transports: no socket keys
+    assert all("socket_connections" not in " ".join(p.launch.argv) for p in deployment_parts(load_deployment(path)))
