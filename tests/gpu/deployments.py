@@ -109,7 +109,8 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     # pdkv-socket-layers: P writes each layer's KV as its forward computes it, the one difference from pdkv-socket.
     layers = "socket_write_layers = true\n" if mode == ["layers"] else ""
     if transport == "socket":
-        layers += f"socket_connections = {SOCKET_CONNECTIONS}\n" + (f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else "")
+        layers += f"socket_connections = {SOCKET_CONNECTIONS}\n"
+        layers += f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else ""
     p = PORTS[name]
     args = [
         *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", *sizing, "--max-num-seqs", "32",
