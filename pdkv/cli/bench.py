@@ -80,15 +80,19 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the source bytes and the scattered block ids."),
     sweep: list[str] = typer.Option([], "--sweep", help="Vary blocks or layout: blocks=1,16,63,256 or layout=all; repeatable."),
     baseline: bool = typer.Option(False, "--baseline", help="Also time bare TransferEngine calls and Mooncake's transfer_engine_bench."),
-    link_gbps: float | None = typer.Option(None, "--link-gbps", help="Link rate in Gb/s [default: sysfs rate of --device, else 400]."),
+    link_gbps: float | None = typer.Option(None, "--link-gbps", help="Link rate in Gb/s \\[default: sysfs rate of --device, else 400]."),
     target: str | None = typer.Option(None, "--target", help="HOST:PORT of `pdkv bench serve` (default: a local child process)."),
-    hostname: str | None = typer.Option(None, "--hostname", help="Address this side's Mooncake advertises [default: route to the target]."),
+    hostname: str | None = typer.Option(
+        None, "--hostname", help="Address this side's Mooncake advertises \\[default: route to the target]."
+    ),
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
     csv_file: Path | None = typer.Option(None, "--csv", help="Also write one row per case to this CSV file."),
     tp: str = typer.Option("1", "--tp", help="TP size (one rank's KV), or P:D: D rank 0's heads written from each P rank holding them."),
-    connections: int = typer.Option(0, "--connections", help="socket: P's TCP connections to D [default: the cores, at most 4]."),
+    connections: int = typer.Option(
+        0, "--connections", help="socket: P's TCP connections to D \\[default: the cores, at most 4].", show_default=False
+    ),
     socket_buffer: int | None = typer.Option(
-        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes, both sides; 0: autotuning [default: 96 KiB]."
+        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes, both sides; 0: autotuning \\[default: 96 KiB]."
     ),
     json_out: JsonOpt = False,
 ) -> None:
@@ -212,7 +216,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for the control channel (0.0.0.0 for all)."),
     port: int = typer.Option(18600, "--port", help="Control port; 0 picks a free one."),
     advertise: str | None = typer.Option(
-        None, "--advertise", help="Address Mooncake advertises [default: --host, or this host's address]."
+        None, "--advertise", help="Address Mooncake advertises \\[default: --host, or this host's address]."
     ),
     transport: str = typer.Option("tcp", "--transport", help=TRANSPORT_HELP),
     device: str = typer.Option("", "--device", help="RDMA device(s) for rdma, e.g. mlx5_0."),
@@ -220,7 +224,7 @@ def serve(
     once: bool = typer.Option(False, "--once", help="Exit after one benchmark run ends."),
     mc: list[str] = typer.Option([], "--mc", help="A Mooncake setting, MC_NAME=VALUE; repeatable."),
     socket_buffer: int | None = typer.Option(
-        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes; 0: the kernel's autotuning [default: 96 KiB]."
+        None, "--socket-buffer", help="socket: each connection's socket buffers in bytes; 0: the kernel's autotuning \\[default: 96 KiB]."
     ),
     json_out: JsonOpt = False,
 ) -> None:

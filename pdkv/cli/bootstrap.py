@@ -130,7 +130,7 @@ def serve(
 
 @bootstrap_app.command("query", help=QUERY_HELP)
 def query(
-    url: str = typer.Argument(None, help="Bootstrap server URL [default: http://127.0.0.1:$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998]."),
+    url: str = typer.Argument(None, help="Bootstrap server URL \\[default: http://127.0.0.1:$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998]."),
     timeout: float = typer.Option(2.0, "--timeout", min=0.01, help="Seconds per attempt."),
     retries: int = typer.Option(3, "--retries", min=0, help="Further attempts after a failed one."),
     json_out: JsonOpt = False,
@@ -157,7 +157,9 @@ def query(
 @bootstrap_app.command("deregister", help=DEREGISTER_HELP)
 def deregister(
     engine_id: str = typer.Argument(..., help="The engine whose entries go."),
-    url: str = typer.Option(None, "--url", help="Bootstrap server URL [default: http://127.0.0.1:$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998]."),
+    url: str = typer.Option(
+        None, "--url", help="Bootstrap server URL \\[default: http://127.0.0.1:$VLLM_MOONCAKE_BOOTSTRAP_PORT or 8998]."
+    ),
     token: str | None = TokenOpt,
     timeout: float = typer.Option(2.0, "--timeout", min=0.01, help="Seconds per attempt."),
     retries: int = typer.Option(3, "--retries", min=0, help="Further attempts after a failed one."),

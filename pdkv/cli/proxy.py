@@ -108,7 +108,7 @@ def proxy(
     policy: Annotated[
         PolicyChoice | None,
         typer.Option("--policy", help="How to pick among backends; kv-aware: by where each prompt's KV blocks are cached "
-                     "(engines' KV events, see --kv-events). [default: round-robin]"),
+                     "(engines' KV events, see --kv-events). \\[default: round-robin]"),
     ] = None,
     kv_events: Annotated[
         list[str] | None,
@@ -120,7 +120,7 @@ def proxy(
         int | None,
         typer.Option("--local-prefill-tokens", min=0,
                      help="kv-aware: D computes the prompt alone, skipping P and the transfer, when it lacks at most this many "
-                     "of its tokens; 0: never. [default: 128]"),
+                     "of its tokens; 0: never. \\[default: 128]"),
     ] = None,
     tokenizer: Annotated[
         Path | None,
@@ -130,30 +130,34 @@ def proxy(
     kv_queue_weight: Annotated[
         float | None,
         typer.Option("--kv-queue-weight", min=0.0, help="kv-aware: weight of P's queued prefill tokens against the tokens a "
-                     "request would compute there. [default: 1]"),
+                     "request would compute there. \\[default: 1]"),
     ] = None,
     connector: Annotated[
         ConnectorChoice | None,
-        typer.Option("--connector", help="The KV connector the engines run (vLLM's mooncake: n > 1 is refused). [default: pdkv]"),
+        typer.Option("--connector", help="The KV connector the engines run (vLLM's mooncake: n > 1 is refused). \\[default: pdkv]"),
     ] = None,
     local_fallback: Annotated[
         bool | None,
         typer.Option(
             "--local-fallback/--no-local-fallback",
             help="With no prefill engine up, or P failing before D's KV could come, D computes the prompt itself "
-            "instead of the client getting an error. [default: on]",
+            "instead of the client getting an error. \\[default: on]",
         ),
     ] = None,
-    host: Annotated[str | None, typer.Option("--host", help="Address to listen on. [default: 127.0.0.1]")] = None,
-    port: Annotated[int | None, typer.Option("--port", help="Port to listen on. [default: 8000]")] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Address to listen on. \\[default: 127.0.0.1]")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Port to listen on. \\[default: 8000]")] = None,
     connect_timeout: Annotated[
-        float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. [default: 5]")
+        float | None, typer.Option("--connect-timeout", help="Seconds to connect to a backend. \\[default: 5]")
     ] = None,
-    prefill_timeout: Annotated[float | None, typer.Option("--prefill-timeout", help="Seconds for P's whole answer. [default: 120]")] = None,
+    prefill_timeout: Annotated[
+        float | None, typer.Option("--prefill-timeout", help="Seconds for P's whole answer. \\[default: 120]")
+    ] = None,
     decode_timeout: Annotated[
-        float | None, typer.Option("--decode-first-byte-timeout", help="Seconds until D's first byte. [default: 180]")
+        float | None, typer.Option("--decode-first-byte-timeout", help="Seconds until D's first byte. \\[default: 180]")
     ] = None,
-    health_interval: Annotated[float | None, typer.Option("--health-interval", help="Seconds between health rounds. [default: 5]")] = None,
+    health_interval: Annotated[
+        float | None, typer.Option("--health-interval", help="Seconds between health rounds. \\[default: 5]")
+    ] = None,
     api_key: Annotated[
         list[str] | None, typer.Option("--api-key", help="An API key clients must present on /v1/*; repeatable. Env: PDKV_API_KEY.")
     ] = None,
@@ -167,12 +171,12 @@ def proxy(
         Path | None, typer.Option("--planner-profile", help="Run the planner's signal on this profile (from `pdkv profile`); needs --slo.")
     ] = None,
     slo: Annotated[str | None, typer.Option("--slo", metavar="ttft=MS,itl=MS", help="The planner's latency targets.")] = None,
-    slo_quantile: Annotated[float | None, typer.Option("--slo-quantile", help="The targets' quantile. [default: 0.9]")] = None,
+    slo_quantile: Annotated[float | None, typer.Option("--slo-quantile", help="The targets' quantile. \\[default: 0.9]")] = None,
     planner_interval: Annotated[
-        float | None, typer.Option("--planner-interval", help="Seconds between the planner's rounds. [default: 5]")
+        float | None, typer.Option("--planner-interval", help="Seconds between the planner's rounds. \\[default: 5]")
     ] = None,
     planner_window: Annotated[
-        float | None, typer.Option("--planner-window", help="Seconds of requests each round observes. [default: 30]")
+        float | None, typer.Option("--planner-window", help="Seconds of requests each round observes. \\[default: 30]")
     ] = None,
     planner_bounds: Annotated[
         str | None, typer.Option("--planner-bounds", metavar="prefill=MIN:MAX,decode=MIN:MAX", help="Engines the planner may ask for.")
