@@ -94,8 +94,6 @@ class BenchReport(msgspec.Struct, frozen=True):
     mc_settings: dict[str, str]
     cases: list[CaseResult]
     note: str | None = None
-    connections: int | None = None  # transport socket: P's connections to D, as opened
-    socket_buffer_bytes: int | None = None  # transport socket: as asked (None: the transport's default)
 
 
 def link_rate(spec: BenchSpec) -> tuple[float, str]:
@@ -308,8 +306,6 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
         peer=peer,
         mc_settings=transport.settings,
         cases=cases,
-        connections=getattr(transport, "connections", None),
-        socket_buffer_bytes=spec.socket_buffer_bytes,
     )
 
 

@@ -250,10 +250,11 @@ PYEOF
         $PY - "$AUX/$name.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
-buffers = "96 KiB (default)" if r["socket_buffer_bytes"] is None else f"{r['socket_buffer_bytes']:,} B buffers"
+used = r["mc_settings"]  # the socket transport's settings as opened
 for c in r["cases"]:
     b = c["baseline"]["bare"]
-    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {r['connections']} connections, {buffers}: p50 "
+    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {used['connections']} connections, "
+          f"{int(used['socket_buffer_bytes']):,} B socket buffers: p50 "
           f"{c['timing']['p50_ms']:.2f} ms; Mooncake tcp p50 {b['p50_ms']:.2f} ms; socket/Mooncake throughput "
           f"{b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
 PYEOF

@@ -96,7 +96,10 @@ def test_a_pull_mid_forward_takes_the_layers_already_there_and_a_pull_after_it_e
     assert board.remembered() == 0
 
 
-def test_a_refused_layer_fails_the_pull_once_with_every_block_and_the_blocks_are_freed(kv):
+@pytest.mark.parametrize("breaks", ["refused", "cut"])
+def test_a_layer_that_cannot_land_fails_the_pull_once_with_every_block_and_the_blocks_are_freed(kv, breaks):
+    """After layer 0 landed, D refuses the pull's writes (it forgot the pull) or its connections are cut (its listener
+    closed): the next layer's write fails, D hears it once with every block (it recomputes them), P frees them."""
     pair, board = layered(kv)
     items = {"p1": ("x1", [2, 3])}
     pair.sender.apply_step(registered={"p1": "x1"})
@@ -105,35 +108,18 @@ def test_a_refused_layer_fails_the_pull_once_with_every_block_and_the_blocks_are
     pair.sender.prompt_starts(items)
     pair.sender.layer_ready(0)
     wait_for(lambda: landed(pair, 0, [2, 3], [5, 6]), 5, "layer 0 to land in D")
-    pair.d.transport.forget(write_key("x1", "d1"))  # D no longer lets this pull be written: the next layer is refused
+    if breaks == "refused":
+        pair.d.transport.forget(write_key("x1", "d1"))
+    else:
+        pair.d.transport.close()
     pair.sender.layer_ready(1)
     got = wait_results(pair.receiver, {"d1"})
-    assert "transfer failed" in got.failed["d1"] and got.failed_blocks["d1"] == (5, 6)  # D recomputes them
+    assert "transfer failed" in got.failed["d1"] and got.failed_blocks["d1"] == (5, 6)
     pair.sender.layer_ready(2)
     pair.sender.prompt_done(items)
     assert untouched(pair, 1, [5, 6]) and untouched(pair, 2, [5, 6])
     t = pair.sender.trace.get("x1")
-    assert t is not None and t.status == "failed" and "refused" in t.error
-    pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
-    wait_freed(pair.sender, {"p1"})
-    assert concluded(pair) == 1
-    assert board.remembered() == 0
-
-
-def test_a_connection_cut_between_layers_fails_the_write_at_the_next_layer_and_the_blocks_are_freed(kv):
-    pair, board = layered(kv)
-    items = {"p1": ("x1", [2, 3])}
-    pair.sender.apply_step(registered={"p1": "x1"})
-    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
-    wait_parked(pair.sender, "x1")
-    pair.sender.prompt_starts(items)
-    pair.sender.layer_ready(0)
-    wait_for(lambda: landed(pair, 0, [2, 3], [5, 6]), 5, "layer 0 to land in D")
-    pair.d.transport.close()  # D's listener and its connections are gone
-    pair.sender.layer_ready(1)
-    got = wait_results(pair.receiver, {"d1"})
-    assert "transfer failed" in got.failed["d1"] and got.failed_blocks["d1"] == (5, 6)
-    pair.sender.prompt_done(items)
+    assert t is not None and t.status == "failed" and (breaks != "refused" or "refused" in t.error)
     pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
     wait_freed(pair.sender, {"p1"})
     assert concluded(pair) == 1

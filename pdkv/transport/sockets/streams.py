@@ -40,8 +40,6 @@ def bound_waits(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-
-
 def host_view(addr: int, length: int) -> memoryview:
     """A writable memoryview of `length` bytes at `addr` in this process (registered memory only: callers check)."""
     return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")

@@ -110,7 +110,8 @@ class SocketTransport(DescriptorWrites):
 
     @property
     def settings(self) -> dict[str, str]:
-        return {"connections": str(self.connections), "staging": f"{self.chunk_bytes >> 20} MiB x 2" if self.gpu is not None else "none"}
+        return {"connections": str(self.connections), "socket_buffer_bytes": str(self.buffer_bytes),
+                "staging": f"{self.chunk_bytes >> 20} MiB x 2" if self.gpu is not None else "none"}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         with self._lock:
