@@ -29,7 +29,7 @@ from tests.gpu.deployments import ACTIVE, urls  # noqa: E402
 
 SERVED = "qwen3-8b-random"
 VOCAB = 151936
-BASELINE = "mooncake-tcp"
+BASELINE = "mooncake-tcp"  # the ratios' default denominator: vLLM's own connector
 
 
 def ttft_ms(url: str, ids: list[int], max_tokens: int) -> float:
@@ -58,9 +58,13 @@ def main() -> int:
     ap.add_argument("--prompt-seed", type=int, default=None,
                     help="the prompts' random seed (default: a new one each run, so that engines kept up from an earlier "
                          "run hold none of them in their prefix caches)")
+    ap.add_argument("--baseline", default=BASELINE,
+                    help="the deployment the ratios are to (default: vLLM's MooncakeConnector's); e.g. pdkv-socket to "
+                         "set pdkv-socket-layers beside it where both fit the GPU and the MooncakeConnector's does not")
     args = ap.parse_args()
-    if BASELINE not in ACTIVE:
-        ap.error(f"the ratios are to {BASELINE}: name it in PDKV_GPU_DEPLOYMENTS (now {' '.join(ACTIVE)})")
+    baseline = args.baseline
+    if baseline not in ACTIVE:
+        ap.error(f"the ratios are to {baseline}: name it in PDKV_GPU_DEPLOYMENTS (now {' '.join(ACTIVE)})")
     seed = args.prompt_seed if args.prompt_seed is not None else random.SystemRandom().randrange(1 << 62)
     rng = random.Random(seed)
 
@@ -84,14 +88,14 @@ def main() -> int:
         handover = [a - b for a, b in zip(s["pd"], s["p_alone"], strict=True)]
         summary[name] = {"pd_ttft_ms": statistics.median(s["pd"]), "p_alone_ttft_ms": statistics.median(s["p_alone"]),
                          "handover_ms": statistics.median(handover), "pd_min_ms": min(s["pd"]), "pd_max_ms": max(s["pd"])}
-    base = samples[BASELINE]["pd"]
+    base = samples[baseline]["pd"]
     for name in ACTIVE:
         per_round = [a / b for a, b in zip(samples[name]["pd"], base, strict=True)]
-        summary[name]["ratio_of_medians"] = summary[name]["pd_ttft_ms"] / summary[BASELINE]["pd_ttft_ms"]
+        summary[name]["ratio_of_medians"] = summary[name]["pd_ttft_ms"] / summary[baseline]["pd_ttft_ms"]
         summary[name]["median_round_ratio"] = statistics.median(per_round)
 
     print(f"P/D TTFT through pdkv's proxy, {args.prompt_tokens}-token fresh prompts (seed {seed}), {args.rounds} rounds "
-          f"(median; ratio to {BASELINE})")
+          f"(median; ratio to {baseline})")
     print(f"{'deployment':18} {'P/D TTFT':>10} {'P alone':>9} {'handover':>9} {'ratio':>7} {'per-round':>10}")
     for name in ACTIVE:
         s = summary[name]
@@ -126,7 +130,8 @@ def main() -> int:
         print(f"  client TTFT p50 {traces[name]['client_ttft_p50_ms']}; KV write p50 {traces[name]['write_ms_p50']} ms "
               f"({traces[name]['achieved_gbps_p50']} Gb/s) for {traces[name]['bytes']} B in {descriptors} descriptors")
     if args.json:
-        args.json.write_text(json.dumps({"prompt_seed": seed, "samples": samples, "summary": summary, "traces": traces}, indent=1))
+        args.json.write_text(json.dumps({"prompt_seed": seed, "baseline": baseline, "samples": samples, "summary": summary,
+                                         "traces": traces}, indent=1))
     return 0
 
 

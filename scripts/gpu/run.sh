@@ -18,6 +18,10 @@
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
 #           for a prompt against how long it was idle before it.
 #   ROUNDS  the benchmark's timed rounds (default 10).
+#   BASELINE  the deployment gpu_pd.py's ratios are to (default mooncake-tcp), e.g. BASELINE=pdkv-socket with
+#           DEPLOYMENTS="pdkv-socket pdkv-socket-layers" on an 80 GB H100, where a third deployment does not fit.
+#   BENCH_WRITES=0  the bench step runs gpu_pd.py alone, not `pdkv bench` of the ipc and socket writes (a second
+#           bench step on the same host, another pair of deployments).
 #   SOCKET_CONNECTIONS, SOCKET_BUFFERS  the bench step's socket write once per pair of values: P's connections to D
 #           (default "0": the transport's default, the worker's cores at most 4) and each connection's socket buffers
 #           in bytes ("default": the transport's 96 KiB; 0: the kernel's autotuning), e.g. SOCKET_CONNECTIONS="4 8"
@@ -229,8 +233,9 @@ step_tests() {
     gpu_memory "after the tests"
 }
 step_bench() {
-    $PY benchmarks/gpu_pd.py --rounds "${ROUNDS:-10}" --json "$OUT/gpu_pd.json" >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" \
-        || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
+    $PY benchmarks/gpu_pd.py --rounds "${ROUNDS:-10}" --baseline "${BASELINE:-mooncake-tcp}" --json "$OUT/gpu_pd.json" \
+        >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
+    if [ "${BENCH_WRITES:-1}" = 0 ]; then say "bench done ($(elapsed))"; return; fi
     $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
         --baseline --iters 30 --json > "$AUX/bench-ipc.json" 2> "$AUX/bench-ipc.stderr" || rc=1
     $PY - "$AUX/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
