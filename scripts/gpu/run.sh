@@ -43,6 +43,8 @@
 #           With ATTACH=1, a running deployment DEPLOYMENTS does not name is stopped first and one it names that is not
 #           running is started: e.g. on an 80 GB H100 (two deployments fit) "pdkv-ipc mooncake-tcp", then
 #           "pdkv-socket mooncake-tcp" keeps vLLM's MooncakeConnector up and swaps pdkv's.
+#           A run without ATTACH=1, or with another VLLM than the deployments left running, stops them first (and
+#           then starts its own).
 #   VLLM    0.26 (the default) or 0.34: which vLLM runs (0.34: BUNDLE_DIR/vllm-0.34 from `VLLM=0.34 pack.sh`,
 #           unpacked before the 0.26 site; each engine's extensible KV cache sized from its share of the GPU,
 #           PDKV_GPU_KV=extensible in tests/gpu/deployments.py).
@@ -157,14 +159,14 @@ digest() {
         cat "$AUX"/ties.jsonl 2>/dev/null
     } > "$OUT/digest.txt" 2>&1
 }
-# KEEP=1 leaves the deployments running when this run ends ("NAME PID" lines in WORK/running), for a later run on the
+# KEEP=1 leaves the deployments running when this run ends ("NAME PID VLLM" lines in WORK/running), for a later run on the
 # same host with ATTACH=1, which uses them instead of starting its own: start and tests then fit two commands of a
 # bounded length. Without KEEP they stop at the end.
 NAMES=()
 finish() {
     if [ "${KEEP:-0}" = 1 ]; then
         : > "$WORK/running"
-        for i in "${!PIDS[@]}"; do echo "${NAMES[$i]} ${PIDS[$i]}" >> "$WORK/running"; done
+        for i in "${!PIDS[@]}"; do echo "${NAMES[$i]} ${PIDS[$i]} $VLLM" >> "$WORK/running"; done
     else
         stop_all
     fi
@@ -184,9 +186,16 @@ wait_ready() {  # wait_ready COUNT: until COUNT deployments are ready, one ends,
     done
     return 1
 }
+# Deployments a KEEP=1 run left: stopped unless this run attaches to them (same vLLM), each by its own process group.
+if [ -f "$WORK/running" ] && { [ "${ATTACH:-0}" != 1 ] || grep -qv " $VLLM\$" "$WORK/running"; }; then
+    while read -r name pid version; do
+        say "stopping $name (vLLM $version), left running by an earlier run"; stop_pids "$pid"
+    done < "$WORK/running"
+    rm -f "$WORK/running"
+fi
 if [ "${ATTACH:-0}" = 1 ]; then
-    [ -f "$WORK/running" ] || { say "ATTACH=1: no deployments left running in $WORK (run with KEEP=1 first)"; exit 2; }
-    while read -r name pid; do
+    [ -f "$WORK/running" ] || say "ATTACH=1: no deployments of vLLM $VLLM left running in $WORK: starting them"
+    [ -f "$WORK/running" ] && while read -r name pid _; do
         if [[ " $DEPLOYMENTS " == *" $name "* ]]; then
             kill -0 "$pid" 2>/dev/null || { say "ATTACH=1: $name (pdkv up $pid) is gone"; exit 1; }
             NAMES+=("$name"); PIDS+=("$pid")
