@@ -4,7 +4,8 @@ Loaded by vLLM through
 `--kv-transfer-config '{"kv_connector":"PdkvConnector","kv_connector_module_path":"pdkv.connector",...}'`.
 `PdkvConnector` is imported on first use, so the pure modules load without vLLM (or torch). Outside this package,
 import only what `__all__` lists: besides `PdkvConnector`, what `pdkv up` must agree on with the connector it
-starts (the environment it hands an engine, how an engine's arguments decide the ipc sharing mode).
+starts (the environment it hands an engine, how an engine's arguments decide the ipc sharing mode, the layer
+groups a deployment file may ask for).
 
     config.py          kv_connector_extra_config and kv_transfer_params (pure)
     send_table.py      P's per-transfer state machine, SendTable (pure)
@@ -28,9 +29,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdkv.connector.config import ADVERTISE_URL_ENV, MEMBERS_URL_ENV, extensible_kv_cache_off, ipc_handles_for
+from pdkv.connector.config import (
+    ADVERTISE_URL_ENV,
+    DEFAULT_LAYER_GROUPS,
+    MEMBERS_URL_ENV,
+    extensible_kv_cache_off,
+    ipc_handles_for,
+    layer_groups_problem,
+)
 
-__all__ = ["ADVERTISE_URL_ENV", "MEMBERS_URL_ENV", "PdkvConnector", "extensible_kv_cache_off", "ipc_handles_for"]
+__all__ = ["ADVERTISE_URL_ENV", "DEFAULT_LAYER_GROUPS", "MEMBERS_URL_ENV", "PdkvConnector", "extensible_kv_cache_off",
+           "ipc_handles_for", "layer_groups_problem"]
 
 
 # PdkvConnector subclasses vLLM's connector base, and the pure modules must load where vLLM is not installed

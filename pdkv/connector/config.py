@@ -22,6 +22,13 @@ from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, TransportName, so
 
 # kv_connector_extra_config keys that name the transport: vLLM's, then pdkv's own.
 TRANSPORT_KEYS = ("mooncake_protocol", "transport")
+DEFAULT_LAYER_GROUPS = 6  # socket_layer_groups: the writes a forward's layers are cut into
+MAX_LAYER_GROUPS = 1024
+
+
+def layer_groups_problem(groups: int) -> str | None:
+    """What is wrong with `groups` as socket_layer_groups (the connector's and the deployment file's one rule)."""
+    return None if 1 <= groups <= MAX_LAYER_GROUPS else f"must be 1..{MAX_LAYER_GROUPS}, got {groups}"
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +85,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (vLLM's save_kv_layer), rather than all of them once that forward is done (docs/socket.md). Off by default;
     # refused with any other transport.
     socket_write_layers: bool = False
+    # P, with socket_write_layers: the writes a forward's layers are cut into, runs of neighbouring layers each
+    # written once all of its layers are computed (docs/socket.md); more than the model's layers: one a layer.
+    socket_layer_groups: int = DEFAULT_LAYER_GROUPS
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
     side_channel_host: str | None = None
     # Both: Python's GIL switch interval in the worker process, in microseconds. The side channel and
@@ -113,6 +123,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"kv_connector_extra_config.socket_connections must be 0..{MAX_SOCKET_CONNECTIONS}, got {self.socket_connections}")
         if self.socket_buffer_bytes is not None and (problem := socket_buffer_problem(self.socket_buffer_bytes)):
             raise ConfigError(f"kv_connector_extra_config.socket_buffer_bytes {problem}")
+        if problem := layer_groups_problem(self.socket_layer_groups):
+            raise ConfigError(f"kv_connector_extra_config.socket_layer_groups {problem}")
         if self.socket_write_layers and self.transport != "socket":
             raise ConfigError(
                 f"kv_connector_extra_config.socket_write_layers needs the socket transport, not {self.transport}",

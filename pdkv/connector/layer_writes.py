@@ -10,6 +10,10 @@ Which layers of a forward are ready, and which of them each pull's write has tak
 - each pull's write (a writer thread, pdkv.connector.writers.write_layers) holds a `LayerCursor` over its
   transfer's forward and takes the layers ready and not yet written (`next_layers`), all of them at once when
   the pull came after the forward, waits for their events itself and writes them, until every layer is written.
+  It takes them a group at a time: the layers are cut into `groups` runs of neighbours (`socket_layer_groups`),
+  and a group is taken once all of its layers are ready, so that a forward costs a few writes, not one a layer:
+  each write's own work (splitting it over the connections, staging, a kernel launch) runs on threads that share
+  the interpreter with the model runner's, which launches the forward layer by layer.
   A layer's KV holds the whole prompt's blocks of that layer, those computed before this forward (P's prefix
   cache, earlier chunks) included, so each layer's write moves every block the pull asks for.
 
@@ -30,16 +34,34 @@ from pdkv.errors import TransferError
 MAX_TRANSFERS = 4096  # transfers whose forward a board remembers; past it the oldest is forgotten
 
 
+def group_ends(layers: int, groups: int) -> list[int]:
+    """Where each of `groups` runs of neighbouring layers ends (exclusive), as even as `layers` allows; at most one
+    group a layer."""
+    groups = max(1, min(groups, layers))
+    return [(k + 1) * layers // groups for k in range(groups)]
+
+
 class ForwardLayers:
     """One forward's layers: `fences[i]` is set once layer i's KV is ready (the event a write waits for first, or
     None); `done` once the forward returned (every layer then ready). Guarded by its board's lock."""
 
-    __slots__ = ("count", "done", "fences")
+    __slots__ = ("count", "done", "ends", "fences")
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, ends: Sequence[int]) -> None:
         self.count = count
+        self.ends = ends  # group_ends: a write takes whole groups
         self.fences: dict[int, Any] = {}
         self.done = False
+
+    def in_whole_groups(self) -> list[int]:
+        """The layers of the groups whose every layer is ready, in order."""
+        out: list[int] = []
+        start = 0
+        for end in self.ends:
+            if all(i in self.fences for i in range(start, end)):
+                out.extend(range(start, end))
+            start = end
+        return out
 
     def mark(self, layer: int, fence: Any) -> None:
         if 0 <= layer < self.count and layer not in self.fences:
@@ -68,8 +90,9 @@ class LayerCursor:
         return self.board.next_layers(self, self.board.wait_s)
 
     def take(self) -> list[tuple[int, Any]]:
-        """The layers ready and not taken yet, in order, with their fences; they count as taken from now on."""
-        fresh = sorted(i for i in self.forward.fences if i not in self.taken)
+        """The layers of whole ready groups not taken yet, in order, with their fences; they count as taken from now
+        on."""
+        fresh = [i for i in self.forward.in_whole_groups() if i not in self.taken]
         self.taken.update(fresh)
         return [(i, self.forward.fences[i]) for i in fresh]
 
@@ -83,11 +106,13 @@ class LayerBoard:
     """The forwards whose transfers are written layer by layer, by transfer id. Safe from any thread.
 
     `regions[i]`: the indices into the KV regions of layer i (pdkv.connector.layout.layer_regions); none: writing
-    layer by layer is off, and the board opens no forward. A write waits at most `wait_s` for the next layer."""
+    layer by layer is off, and the board opens no forward. A write takes `groups` runs of neighbouring layers, each
+    once all of its layers are ready (group_ends; none: one a layer), and waits at most `wait_s` for the next."""
 
-    def __init__(self, regions: Sequence[tuple[int, ...]] = (), wait_s: float = 30.0) -> None:
+    def __init__(self, regions: Sequence[tuple[int, ...]] = (), wait_s: float = 30.0, groups: int | None = None) -> None:
         self.regions = list(regions)
         self.layers = len(self.regions)
+        self.ends = group_ends(self.layers, groups or self.layers) if self.layers else []
         self.wait_s = wait_s
         self._cond = threading.Condition()
         self._current: ForwardLayers | None = None  # guarded by _cond: the forward running now
@@ -103,7 +128,7 @@ class LayerBoard:
         forward_done) is closed first, ready with `stale_fence`: everything it launched precedes this one."""
         if not self.on:
             return
-        forward = ForwardLayers(self.layers)
+        forward = ForwardLayers(self.layers, self.ends)
         with self._cond:
             if self._current is not None:
                 self._current.finish(stale_fence)

@@ -128,8 +128,9 @@ class ConnectorWorker:
         board = None
         if self.config.socket_write_layers:
             self._layer_of, groups = layer_regions(tensors, self.num_blocks, regions)
-            board = LayerBoard(groups, wait_s=self.config.write_timeout_s)
-            log.info("pdkv: P writes KV layer by layer (%d layers) as the forward computes them", len(groups))
+            board = LayerBoard(groups, wait_s=self.config.write_timeout_s, groups=self.config.socket_layer_groups)
+            log.info("pdkv: P writes KV layer by layer as the forward computes them: %d layers in %d writes",
+                     len(groups), len(board.ends))
         self.sender = KVSender(
             self.transport, regions, host=self.host, tp_rank=self.tp_rank, tp_size=self.tp_size, kv_heads=self.kv_heads,
             engine_id=self.engine_id, limits=limits, heartbeat_s=self.config.heartbeat_s, trace=trace,

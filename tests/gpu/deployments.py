@@ -73,6 +73,8 @@ KV_SHARE = float(os.environ.get("PDKV_GPU_KV_SHARE", "0.15"))
 # SOCKET_BUFFERS sweep) says other than the transport's defaults: P's connections to D, each connection's buffers.
 SOCKET_CONNECTIONS = int(os.environ.get("PDKV_GPU_SOCKET_CONNECTIONS", "0"))
 SOCKET_BUFFER = os.environ.get("PDKV_GPU_SOCKET_BUFFER", "")  # bytes; "": the transport's default
+# pdkv-socket-layers: the writes P's forward's layers are cut into (socket_layer_groups); "": the connector's default.
+SOCKET_LAYER_GROUPS = os.environ.get("PDKV_GPU_SOCKET_LAYER_GROUPS", "")
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
@@ -108,6 +110,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
     connector = "pdkv" if connector == "pdkv" else "mooncake"
     # pdkv-socket-layers: P writes each layer's KV as its forward computes it, the one difference from pdkv-socket.
     layers = "socket_write_layers = true\n" if mode == ["layers"] else ""
+    layers += f"socket_layer_groups = {int(SOCKET_LAYER_GROUPS)}\n" if layers and SOCKET_LAYER_GROUPS else ""
     if transport == "socket":
         layers += f"socket_connections = {SOCKET_CONNECTIONS}\n"
         layers += f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else ""

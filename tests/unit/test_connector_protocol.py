@@ -239,3 +239,11 @@ def test_config_writing_layer_by_layer_is_off_by_default_and_only_for_the_socket
         assert "docs/bench.md" in (err.value.hint or "")
     with pytest.raises(ConfigError, match="socket_write_layers"):
         load_config({"mooncake_protocol": "socket", "socket_write_layers": "sometimes"})
+
+
+def test_config_layer_groups_default_to_six_writes_a_forward_and_out_of_range_is_refused():
+    assert load_config({"transport": "socket", "socket_write_layers": True}).socket_layer_groups == 6
+    assert load_config({"transport": "socket", "socket_write_layers": True, "socket_layer_groups": "36"}).socket_layer_groups == 36
+    for bad in (0, -1, 1025):
+        with pytest.raises(ConfigError, match=f"socket_layer_groups must be 1..1024, got {bad}"):
+            load_config({"transport": "socket", "socket_write_layers": True, "socket_layer_groups": bad})

@@ -432,6 +432,12 @@ def test_writing_layer_by_layer_reaches_each_prefills_connector_alone_and_needs_
     parts = deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu", socket_write_layers=True)))
     extras = {p.launch.name: kv_config(p)["kv_connector_extra_config"] for p in parts if p.kind in ("prefill", "decode")}
     assert [n for n, e in extras.items() if e.get("socket_write_layers") is True] == ["prefill-0", "prefill-1"]
+    assert {n: e.get("socket_layer_groups") for n, e in extras.items() if n.startswith("prefill")} == {"prefill-0": 6, "prefill-1": 6}
+    assert not any("socket_layer_groups" in e for n, e in extras.items() if n.startswith("decode"))
+    grouped = deployment_parts(deployment_from_dict(_dep(transport="socket", socket_write_layers=True, socket_layer_groups=36)))
+    assert {kv_config(p)["kv_connector_extra_config"].get("socket_layer_groups") for p in grouped if p.kind == "prefill"} == {36}
+    with pytest.raises(ConfigError, match="socket_layer_groups must be 1..1024, got 0"):
+        deployment_from_dict(_dep(transport="socket", socket_write_layers=True, socket_layer_groups=0))
     off = deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu")))
     assert not any("socket_write_layers" in kv_config(p)["kv_connector_extra_config"] for p in off if p.kind == "prefill")
     for transport in ("tcp", "rdma", "cma", "ipc"):

@@ -60,7 +60,7 @@ def test_the_layered_socket_deployment_is_the_socket_one_with_p_writing_layer_by
         return out
 
     one_write, layered = extra("pdkv-socket"), extra("pdkv-socket-layers")
-    assert layered["prefill"] == {**one_write["prefill"], "socket_write_layers": True}
+    assert layered["prefill"] == {**one_write["prefill"], "socket_write_layers": True, "socket_layer_groups": 6}
     assert layered["decode"] == one_write["decode"] and "socket_write_layers" not in one_write["prefill"]
 
 
@@ -76,6 +76,12 @@ def test_the_socket_deployments_take_the_hosts_measured_settings(tmp_path, monke
                  for p in deployment_parts(load_deployment(path)) if p.kind in ("prefill", "decode")}
         assert extra["prefill"]["socket_connections"] == 8
         assert extra["prefill"]["socket_buffer_bytes"] == extra["decode"]["socket_buffer_bytes"] == 1 << 20
+        assert extra["prefill"].get("socket_layer_groups") == (None if name == "pdkv-socket" else 6)
+    monkeypatch.setattr(deployments, "SOCKET_LAYER_GROUPS", "36")  # one write a layer of Qwen3-8B
+    path.write_text(deployment_toml("pdkv-socket-layers", "/models/qwen3-8b"))
+    prefill = next(p for p in deployment_parts(load_deployment(path)) if p.kind == "prefill")
+    assert json.loads(prefill.launch.argv[prefill.launch.argv.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"]["socket_layer_groups"] == 36
     path = tmp_path / "pdkv-tcp.toml"
     path.write_text(deployment_toml("pdkv-tcp", "/models/qwen3-8b"))  # other transports: no socket keys
     assert all("socket_connections" not in " ".join(p.launch.argv) for p in deployment_parts(load_deployment(path)))

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdkv.connector.layer_writes import MAX_TRANSFERS, ForwardLayers, LayerBoard, LayerCursor
+from pdkv.connector.layer_writes import MAX_TRANSFERS, ForwardLayers, LayerBoard, LayerCursor, group_ends
 from pdkv.connector.layout import TensorInfo, layer_regions, regions_for_caches
 from pdkv.connector.send_table import StartSend
 from pdkv.connector.writers import write_layers
@@ -104,7 +104,7 @@ def test_layer_regions_name_each_layer_once_and_layers_sharing_a_cache_share_an_
 
 
 def test_a_cursor_takes_each_ready_layer_once_in_order_and_the_forwards_end_readies_the_rest():
-    forward = ForwardLayers(4)
+    forward = ForwardLayers(4, group_ends(4, 4))
     cursor = LayerCursor(LayerBoard(GROUPS), forward)
     assert cursor.take() == []
     forward.mark(2, "e2")
@@ -116,6 +116,46 @@ def test_a_cursor_takes_each_ready_layer_once_in_order_and_the_forwards_end_read
     forward.finish("end")
     assert cursor.take() == [(1, "end"), (3, "end")]
     assert cursor.finished and forward.done
+
+
+@pytest.mark.parametrize(("layers", "groups", "ends"), [
+    (36, 6, [6, 12, 18, 24, 30, 36]), (36, 36, list(range(1, 37))), (36, 100, list(range(1, 37))),
+    (10, 3, [3, 6, 10]), (3, 1, [3]), (1, 6, [1]),
+])
+def test_groups_cut_the_layers_into_even_runs_of_neighbours_at_most_one_a_layer(layers, groups, ends):
+    assert group_ends(layers, groups) == ends
+
+
+def test_a_cursor_takes_a_group_once_every_layer_of_it_is_ready_and_never_part_of_one():
+    forward = ForwardLayers(6, group_ends(6, 3))  # groups: layers 0-1, 2-3, 4-5
+    cursor = LayerCursor(LayerBoard([(i,) for i in range(6)], groups=3), forward)
+    forward.mark(0, "e0")
+    forward.mark(3, "e3")
+    assert cursor.take() == []  # no group whole yet
+    forward.mark(1, "e1")
+    assert cursor.take() == [(0, "e0"), (1, "e1")]
+    forward.mark(5, "e5")
+    forward.mark(4, "e4")
+    assert cursor.take() == [(4, "e4"), (5, "e5")]  # a later group whole before an earlier one goes first
+    forward.finish("end")
+    assert cursor.take() == [(2, "end"), (3, "e3")] and cursor.finished
+
+
+def test_a_forward_in_two_groups_is_two_writes_each_once_every_layer_of_its_group_is_computed():
+    board = LayerBoard(GROUPS, wait_s=10, groups=2)  # groups: layer 0; layers 1-2
+    board.open(["x1"])
+    t = RecordingTransport()
+    writer = Writer(t, board.cursor("x1"))
+    board.layer_ready(0, None)
+    wait_writes(t, 1)
+    board.layer_ready(1, None)
+    with t.wrote:
+        assert not t.wrote.wait_for(lambda: len(t.writes) > 1, 0.2), "layer 1 went before its group was whole"
+    board.layer_ready(2, None)
+    wait_writes(t, 2)
+    board.forward_done(None)
+    writer.join()
+    assert t.writes == [[0, 1], [2, 3, 4, 5]]
 
 
 def test_a_pull_before_the_forward_writes_each_layer_as_it_comes_after_waiting_for_its_event():

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from pdkv.connector import DEFAULT_LAYER_GROUPS, layer_groups_problem
 from pdkv.deploy.plan.fleet import check_hosts
 from pdkv.deploy.plan.schema import Deployment
 from pdkv.errors import ConfigError
@@ -63,6 +64,9 @@ def _check_socket(dep: Deployment, source: str) -> None:
     if dep.socket_write_layers and dep.transport != "socket":
         raise ConfigError(f"{source}: socket_write_layers needs transport = \"socket\", not {dep.transport!r}",
                           hint="over Mooncake tcp a layer-by-layer write slowed P's forward (docs/bench.md); leave it out")
+    if problem := layer_groups_problem(dep.socket_layer_groups):
+        raise ConfigError(f"{source}: socket_layer_groups {problem}",
+                          hint=f"leave it out for {DEFAULT_LAYER_GROUPS} writes a forward (docs/socket.md)")
 
 
 def _check_autoscale(dep: Deployment, source: str) -> None:

@@ -29,6 +29,7 @@ from typing import Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.connector import DEFAULT_LAYER_GROUPS
 from pdkv.deploy.plan.engine import Connector, Platform
 from pdkv.transport import TransportName
 
@@ -203,3 +204,5 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Transport socket: each P writes a prompt's KV layer by layer as its forward computes it (docs/socket.md); off:
     # one write once that forward is done. Refused with any other transport.
     socket_write_layers: bool = False
+    # Transport socket, with socket_write_layers: the writes a forward's layers are cut into (docs/socket.md).
+    socket_layer_groups: int = DEFAULT_LAYER_GROUPS

@@ -176,14 +176,14 @@ def engine_spec(
 def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_port: int | None) -> dict[str, int | bool]:
     """The socket transport's kv_connector_extra_config keys for an engine (none for other transports): a decode's
     KV listener port (`socket_port`, from the allocator, or the file's in k8s), a prefill's connections per D and
-    whether it writes layer by layer, both ends' socket buffers."""
+    whether it writes layer by layer (in how many writes), both ends' socket buffers."""
     if dep.transport != "socket":
         return {}
     buffers = {"socket_buffer_bytes": dep.socket_buffer_bytes} if dep.socket_buffer_bytes is not None else {}
     if role == "decode":
         return {**({"socket_port": socket_port} if socket_port else {}), **buffers}
     return {**({"socket_connections": dep.socket_connections} if dep.socket_connections else {}), **buffers,
-            **({"socket_write_layers": True} if dep.socket_write_layers else {})}
+            **({"socket_write_layers": True, "socket_layer_groups": dep.socket_layer_groups} if dep.socket_write_layers else {})}
 
 
 def _reached_at(launch: Launch, address: str | None, port: int) -> Launch:
