@@ -8,11 +8,13 @@
 # Environment:
 #   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
-#   STEPS   any of "bench tests transport profile check kill", run in the order named (default "bench tests
+#   STEPS   any of "bench tests transport writes profile check kill", run in the order named (default "bench tests
 #           transport kill"); kill last: the deployments' P restart after it. transport: tests/gpu but the
 #           deployment tests, which allocate GPU memory of their own (two D processes of 4.75 GB of KV each in
 #           test_ipc_concurrency): on an 80 GB H100 with two deployments up (71.7 GB) run them with no engine up,
-#           PREPARE_ONLY=1 STEPS=transport. profile: `pdkv profile` of the ipc
+#           PREPARE_ONLY=1 STEPS=transport. writes: `pdkv bench` of the ipc and socket writes alone (part of bench
+#           too; no engine needed: PREPARE_ONLY=1 WEIGHTS=0 STEPS=writes sweeps the socket settings on a bare host,
+#           SOCKET_LAYOUT=scattered for the layout the deployments' blocks take). profile: `pdkv profile` of the ipc
 #           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
@@ -38,7 +40,8 @@
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
 #           before is ready, as vLLM 0.34 measures each engine's KV cache from the memory free after its warm-up).
-#   PREPARE_ONLY=1  unpack and write the weights, run the transport step if STEPS names it, then stop.
+#   PREPARE_ONLY=1  unpack and write the weights (WEIGHTS=0: not), run the transport and writes steps STEPS names,
+#           then stop.
 #   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
 #           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
 #           With ATTACH=1, a running deployment DEPLOYMENTS does not name is stopped first and one it names that is not
@@ -114,18 +117,56 @@ for name in ("torch", "vllm", "mooncake.engine", "pdkv.connector.vllm_connector"
         print(f"MISSING {name}: {type(e).__name__}: {e}")
 EOF
 
-if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if has_weights('$WORK/model') else 1)"; then
-    $PY -m pdkv model random "$WORK/model" --config "$WORK/model/config.json" --json > "$AUX/model.json" \
-        || { say "model: writing the weights failed"; exit 3; }
+# The weights (a minute on the GPU) only for the engines: the transport tests and `pdkv bench` read the config alone.
+if [ "${PREPARE_ONLY:-0}" != 1 ] || [ "${WEIGHTS:-1}" = 1 ]; then
+    if ! $PY -c "import sys; from pdkv.randmodel import has_weights; sys.exit(0 if has_weights('$WORK/model') else 1)"; then
+        $PY -m pdkv model random "$WORK/model" --config "$WORK/model/config.json" --json > "$AUX/model.json" \
+            || { say "model: writing the weights failed"; exit 3; }
+    fi
+    say "model ready ($(elapsed))"
 fi
-say "model ready ($(elapsed))"
 step_transport() {
     $PY -m pytest -m gpu -q -p no:cacheprovider tests/gpu --ignore tests/gpu/test_vllm_pd.py > "$OUT/tests-transport.log" 2>&1 || rc=1
     say "transport tests: $(tail -n 1 "$OUT/tests-transport.log") ($(elapsed))"
 }
+step_writes() {
+    # `pdkv bench` of the writes alone, no engine needed: ipc against a same-GPU copy_, then the socket transport
+    # (staged through pinned buffers) against Mooncake tcp, same bytes, once per SOCKET_CONNECTIONS x SOCKET_BUFFERS.
+    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
+        --baseline --iters 30 --json > "$AUX/bench-ipc.json" 2> "$AUX/bench-ipc.stderr" || rc=1
+    $PY - "$AUX/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for c in r["cases"]:
+    b = c["baseline"]["bare"]
+    print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
+          f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
+PYEOF
+    for conns in ${SOCKET_CONNECTIONS:-0}; do for buf in ${SOCKET_BUFFERS:-default}; do
+        local sized=() name="bench-socket-$conns-$buf"
+        [ "$buf" = default ] || sized=(--socket-buffer "$buf")
+        $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout "${SOCKET_LAYOUT:-all}" \
+            --connections "$conns" "${sized[@]}" --baseline --iters 30 --json > "$AUX/$name.json" 2> "$AUX/$name.stderr" || rc=1
+        cp "$AUX/$name.json" "$OUT/" 2>/dev/null
+        $PY - "$AUX/$name.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+used = r["mc_settings"]  # the socket transport's settings as opened
+for c in r["cases"]:
+    b = c["baseline"]["bare"]
+    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {used['connections']} connections, "
+          f"{int(used['socket_buffer_bytes']):,} B socket buffers: p50 "
+          f"{c['timing']['p50_ms']:.2f} ms; Mooncake tcp p50 {b['p50_ms']:.2f} ms; socket/Mooncake throughput "
+          f"{b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
+PYEOF
+    done; done
+    say "writes done ($(elapsed))"
+}
 rc=0
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then  # unpack and weights only (a command of its own where each is bounded),
-    [[ " $STEPS " == *" transport "* ]] && step_transport  # and the transport tests while no engine holds the GPU
+    for step in $STEPS; do  # and the steps that need no engine, while none holds the GPU
+        case "$step" in transport|writes) "step_$step" ;; *) say "PREPARE_ONLY=1 runs transport and writes, not $step" ;; esac
+    done
     exit $rc
 fi
 
@@ -245,35 +286,7 @@ step_tests() {
 step_bench() {
     $PY benchmarks/gpu_pd.py --rounds "${ROUNDS:-10}" --baseline "${BASELINE:-mooncake-tcp}" --json "$OUT/gpu_pd.json" \
         >> "$SUMMARY" 2> "$AUX/gpu_pd.stderr" || { rc=1; tail -n 20 "$AUX/gpu_pd.stderr" >> "$SUMMARY"; }
-    if [ "${BENCH_WRITES:-1}" = 0 ]; then say "bench done ($(elapsed))"; return; fi
-    $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport ipc --src cuda:0 --dst cuda:0 --layout contiguous \
-        --baseline --iters 30 --json > "$AUX/bench-ipc.json" 2> "$AUX/bench-ipc.stderr" || rc=1
-    $PY - "$AUX/bench-ipc.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
-import json, sys
-r = json.load(open(sys.argv[1]))
-for c in r["cases"]:
-    b = c["baseline"]["bare"]
-    print(f"ipc write {c['bytes']:,} B: p50 {c['timing']['p50_ms']:.3f} ms; same-GPU copy_ p50 {b['p50_ms']:.3f} ms; "
-          f"ipc/copy_ bandwidth {b['p50_ms'] / c['timing']['p50_ms']:.2f}; verified {c['verified']}")
-PYEOF
-    # pdkv's socket transport on GPU memory (staged through pinned buffers) against Mooncake tcp, same run, same bytes.
-    for conns in ${SOCKET_CONNECTIONS:-0}; do for buf in ${SOCKET_BUFFERS:-default}; do
-        local sized=() name="bench-socket-$conns-$buf"
-        [ "$buf" = default ] || sized=(--socket-buffer "$buf")
-        $PY -m pdkv bench --model "$WORK/model" --blocks 63 --transport socket --src cuda:0 --dst cuda:0 --layout all \
-            --connections "$conns" "${sized[@]}" --baseline --iters 30 --json > "$AUX/$name.json" 2> "$AUX/$name.stderr" || rc=1
-        $PY - "$AUX/$name.json" <<'PYEOF' 2>&1 | tee -a "$SUMMARY"
-import json, sys
-r = json.load(open(sys.argv[1]))
-used = r["mc_settings"]  # the socket transport's settings as opened
-for c in r["cases"]:
-    b = c["baseline"]["bare"]
-    print(f"socket write {c['bytes']:,} B GPU->GPU, {c['layout']}, {used['connections']} connections, "
-          f"{int(used['socket_buffer_bytes']):,} B socket buffers: p50 "
-          f"{c['timing']['p50_ms']:.2f} ms; Mooncake tcp p50 {b['p50_ms']:.2f} ms; socket/Mooncake throughput "
-          f"{b['p50_ms'] / c['timing']['p50_ms']:.2f}x; verified {c['verified']}")
-PYEOF
-    done; done
+    [ "${BENCH_WRITES:-1}" = 0 ] || step_writes
     # vLLM's MooncakeConnector times its own writes (P's stats log, every 10 s): beside pdkv's traced write.
     grep -h "KV Transfer metrics" "$AUX"/logs-mooncake-tcp/* 2>/dev/null | tail -n 3 | cut -c1-400 >> "$SUMMARY"
     say "bench done ($(elapsed))"
@@ -317,8 +330,8 @@ step_wake() {
 # The steps run in the order STEPS names them.
 for step in $STEPS; do
     case "$step" in
-        tests|bench|kill|transport|profile|check|wake) "step_$step" ;;
-        *) say "unknown step: $step (tests, bench, kill, transport, profile, check, wake)"; rc=2 ;;
+        tests|bench|kill|transport|writes|profile|check|wake) "step_$step" ;;
+        *) say "unknown step: $step (tests, bench, kill, transport, writes, profile, check, wake)"; rc=2 ;;
     esac
 done
 exit $rc
