@@ -39,7 +39,8 @@ pytestmark = pytest.mark.e2e
 
 # name -> (connector, transport, P's kv_connector_extra_config beside the transport's)
 DEPLOYMENTS = {"pdkv-cma": ("pdkv", "cma", {}), "pdkv-tcp": ("pdkv", "tcp", {}), "pdkv-socket": ("pdkv", "socket", {}),
-               "pdkv-socket-layers": ("pdkv", "socket", {"socket_write_layers": True}),
+               # the tiny model's 2 layers in one group, as a real model's 36 go in 6 (one write a layer: integration)
+               "pdkv-socket-layers": ("pdkv", "socket", {"socket_write_layers": True, "socket_layer_groups": 1}),
                "vllm-mooncake-tcp": ("mooncake", "tcp", {})}
 
 

@@ -16,7 +16,7 @@ import pytest
 from pdkv.connector.layer_writes import LayerBoard
 from pdkv.connector.pulls import write_key
 from support.kv_pair import LAYERS, KVHarness, Pair, assert_copied, wait_freed, wait_parked, wait_results
-from support.waiting import wait_for
+from support.waiting import wait_for, wait_until
 
 
 @pytest.fixture
@@ -25,11 +25,12 @@ def kv() -> Iterator[KVHarness]:
         yield h
 
 
-def layered(kv: KVHarness) -> tuple[Pair, LayerBoard]:
-    """P (random KV) and D (zeros) over the socket transport, P writing layer by layer (one region per layer)."""
+def layered(kv: KVHarness, groups: int | None = None) -> tuple[Pair, LayerBoard]:
+    """P (random KV) and D (zeros) over the socket transport, P writing layer by layer (one region per layer), in
+    `groups` writes a forward (none: one a layer)."""
     p = kv.side(fill=1, transport="socket")
     d = kv.side(fill=None, transport="socket")
-    board = LayerBoard([(i,) for i in range(LAYERS)], wait_s=3.0)
+    board = LayerBoard([(i,) for i in range(LAYERS)], wait_s=3.0, groups=groups)
     sender = kv.sender(p, layers=board)
     receiver = kv.receiver(d, transport=d.transport)
     return Pair(p, d, sender, receiver, kv.bootstrap_url), board
@@ -74,6 +75,27 @@ def test_a_pull_waiting_before_the_forward_gets_each_layer_as_it_is_computed_and
     wait_freed(pair.sender, {"p1"})
     assert concluded(pair) == 1
     assert board.remembered() == 0
+
+
+def test_in_two_groups_the_first_lands_once_its_layer_is_computed_and_the_rest_only_with_the_last_layer(kv):
+    pair, _ = layered(kv, groups=2)  # LAYERS = 3: layer 0, then layers 1-2
+    items = {"p1": ("x1", [2, 3])}
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
+    wait_parked(pair.sender, "x1")
+    pair.sender.prompt_starts(items)
+    pair.sender.layer_ready(0)
+    wait_for(lambda: landed(pair, 0, [2, 3], [5, 6]), 5, "the first group to land in D")
+    pair.sender.layer_ready(1)
+    # layer 1 is computed but its group is not whole: nothing of it is written
+    assert not wait_until(lambda: not untouched(pair, 1, [5, 6]), 0.3)
+    pair.sender.layer_ready(2)
+    assert wait_results(pair.receiver, {"d1"}).failed == {}
+    pair.sender.prompt_done(items)
+    assert_copied(pair, [2, 3], [5, 6])
+    pair.sender.apply_step(ready={"p1": ("x1", [2, 3])})
+    wait_freed(pair.sender, {"p1"})
+    assert concluded(pair) == 1
 
 
 def test_a_pull_mid_forward_takes_the_layers_already_there_and_a_pull_after_it_everything_at_once(kv):

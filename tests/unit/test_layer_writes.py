@@ -268,14 +268,19 @@ def test_an_off_board_opens_nothing():
     assert not board.on and board.cursor("x1") is None and not board.forward_done(None)
 
 
-def test_layers_marked_from_one_thread_while_many_writers_take_them_are_each_written_once_per_writer():
-    board = LayerBoard([(i,) for i in range(32)], wait_s=10)
+@pytest.mark.parametrize("groups", [None, 5])
+def test_layers_marked_from_one_thread_while_many_writers_take_them_are_each_written_once_per_writer(groups):
+    board = LayerBoard([(i,) for i in range(32)], wait_s=10, groups=groups)
+    ends = set(group_ends(32, groups or 32))
+    split: list[int] = []
     board.open(["x1"])
     cursors = [board.cursor("x1") for _ in range(8)]
     taken: list[list[int]] = [[] for _ in cursors]
 
     def take(k: int) -> None:
         while batch := cursors[k].next():
+            if batch[-1][0] + 1 not in ends:
+                split.append(batch[-1][0])  # a batch that ends inside a group
             taken[k].extend(i for i, _ in batch)
 
     threads = [threading.Thread(target=take, args=(k,)) for k in range(len(cursors))]
@@ -288,3 +293,4 @@ def test_layers_marked_from_one_thread_while_many_writers_take_them_are_each_wri
         th.join(10)
     assert not any(th.is_alive() for th in threads), "a writer did not end"
     assert all(sorted(t) == list(range(32)) for t in taken)
+    assert split == []
