@@ -92,6 +92,7 @@ class CudaStaging:
         self._device_buffers: list[Any] = []  # made on the first batch of several ranges
         self._events = [torch.cuda.Event() for _ in range(2)]
         self._kernel: Any = None
+        self._tables: tuple[Any, Any] | None = None  # (pinned, device) int64 rows of 3, grown by doubling
 
     def _span(self, addr: int, length: int) -> Any:
         return self._torch.as_tensor(_CudaSpan(addr, length), device=f"cuda:{self.device}")
@@ -101,16 +102,48 @@ class CudaStaging:
             self._device_buffers = [self._torch.empty(self.chunk, dtype=self._torch.uint8, device=f"cuda:{self.device}") for _ in range(2)]
         return self._device_buffers[i % 2]
 
-    def _launch(self, rows: list[tuple[int, int, int]]) -> None:
-        """One launch of the copy kernel over `rows`, on the staging's stream (the caller's context)."""
+    def _table(self, rows: int) -> tuple[Any, Any]:
+        """A pinned and a device table of at least `rows` rows, kept for the next transfer."""
+        if self._tables is None or self._tables[0].shape[0] < rows:
+            size = max(rows, 2 * self._tables[0].shape[0] if self._tables else 1024)
+            torch = self._torch
+            self._tables = (
+                torch.empty((size, 3), dtype=torch.int64, pin_memory=True),
+                torch.empty((size, 3), dtype=torch.int64, device=f"cuda:{self.device}"),
+            )
+        return self._tables
+
+    def _plan(self, batches: list[Batch], *, gather: bool) -> list[Any]:
+        """Each batch's rows for the copy kernel (None: a batch of one range, or one the kernel's alignment does not
+        fit), all in one device table that one asynchronous copy from pinned memory fills, queued on the stream before
+        the first batch's work. A table built per launch from host memory would wait for the stream each time: on D,
+        for the batch just received to reach the GPU before the next is read off the socket."""
+        rows = [
+            copy_rows(b, int(self._device_buffer(i).data_ptr()), gather=gather) if len(b) > 1 and kernel_fits(b) else []
+            for i, b in enumerate(batches)
+        ]
+        total = sum(len(r) for r in rows)
+        if not total:
+            return [None] * len(batches)
+        pinned, device = self._table(total)
+        pinned[:total].copy_(self._torch.tensor([(s, d, n // 8) for r in rows for s, d, n in r], dtype=self._torch.int64))
+        with self._torch.cuda.stream(self._stream):
+            device[:total].copy_(pinned[:total], non_blocking=True)
+        tables, start = [], 0
+        for r in rows:
+            tables.append(device[start : start + len(r)] if r else None)
+            start += len(r)
+        return tables
+
+    def _launch(self, table: Any) -> None:
+        """One launch of the copy kernel over `table`'s rows, on the staging's stream (the caller's context)."""
         if self._kernel is None:
             from pdkv.transport.cuda_kernels import copy_kernels
 
             self._kernel = copy_kernels()["chunks"]
-        table = self._torch.tensor([(s, d, n // 8) for s, d, n in rows], dtype=self._torch.int64, device=f"cuda:{self.device}")
-        self._kernel[(len(rows),)](table, 3, CHUNK_WORDS=ROW_BYTES // 8, BLOCK=1024, num_warps=4)
+        self._kernel[(table.shape[0],)](table, 3, CHUNK_WORDS=ROW_BYTES // 8, BLOCK=1024, num_warps=4)
 
-    def _gather(self, i: int, batch: Batch) -> None:
+    def _gather(self, i: int, batch: Batch, table: Any) -> None:
         """Batch `i`'s ranges into pinned buffer i % 2, on the stream; its event marks the buffer full."""
         total, host = batch_bytes(batch), self._buffers[i % 2]
         with self._torch.cuda.stream(self._stream):
@@ -119,11 +152,11 @@ class CudaStaging:
                 host[:n].copy_(self._span(addr, n), non_blocking=True)
             else:
                 dev = self._device_buffer(i)
-                self._move(batch, dev, gather=True)
+                self._move(batch, dev, table, gather=True)
                 host[:total].copy_(dev[:total], non_blocking=True)
             self._events[i % 2].record(self._stream)
 
-    def _scatter(self, i: int, batch: Batch) -> None:
+    def _scatter(self, i: int, batch: Batch, table: Any) -> None:
         """Pinned buffer i % 2 (batch `i`, received) into its ranges, on the stream; its event marks the buffer free."""
         total, host = batch_bytes(batch), self._buffers[i % 2]
         with self._torch.cuda.stream(self._stream):
@@ -133,14 +166,14 @@ class CudaStaging:
             else:
                 dev = self._device_buffer(i)
                 dev[:total].copy_(host[:total], non_blocking=True)
-                self._move(batch, dev, gather=False)
+                self._move(batch, dev, table, gather=False)
             self._events[i % 2].record(self._stream)
 
-    def _move(self, batch: Batch, dev: Any, *, gather: bool) -> None:
-        """Between the batch's ranges and device buffer `dev`: one kernel launch, or a copy a range where the kernel's
-        alignment does not hold."""
-        if kernel_fits(batch):
-            self._launch(copy_rows(batch, int(dev.data_ptr()), gather=gather))
+    def _move(self, batch: Batch, dev: Any, table: Any, *, gather: bool) -> None:
+        """Between the batch's ranges and device buffer `dev`: one kernel launch over the batch's `table`, or (no table:
+        the kernel's alignment does not hold) a copy a range."""
+        if table is not None:
+            self._launch(table)
             return
         for addr, off, n in batch:
             ext = self._span(addr, n)
@@ -152,24 +185,30 @@ class CudaStaging:
     def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]], head: bytes = b"") -> None:
         """`head` (a frame), then the ranges: batch k+1 is gathered out of the GPU while batch k goes out on `sock`."""
         batches = packed(ranges, self.chunk)
-        for i in range(min(2, len(batches))):
-            self._gather(i, batches[i])
-        if head:
-            sock.sendall(head)
-        for i, batch in enumerate(batches):
-            self._events[i % 2].synchronize()
-            sock.sendall(self._views[i % 2][: batch_bytes(batch)])
-            if i + 2 < len(batches):
-                self._gather(i + 2, batches[i + 2])
+        try:
+            tables = self._plan(batches, gather=True)
+            for i in range(min(2, len(batches))):
+                self._gather(i, batches[i], tables[i])
+            if head:
+                sock.sendall(head)
+            for i, batch in enumerate(batches):
+                self._events[i % 2].synchronize()
+                sock.sendall(self._views[i % 2][: batch_bytes(batch)])
+                if i + 2 < len(batches):
+                    self._gather(i + 2, batches[i + 2], tables[i + 2])
+        finally:
+            self._stream.synchronize()  # the tables and buffers are free for the next transfer
 
     def receive(self, sock: socket.socket, ranges: Sequence[tuple[int, int]]) -> None:
         """Scatter batch k into the GPU while batch k+1 arrives on `sock`; return once every byte is in GPU memory."""
+        batches = packed(ranges, self.chunk)
         try:
-            for i, batch in enumerate(packed(ranges, self.chunk)):
+            tables = self._plan(batches, gather=False)
+            for i, batch in enumerate(batches):
                 if i >= 2:
                     self._events[i % 2].synchronize()  # the buffer's last batch is in the GPU
                 recv_exact_into(sock, self._views[i % 2][: batch_bytes(batch)])
-                self._scatter(i, batch)
+                self._scatter(i, batch, tables[i])
         finally:
             self._stream.synchronize()
 
@@ -178,3 +217,4 @@ class CudaStaging:
         self._buffers.clear()
         self._views.clear()
         self._device_buffers.clear()
+        self._tables = None
