@@ -81,11 +81,12 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # doubles them). Unset: the transport's 96 KiB, for P and D sharing a host's cores (docs/socket.md); a long or
     # fast path wants more; 0: the kernel's autotuning.
     socket_buffer_bytes: int | None = None
-    # P, transport socket: write each layer's blocks as the forward that completes a one-token prompt computes it
-    # (vLLM's save_kv_layer), rather than all of them once that forward is done (docs/socket.md). Off by default;
-    # refused with any other transport.
-    socket_write_layers: bool = False
-    # P, with socket_write_layers: the writes a forward's layers are cut into, runs of neighbouring layers each
+    # P, transport socket: write a one-token prompt's blocks during the forward that computes them, a group of layers
+    # at a time as vLLM saves them (save_kv_layer), rather than all of them once that forward is done
+    # (docs/socket.md). Unset: on where the KV cache is on a GPU (faster there, docs/bench.md), off on a CPU host
+    # (the writes would take P's cores from its forward); `writes_layers`. True is refused with any other transport.
+    socket_write_layers: bool | None = None
+    # P, writing layer by layer: the writes a forward's layers are cut into, runs of neighbouring layers each
     # written once all of its layers are computed (docs/socket.md); more than the model's layers: one a layer.
     socket_layer_groups: int = DEFAULT_LAYER_GROUPS
     # P: the host the side channel binds to and advertises (default: VLLM_HOST_IP or 127.0.0.1).
@@ -109,6 +110,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # new request reaching P in such a step is scheduled at most this much later. Ignored with the KV cache on
     # a GPU. 0: off.
     hold_wait_ms: float = 20.0
+
+    def writes_layers(self, on_gpu: bool) -> bool:
+        """Whether P writes layer by layer (socket_write_layers): as set, or unset, over the socket transport with the
+        KV cache on a GPU (`on_gpu`)."""
+        if self.socket_write_layers is not None:
+            return self.socket_write_layers
+        return self.transport == "socket" and on_gpu
 
     def __post_init__(self) -> None:
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):

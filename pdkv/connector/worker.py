@@ -126,7 +126,7 @@ class ConnectorWorker:
             log.info("pdkv: bootstrap server listening on %s:%d", host, port)
         limits = SendLimits(unknown_wait_s=self.config.unknown_wait_s, expiry_s=self.config.expiry_s)
         board = None
-        if self.config.socket_write_layers:
+        if self.config.writes_layers(self._on_gpu):
             self._layer_of, groups = layer_regions(tensors, self.num_blocks, regions)
             board = LayerBoard(groups, wait_s=self.config.write_timeout_s, groups=self.config.socket_layer_groups)
             log.info("pdkv: P writes KV layer by layer as the forward computes them: %d layers in %d writes",

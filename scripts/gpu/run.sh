@@ -34,8 +34,9 @@
 #   DEPLOYMENTS  which of tests/gpu/deployments.py to start and test (default pdkv-ipc pdkv-tcp mooncake-tcp:
 #           three fit one H200; pdkv-socket is the fourth, e.g. DEPLOYMENTS="pdkv-ipc pdkv-socket mooncake-tcp");
 #           profile and check need pdkv-ipc alone, bench mooncake-tcp. pdkv-socket-layers is pdkv-socket with P
-#           writing each layer's KV as its forward computes it (socket_write_layers): DEPLOYMENTS="mooncake-tcp
-#           pdkv-socket pdkv-socket-layers" measures it beside the one write after P's forward (gpu_pd.py's table).
+#           writing a group of layers at a time as its forward computes them (socket_write_layers, the connector's
+#           default on a GPU; pdkv-socket sets it false): DEPLOYMENTS="mooncake-tcp pdkv-socket pdkv-socket-layers"
+#           measures it beside the one write after P's forward (gpu_pd.py's table).
 #   PDKV_GPU_GRAPHS  "full-decode" (the default) or "eager": tests/gpu/deployments.py.
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one

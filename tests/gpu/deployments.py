@@ -3,8 +3,8 @@
 Four deployments, one per connector/transport a GPU user would pick: pdkv's connector over CUDA IPC (`pdkv-ipc`),
 over its own TCP connections (`pdkv-socket`, what hosts without RDMA use) and over Mooncake tcp (`pdkv-tcp`), and
 vLLM's MooncakeConnector over Mooncake tcp (`mooncake-tcp`); and `pdkv-socket-layers`, `pdkv-socket` with P writing
-each layer's KV as its forward computes it (`socket_write_layers`), to measure beside the one write after the
-forward. One H200 holds three at once (six engines of Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS
+its KV a group of layers at a time as its forward computes them (`socket_write_layers`, the connector's default on
+a GPU), to measure beside `pdkv-socket`'s one write after the forward (`socket_write_layers = false`). One H200 holds three at once (six engines of Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS
 (scripts/gpu/run.sh sets it from DEPLOYMENTS), else `pdkv-ipc pdkv-tcp mooncake-tcp`; `pdkv-socket` and
 `pdkv-socket-layers` run when named there. Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), CUDA graphs
@@ -108,10 +108,12 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
               else ["--gpu-memory-utilization", str(KV_SHARE)])
     connector, transport, *mode = name.split("-")
     connector = "pdkv" if connector == "pdkv" else "mooncake"
-    # pdkv-socket-layers: P writes each layer's KV as its forward computes it, the one difference from pdkv-socket.
-    layers = "socket_write_layers = true\n" if mode == ["layers"] else ""
-    layers += f"socket_layer_groups = {int(SOCKET_LAYER_GROUPS)}\n" if layers and SOCKET_LAYER_GROUPS else ""
+    # pdkv-socket-layers: P writes its KV a group of layers at a time as its forward computes them (what the connector
+    # does by default on a GPU); pdkv-socket: one write after the forward. The one difference between the two.
+    layers = ""
     if transport == "socket":
+        layers = f"socket_write_layers = {'true' if mode == ['layers'] else 'false'}\n"
+        layers += f"socket_layer_groups = {int(SOCKET_LAYER_GROUPS)}\n" if mode == ["layers"] and SOCKET_LAYER_GROUPS else ""
         layers += f"socket_connections = {SOCKET_CONNECTIONS}\n"
         layers += f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else ""
     p = PORTS[name]

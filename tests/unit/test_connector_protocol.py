@@ -229,8 +229,12 @@ def test_config_socket_settings():
             load_config({key: bad})
 
 
-def test_config_writing_layer_by_layer_is_off_by_default_and_only_for_the_socket_transport():
-    assert load_config({"mooncake_protocol": "socket"}).socket_write_layers is False
+def test_config_writing_layer_by_layer_is_on_by_default_on_a_gpu_and_only_for_the_socket_transport():
+    unset = load_config({"mooncake_protocol": "socket"})
+    assert unset.socket_write_layers is None and unset.writes_layers(on_gpu=True) and not unset.writes_layers(on_gpu=False)
+    assert not load_config({"transport": "socket", "socket_write_layers": False}).writes_layers(on_gpu=True)
+    assert load_config({"transport": "socket", "socket_write_layers": True}).writes_layers(on_gpu=False)
+    assert not any(load_config({"mooncake_protocol": t}).writes_layers(on_gpu=True) for t in ("tcp", "rdma", "ipc", "cma"))
     assert load_config({"transport": "socket", "socket_write_layers": "true"}).socket_write_layers is True
     assert load_config({"mooncake_protocol": "tcp", "socket_write_layers": False}).socket_write_layers is False
     for transport in ("tcp", "rdma", "ipc", "cma"):

@@ -61,7 +61,7 @@ def test_the_layered_socket_deployment_is_the_socket_one_with_p_writing_layer_by
 
     one_write, layered = extra("pdkv-socket"), extra("pdkv-socket-layers")
     assert layered["prefill"] == {**one_write["prefill"], "socket_write_layers": True, "socket_layer_groups": 6}
-    assert layered["decode"] == one_write["decode"] and "socket_write_layers" not in one_write["prefill"]
+    assert layered["decode"] == one_write["decode"] and one_write["prefill"]["socket_write_layers"] is False
 
 
 def test_the_socket_deployments_take_the_hosts_measured_settings(tmp_path, monkeypatch) -> None:

@@ -201,8 +201,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     socket_connections: int = 0
     # Transport socket: each connection's socket buffers, on P and D (docs/socket.md); unset: the transport's 96 KiB.
     socket_buffer_bytes: int | None = None
-    # Transport socket: each P writes a prompt's KV layer by layer as its forward computes it (docs/socket.md); off:
-    # one write once that forward is done. Refused with any other transport.
-    socket_write_layers: bool = False
-    # Transport socket, with socket_write_layers: the writes a forward's layers are cut into (docs/socket.md).
+    # Transport socket: each P writes a prompt's KV a group of layers at a time as its forward computes them
+    # (docs/socket.md); false: one write once that forward is done; unset: the connector's choice (on where the KV
+    # cache is on a GPU, off on a CPU host). True is refused with any other transport.
+    socket_write_layers: bool | None = None
+    # Transport socket, writing layer by layer: the writes a forward's layers are cut into (docs/socket.md).
     socket_layer_groups: int = DEFAULT_LAYER_GROUPS

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from pdkv.bootstrap import DEFAULT_PORT as DEFAULT_BOOTSTRAP_PORT
+from pdkv.connector import DEFAULT_LAYER_GROUPS
 from pdkv.deploy.plan.engine import Connector, EngineSpec, engine_launch, joining, kv_events_endpoints
 from pdkv.deploy.plan.fleet import host_address
 from pdkv.deploy.plan.launch import Launch, bootstrap_address, connect_host, http_url
@@ -176,14 +177,21 @@ def engine_spec(
 def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_port: int | None) -> dict[str, int | bool]:
     """The socket transport's kv_connector_extra_config keys for an engine (none for other transports): a decode's
     KV listener port (`socket_port`, from the allocator, or the file's in k8s), a prefill's connections per D and
-    whether it writes layer by layer (in how many writes), both ends' socket buffers."""
+    whether it writes layer by layer where the file says (in how many writes), both ends' socket buffers."""
     if dep.transport != "socket":
         return {}
     buffers = {"socket_buffer_bytes": dep.socket_buffer_bytes} if dep.socket_buffer_bytes is not None else {}
     if role == "decode":
         return {**({"socket_port": socket_port} if socket_port else {}), **buffers}
     return {**({"socket_connections": dep.socket_connections} if dep.socket_connections else {}), **buffers,
-            **({"socket_write_layers": True, "socket_layer_groups": dep.socket_layer_groups} if dep.socket_write_layers else {})}
+            **({"socket_write_layers": dep.socket_write_layers} if dep.socket_write_layers is not None else {}),
+            **({"socket_layer_groups": dep.socket_layer_groups} if _groups_said(dep) else {})}
+
+
+def _groups_said(dep: Deployment) -> bool:
+    """Whether a prefill's connector needs the file's socket_layer_groups: it writes layer by layer, or may (unset:
+    the connector decides) and the file's groups are not the connector's default."""
+    return bool(dep.socket_write_layers) or (dep.socket_write_layers is None and dep.socket_layer_groups != DEFAULT_LAYER_GROUPS)
 
 
 def _reached_at(launch: Launch, address: str | None, port: int) -> Launch:
