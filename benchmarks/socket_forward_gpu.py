@@ -1,0 +1,250 @@
+"""What P's forward loses to a socket write running beside it, on one GPU that P and D share (the lent GPU host).
+
+A forward shaped like Qwen3-8B's prefill of 1,000 tokens (36 layers of bf16 projections, attention and MLP, launched
+from Python one layer at a time, an event recorded after each layer) runs in P's process; the seed's 63 blocks
+(141.75 MiB, 36 layer regions, scattered as `pdkv bench` lays them out) go to a D process on the same GPU through the
+socket transport, cut into --groups writes, each begun once its layers' events have completed (what
+`socket_layer_groups` does in the connector). Modes, in one run, each a median of --iters forwards:
+
+    alone       the forward, nothing beside it
+    after       the forward, then one write (the connector's default): its time is the handover's write
+    layers      the writes during the forward, D's KV on the GPU (what `pdkv-socket-layers` does)
+    layers-dh   the same, D's KV in host memory: D's process does no GPU work
+    d-gpu       no write: D's process does its staging's GPU work (8 MiB host-to-GPU copies and the scatter kernel)
+                for as long as the forward runs
+    p-host      the writes during the forward from P's host memory to D's host memory: the write's CPU and
+                interpreter work beside the forward, no GPU copy at all
+
+`forward_ms` is the forward's time on the GPU (events around it), `tail_ms` how long after the forward ended on the
+GPU the last write landed. What the forward loses in `layers` but not in `layers-dh` is D's GPU work (two processes'
+work on one GPU takes turns); what it loses in `p-host` is the interpreter and the CPU.
+
+Run (a GPU host, torch with CUDA): python benchmarks/socket_forward_gpu.py [--groups 6] [--iters 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
+TRANSFER = "socket-forward"
+MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "p-host")
+
+
+def _kv(num_blocks: int, on_gpu: bool) -> list:
+    import torch
+
+    return [torch.zeros(BLOCK_BYTES * num_blocks, dtype=torch.uint8, device="cuda:0" if on_gpu else "cpu") for _ in range(LAYERS)]
+
+
+def decode_main(args: argparse.Namespace) -> None:
+    """D: its KV on the GPU or in host memory, registered and granted; prints its session and bases, then answers
+    `load` (the staging's GPU work in a loop, d-gpu) and `stop` on stdin."""
+    import torch
+
+    from pdkv.transport.sockets import SocketTransport
+    from pdkv.transport.sockets.staging import CudaStaging, packed
+
+    on_gpu = args.d_memory == "gpu"
+    kv = _kv(args.num_blocks, on_gpu)
+    spans = [(int(t.data_ptr()), t.numel()) for t in kv]
+    stop = threading.Event()
+
+    def load() -> None:  # a diagnostic reaches into the staging: its scatter, without a socket
+        staging = CudaStaging(0)
+        host = torch.empty(staging.chunk, dtype=torch.uint8, pin_memory=True)
+        ranges = [(a + k * 3 * BLOCK_BYTES, BLOCK_BYTES) for a, _ in spans for k in range(args.num_blocks // 3)]
+        batches = packed(ranges, staging.chunk)
+        tables = staging._plan(batches, gather=False)
+        while not stop.is_set():
+            for i, batch in enumerate(batches):
+                staging._buffers[i % 2].copy_(host)
+                staging._scatter(i, batch, tables[i])
+                staging._events[i % 2].synchronize()
+
+    with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None) as d:
+        d.register(spans)
+        d.expect(TRANSFER, spans)
+        print(json.dumps({"session": d.session_address, "bases": [a for a, _ in spans]}), flush=True)
+        worker = None
+        for line in sys.stdin:
+            if line.startswith("load"):
+                stop.clear()
+                worker = threading.Thread(target=load, daemon=True)
+                worker.start()
+            elif line.startswith("idle") and worker is not None:
+                stop.set()
+                worker.join()
+            elif line.startswith("stop"):
+                return
+            print("ok", flush=True)
+
+
+class Forward:
+    """Qwen3-8B's layer shapes for TOKENS tokens, one set of weights for every layer; an event after each layer."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+
+        def w(*shape: int):
+            return torch.randn(*shape, device="cuda:0", dtype=torch.bfloat16, generator=g) * 0.02
+
+        self.qkv = w(HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)
+        self.o = w(Q_HEADS * HEAD_DIM, HIDDEN)
+        self.up = w(HIDDEN, 2 * FFN)
+        self.down = w(FFN, HIDDEN)
+        self.x0 = w(TOKENS, HIDDEN)
+
+    def run(self, events: list, recorded: list[threading.Event]) -> None:
+        torch, F = self.torch, self.torch.nn.functional
+        x = self.x0
+        for layer in range(LAYERS):
+            h = F.rms_norm(x, (HIDDEN,))
+            q, k, v = (h @ self.qkv).split([Q_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+            q = q.view(TOKENS, Q_HEADS, HEAD_DIM).transpose(0, 1)
+            k = k.view(TOKENS, KV_HEADS, HEAD_DIM).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, 0)
+            v = v.view(TOKENS, KV_HEADS, HEAD_DIM).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, 0)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(TOKENS, -1)
+            x = x + a @ self.o
+            gate, up = (F.rms_norm(x, (HIDDEN,)) @ self.up).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ self.down
+            events[layer].record()
+            recorded[layer].set()
+        torch.cuda.current_stream().synchronize()
+
+
+def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
+    """One mode's medians: a D process of its own, the forwards with (or without, or after them) the writes."""
+    import torch
+
+    from pdkv.bench.layout import block_ids, blocks_needed
+    from pdkv.connector.layer_writes import group_ends
+    from pdkv.transport.base import Region
+    from pdkv.transport.sockets import SocketTransport
+
+    num_blocks = blocks_needed("scattered", BLOCKS)
+    src, dst = block_ids("scattered", BLOCKS)
+    p_gpu = mode != "p-host"
+    d_memory = "gpu" if mode in ("after", "layers", "d-gpu") else "host"
+    kv = _kv(num_blocks, p_gpu)
+    local = [Region(int(t.data_ptr()), BLOCK_BYTES, num_blocks) for t in kv]
+    argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks)]
+    d = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert d.stdin is not None and d.stdout is not None
+    d_in, d_out = d.stdin, d.stdout
+
+    def tell(line: str) -> None:
+        d_in.write(line + "\n")
+        d_in.flush()
+        if line != "stop" and d_out.readline().strip() != "ok":
+            raise RuntimeError(f"D did not answer {line!r}")
+
+    ready = json.loads(d_out.readline())
+    remote = [Region(a, BLOCK_BYTES, num_blocks) for a in ready["bases"]]
+    ends = group_ends(LAYERS, 1 if mode == "after" else args.groups)
+    forward_ms, tail_ms = [], []
+    try:
+        with SocketTransport(writable=False, gpu=0 if p_gpu else None) as p:
+            p.register([(r.base, BLOCK_BYTES * num_blocks) for r in local])
+
+            def writes(events: list, recorded: list[threading.Event], landed: list[float]) -> None:
+                begin = 0
+                for end in ends:
+                    if not recorded[end - 1].wait(timeout=60):
+                        raise TimeoutError(f"layer {end - 1} was never computed")
+                    events[end - 1].synchronize()
+                    p.write_blocks(ready["session"], src, dst, local[begin:end], remote[begin:end], transfer=TRANSFER)
+                    begin = end
+                landed.append(time.perf_counter())
+
+            for _ in range(3 if mode not in ("alone", "d-gpu") else 0):  # connections, staging buffers, kernels
+                writes([_Done()] * LAYERS, [_set()] * LAYERS, [])
+            if mode == "d-gpu":
+                tell("load")
+            for i in range(args.warmup + args.iters):
+                events = [torch.cuda.Event(enable_timing=True) for _ in range(LAYERS)]
+                recorded = [threading.Event() for _ in range(LAYERS)]
+                start = torch.cuda.Event(enable_timing=True)
+                landed: list[float] = []
+                beside = mode in ("layers", "layers-dh", "p-host")
+                writer = threading.Thread(target=writes, args=(events, recorded, landed)) if beside else None
+                start.record()
+                if writer is not None:
+                    writer.start()
+                fwd.run(events, recorded)
+                done = time.perf_counter()
+                if mode == "after":
+                    writes(events, recorded, landed)
+                if writer is not None:
+                    writer.join(timeout=60)
+                    if not landed:
+                        raise RuntimeError(f"{mode}: the writes did not finish")
+                if i >= args.warmup:
+                    forward_ms.append(start.elapsed_time(events[-1]))
+                    if landed:
+                        tail_ms.append((landed[0] - done) * 1e3)
+            if mode == "d-gpu":
+                tell("idle")
+    finally:
+        tell("stop")
+        d.wait(timeout=30)
+    return {"forward_ms": statistics.median(forward_ms), "tail_ms": statistics.median(tail_ms) if tail_ms else None}
+
+
+def prefill_main(args: argparse.Namespace) -> None:
+    fwd = Forward()
+    results: dict[str, dict] = {}
+    for mode in MODES:
+        results[mode] = _measure(mode, fwd, args)
+        print(json.dumps({"mode": mode, **results[mode]}), flush=True)
+    alone = results["alone"]["forward_ms"]
+    print(f"{'mode':10} {'forward':>9} {'lost':>8} {'tail':>9}")
+    for mode, r in results.items():
+        tail = f"{r['tail_ms']:7.2f}ms" if r["tail_ms"] is not None else "        -"
+        print(f"{mode:10} {r['forward_ms']:7.2f}ms {r['forward_ms'] - alone:6.2f}ms {tail}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"groups": args.groups, "iters": args.iters, "modes": results}, indent=1))
+
+
+def _set() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e
+
+
+class _Done:
+    """An event already complete: the warm-up writes wait for nothing."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=("p", "d"), default="p")
+    ap.add_argument("--d-memory", choices=("gpu", "host"), default="gpu")
+    ap.add_argument("--num-blocks", type=int, default=0)
+    ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    decode_main(args) if args.role == "d" else prefill_main(args)
+
+
+if __name__ == "__main__":
+    main()
