@@ -19,7 +19,12 @@ socket transport, cut into --groups writes, each begun once its layers' events h
 GPU the last write landed. What the forward loses in `layers` but not in `layers-dh` is D's GPU work (two processes'
 work on one GPU takes turns); what it loses in `p-host` is the interpreter and the CPU.
 
-Run (a GPU host, torch with CUDA): python benchmarks/socket_forward_gpu.py [--groups 6] [--iters 10]
+Every thread that wakes from a blocking call (a lane's event wait, send or acknowledgement) must take the interpreter's
+lock back from the model runner's thread, which drops it in every torch call: fewer connections (--connections) or
+groups mean fewer such wake-ups during the forward, and more of the write after it.
+
+Run (a GPU host, torch with CUDA): python benchmarks/socket_forward_gpu.py [--groups 6] [--connections 4] [--modes alone,layers]
+     [--iters 10]
 """
 
 from __future__ import annotations
@@ -158,7 +163,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
     ends = group_ends(LAYERS, 1 if mode == "after" else args.groups)
     forward_ms, tail_ms = [], []
     try:
-        with SocketTransport(writable=False, gpu=0 if p_gpu else None) as p:
+        with SocketTransport(writable=False, gpu=0 if p_gpu else None, connections=args.connections) as p:
             p.register([(r.base, BLOCK_BYTES * num_blocks) for r in local])
 
             def writes(events: list, recorded: list[threading.Event], landed: list[float]) -> None:
@@ -208,7 +213,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
 def prefill_main(args: argparse.Namespace) -> None:
     fwd = Forward()
     results: dict[str, dict] = {}
-    for mode in MODES:
+    for mode in ["alone", *(m for m in args.modes.split(",") if m != "alone")]:
         results[mode] = _measure(mode, fwd, args)
         print(json.dumps({"mode": mode, **results[mode]}), flush=True)
     alone = results["alone"]["forward_ms"]
@@ -217,7 +222,9 @@ def prefill_main(args: argparse.Namespace) -> None:
         tail = f"{r['tail_ms']:7.2f}ms" if r["tail_ms"] is not None else "        -"
         print(f"{mode:10} {r['forward_ms']:7.2f}ms {r['forward_ms'] - alone:6.2f}ms {tail}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"groups": args.groups, "iters": args.iters, "modes": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"groups": args.groups, "connections": args.connections, "iters": args.iters, "modes": results}, indent=1)
+        )
 
 
 def _set() -> threading.Event:
@@ -239,10 +246,14 @@ def main() -> None:
     ap.add_argument("--d-memory", choices=("gpu", "host"), default="gpu")
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--connections", type=int, default=0, help="P's connections to D (0: the transport's default)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"any of {','.join(MODES)} (alone always runs)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        ap.error(f"unknown modes {sorted(unknown)}: any of {','.join(MODES)}")
     decode_main(args) if args.role == "d" else prefill_main(args)
 
 
