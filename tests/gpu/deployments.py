@@ -4,8 +4,9 @@ Four deployments, one per connector/transport a GPU user would pick: pdkv's conn
 over its own TCP connections (`pdkv-socket`, what hosts without RDMA use) and over Mooncake tcp (`pdkv-tcp`), and
 vLLM's MooncakeConnector over Mooncake tcp (`mooncake-tcp`); and `pdkv-socket-layers`, `pdkv-socket` with P writing
 its KV a group of layers at a time as its forward computes them (`socket_write_layers`, the connector's default on
-a GPU), to measure beside `pdkv-socket`'s one write after the forward (`socket_write_layers = false`). One H200 holds three at once (six engines of Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS
-(scripts/gpu/run.sh sets it from DEPLOYMENTS), else `pdkv-ipc pdkv-tcp mooncake-tcp`; `pdkv-socket` and
+a GPU), to measure beside `pdkv-socket`'s one write after the forward (`socket_write_layers = false`). One H200
+holds three at once (six engines of Qwen3-8B): `ACTIVE`, from PDKV_GPU_DEPLOYMENTS (scripts/gpu/run.sh sets it
+from DEPLOYMENTS), else `pdkv-ipc pdkv-tcp mooncake-tcp`; `pdkv-socket` and
 `pdkv-socket-layers` run when named there. Each file says how its two engines share the GPU: a fixed KV cache size
 (`--kv-cache-memory-bytes`, so an engine's start does not read the other's allocations as its own), CUDA graphs
 of whole decode steps without torch.compile (or, with PDKV_GPU_GRAPHS=eager, eager mode),
