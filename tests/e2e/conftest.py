@@ -25,6 +25,7 @@ import pytest
 
 from pdkv.deploy.plan.engine import EngineSpec, engine_launch
 from pdkv.deploy.run.process import ManagedProcess
+from support.engines import KV_CACHE_BYTES
 from support.ports import free_port
 
 SHIMS = Path(__file__).resolve().parents[1] / "shims"
@@ -107,6 +108,7 @@ class EngineFactory:
             platform="cpu",
             block_size=32,
             max_model_len=1024,
+            cpu_kv_cache_bytes=KV_CACHE_BYTES,
             bootstrap_port=bootstrap_port,
             bootstrap_url=bootstrap_url,
             host_ip="127.0.0.1",

@@ -32,6 +32,8 @@ from support.loadclient import WORDS, Answer, Case, kv_usage, one, prompts, run_
 from support.ports import free_port
 from support.waiting import wait_for
 
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES
+
 pytestmark = pytest.mark.e2e
 
 READY_TIMEOUT_S = float(os.environ.get("PDKV_E2E_UP_TIMEOUT", "600"))
@@ -75,6 +77,7 @@ host = "127.0.0.1"
 host_ip = "127.0.0.1"
 block_size = {BLOCK}
 max_model_len = 2048
+cpu_kv_cache_bytes = {TINY_KV_CACHE_BYTES}
 restart = "no"
 
 [bootstrap]

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from support.engines import KV_CACHE_BYTES
 from support.ports import free_port
 
 from pdkv.geometry import geometry_from_model, size_transfer
@@ -72,7 +73,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     def spec(role: str, omp: str, **kw) -> EngineSpec:
         return EngineSpec(model=str(tiny_model), host="127.0.0.1", port=free_port(), role=role, connector="pdkv",  # type: ignore[arg-type]
                           transport="tcp", platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1",
-                          omp_bind=omp, **kw)
+                          omp_bind=omp, cpu_kv_cache_bytes=KV_CACHE_BYTES, **kw)
 
     p = ManagedProcess(engine_launch(spec("prefill", "0", bootstrap_url=burl), name="trace-p"), logs / "p.log").start()
     d = ManagedProcess(engine_launch(spec("decode", "1"), name="trace-d"), logs / "d.log").start()

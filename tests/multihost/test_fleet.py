@@ -26,6 +26,7 @@ from support.waiting import waited_for
 from netns import NetnsHost
 
 from pdkv.geometry import geometry_from_model, size_transfer
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.multihost]
 
@@ -43,6 +44,7 @@ transport = "{transport}"
 platform = "cpu"
 block_size = {block}
 max_model_len = 2048
+cpu_kv_cache_bytes = {kv_bytes}
 restart = "no"
 {hosts}
 [bootstrap]
@@ -91,7 +93,7 @@ def fleet(testbed, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     root = tmp_path_factory.mktemp("fleet")
     tables = "".join(f'\n[[hosts]]\nname = "{h.name}"\naddress = "{h.address}"\n' for h in hosts.values())
     file = root / "fleet.toml"
-    file.write_text(FLEET.format(model=tiny_model, block=BLOCK, hosts=tables, transport=TRANSPORT))
+    file.write_text(FLEET.format(model=tiny_model, block=BLOCK, hosts=tables, transport=TRANSPORT, kv_bytes=TINY_KV_CACHE_BYTES))
     procs: dict[str, subprocess.Popen] = {}
     events: dict[str, list[dict]] = {}
     stderr: list = []

@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 
 from pdkv.deploy.plan.engine import EngineSpec
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES
 from support.ports import free_port
 
 BLOCK = 32
@@ -43,8 +44,12 @@ def body(model: str, ids: list[int], **kw) -> dict:
     }
 
 
+KV_CACHE_BYTES = TINY_KV_CACHE_BYTES  # each e2e engine's KV cache, the tiny model's as `pdkv up` sizes it
+
+
 def spec(model: Path, role: str, connector: str, omp: str, transport: str = "tcp", **kw) -> EngineSpec:
     return EngineSpec(
         model=str(model), host="127.0.0.1", port=free_port(), role=role, connector=connector,  # type: ignore[arg-type]
-        transport=transport, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp, **kw,
+        transport=transport, platform="cpu", block_size=BLOCK, max_model_len=1024, host_ip="127.0.0.1", omp_bind=omp,
+        cpu_kv_cache_bytes=KV_CACHE_BYTES, **kw,
     )

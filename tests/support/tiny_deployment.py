@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES
 from support.ports import free_port
 
 PARTS = ("bootstrap", "prefill", "decode", "proxy")
@@ -29,7 +30,7 @@ def write_tiny_deployment(path: Path, model: Path, *, proxy: Mapping[str, Any] |
     ports = {"bootstrap": free_port(pair=True), "prefill": free_port(pair=True), "decode": free_port(), "proxy": free_port()}
     top = {
         "model": str(model), "served_model_name": "tiny", "transport": "cma", "platform": "cpu", "host": "127.0.0.1",
-        "host_ip": "127.0.0.1", "block_size": 32, "max_model_len": 2048, **settings,
+        "host_ip": "127.0.0.1", "block_size": 32, "max_model_len": 2048, "cpu_kv_cache_bytes": TINY_KV_CACHE_BYTES, **settings,
     }
     lines = [*_keys(top), "[bootstrap]", *_keys({"port": ports["bootstrap"]}),
              "[[prefill]]", *_keys({"port": ports["prefill"], "omp_bind": "0"}),

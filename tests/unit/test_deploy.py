@@ -165,6 +165,21 @@ def test_local_cpu_topology() -> None:
         argv = part.launch.argv
         assert argv[argv.index("--block-size") + 1] == "32"
         assert argv[argv.index("--served-model-name") + 1] == "tiny"
+        # The tiny model's KV cache sized to it, on the command line; vLLM's GiB variable would override that.
+        assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
+        assert "VLLM_CPU_KVCACHE_SPACE" not in part.launch.env
+
+
+def test_a_cpu_engines_kv_cache_size_comes_from_the_file_and_too_small_is_refused() -> None:
+    sized = deployment_parts(deployment_from_dict(_dep(platform="cpu", cpu_kv_cache_bytes=256 << 20)))
+    for part in (p for p in sized if p.kind in ("prefill", "decode")):
+        assert part.launch.argv[part.launch.argv.index("--kv-cache-memory-bytes") + 1] == str(256 << 20)
+        assert "VLLM_CPU_KVCACHE_SPACE" not in part.launch.env
+    unset = [p for p in deployment_parts(deployment_from_dict(_dep(platform="cpu"))) if p.kind == "prefill"]
+    assert unset[0].launch.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and "--kv-cache-memory-bytes" not in unset[0].launch.argv
+    assert local_deployment(gpus=0, model="/models/q").cpu_kv_cache_bytes is None  # a model of the user's: vLLM's GiB
+    with pytest.raises(ConfigError, match=r"cpu_kv_cache_bytes must be at least 1,048,576 \(1 MiB\), got 4096"):
+        deployment_from_dict(_dep(platform="cpu", cpu_kv_cache_bytes=4096))
 
 
 def test_local_cpu_topology_with_vllms_connector_keeps_mooncake_tcp() -> None:

@@ -106,6 +106,12 @@ def test_cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
                                 extra_env={"PDKV_X": "1"}))
     assert env == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_USE_AOT_COMPILE": "0",
                    "VLLM_CPU_OMP_THREADS_BIND": "1", "PDKV_X": "1"}
+    # An exact KV cache size goes on the command line, and vLLM's variable (which would override it) is left out.
+    exact = EngineSpec(model="m", platform="cpu", cpu_kv_cache_bytes=64 << 20)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env(exact)
+    argv = engine_argv(exact)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(64 << 20)
+    assert "--kv-cache-memory-bytes" not in engine_argv(EngineSpec(model="m", platform="gpu", cpu_kv_cache_bytes=64 << 20))
     # The caller's own choice is kept.
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     assert "VLLM_USE_AOT_COMPILE" not in engine_env(EngineSpec(model="m", platform="cpu"))

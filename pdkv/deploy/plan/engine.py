@@ -67,6 +67,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     host_ip: str | None = None
     omp_bind: str | None = None
     cpu_kvcache_gib: int = 1
+    # CPU: the KV cache's size in bytes (vLLM's --kv-cache-memory-bytes) in place of cpu_kvcache_gib's whole GiB, e.g.
+    # a small model's few MiB: vLLM allocates and fills all of it before the engine is ready.
+    cpu_kv_cache_bytes: int | None = None
     launcher: Launcher = "auto"
     extra_args: tuple[str, ...] = ()
     extra_env: dict[str, str] = {}
@@ -140,7 +143,8 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     elif spec.host_ip:
         env["VLLM_HOST_IP"] = spec.host_ip
     if spec.platform == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
+        if spec.cpu_kv_cache_bytes is None:  # set, vLLM's variable would override the size on the command line
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
         env["HF_HUB_OFFLINE"] = "1"
         if "VLLM_USE_AOT_COMPILE" not in os.environ:
             # vLLM's AOT artifact does not load on CPU (it recompiles on every start, ~30 s on two cores); without
@@ -172,6 +176,8 @@ def engine_argv(spec: EngineSpec, *, python: str | None = None) -> list[str]:
         argv += ["--block-size", str(spec.block_size)]
     if spec.max_model_len is not None:
         argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.platform == "cpu" and spec.cpu_kv_cache_bytes is not None:
+        argv += ["--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"), sort_keys=True)]

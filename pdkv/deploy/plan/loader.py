@@ -12,7 +12,7 @@ import msgspec
 
 from pdkv.connector import DEFAULT_LAYER_GROUPS, layer_groups_problem
 from pdkv.deploy.plan.fleet import check_hosts
-from pdkv.deploy.plan.schema import Deployment
+from pdkv.deploy.plan.schema import MIN_CPU_KV_CACHE_BYTES, Deployment
 from pdkv.errors import ConfigError
 from pdkv.transport import MAX_SOCKET_CONNECTIONS, TRANSPORTS, socket_buffer_problem
 
@@ -47,6 +47,9 @@ def deployment_from_dict(data: dict[str, Any], *, source: str = "deployment") ->
                 raise ConfigError(f"{source}: [[{role}]] {i + 1} has replicas = {e.replicas}", hint="write 1 or more")
     if dep.bootstrap.mode == "external" and not dep.bootstrap.url:
         raise ConfigError(f"{source}: bootstrap mode 'external' needs url = \"http://HOST:PORT\"")
+    if dep.cpu_kv_cache_bytes is not None and dep.cpu_kv_cache_bytes < MIN_CPU_KV_CACHE_BYTES:
+        raise ConfigError(f"{source}: cpu_kv_cache_bytes must be at least {MIN_CPU_KV_CACHE_BYTES:,} (1 MiB), got {dep.cpu_kv_cache_bytes}",
+                          hint="leave it out for 1 GiB a CPU engine")
     if dep.autoscale is not None:
         _check_autoscale(dep, source)
     _check_socket(dep, source)

@@ -38,6 +38,7 @@ BootstrapMode = Literal["standalone", "in-worker", "external"]
 AntiAffinity = Literal["none", "preferred", "required"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+MIN_CPU_KV_CACHE_BYTES = 1 << 20  # cpu_kv_cache_bytes: less would not hold one block of most models
 
 
 class HostEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -178,6 +179,9 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     dtype: str | None = None
     block_size: int | None = None
     max_model_len: int | None = None
+    # Platform cpu: each engine's KV cache in bytes (vLLM's --kv-cache-memory-bytes), at least MIN_CPU_KV_CACHE_BYTES;
+    # unset: 1 GiB (VLLM_CPU_KVCACHE_SPACE=1). vLLM fills all of it before an engine is ready.
+    cpu_kv_cache_bytes: int | None = None
     startup_timeout: float = 900.0
     restart: RestartMode = "on-failure"
     bootstrap: BootstrapEntry = BootstrapEntry()

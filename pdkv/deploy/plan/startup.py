@@ -24,7 +24,7 @@ from pdkv.deploy.plan.schema import Deployment
 from pdkv.deploy.plan.topology import TINY_SERVED_NAME, Part, deployment_parts, external_bootstraps, local_deployment, role_parts
 from pdkv.deploy.plan.vllm_logging import with_vllm_logging
 from pdkv.errors import UsageError
-from pdkv.tinymodel import tiny_model_path
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES, tiny_model_path
 from pdkv.transport import TRANSPORTS
 
 
@@ -144,6 +144,7 @@ def resolve(o: UpOptions, log_dir: str | Path) -> Startup:
             role,
             o.members,
             model=o.model or str(tiny_model_path()),
+            cpu_kv_cache_bytes=None if o.model else TINY_KV_CACHE_BYTES,
             host=o.listen or "0.0.0.0",
             port=o.port or (8100 if role == "prefill" else 8200),
             connector=o.connector,

@@ -27,7 +27,7 @@ from pdkv.deploy.plan.ports import ANY_ADDRESS, EngineSlot, PortAllocation, Port
 from pdkv.deploy.plan.schema import AutoscaleEntry, BootstrapEntry, Deployment, EngineEntry, ProxyEntry, RestartMode
 from pdkv.errors import ConfigError, UsageError
 from pdkv.peer_address import advertised_address
-from pdkv.tinymodel import tiny_model_path
+from pdkv.tinymodel import TINY_KV_CACHE_BYTES, tiny_model_path
 from pdkv.transport import TransportName
 
 PartKind = Literal["bootstrap", "prefill", "decode", "proxy"]
@@ -75,6 +75,7 @@ def local_deployment(
             host_ip="127.0.0.1",
             block_size=CPU_BLOCK_MULTIPLE,
             max_model_len=2048,
+            cpu_kv_cache_bytes=None if model else TINY_KV_CACHE_BYTES,
             bootstrap=BootstrapEntry(mode="standalone", port=DEFAULT_BOOTSTRAP_PORT),
             prefill=[EngineEntry(port=8100, omp_bind="0")],
             decode=[EngineEntry(port=8200, omp_bind="1")],
@@ -166,6 +167,7 @@ def engine_spec(
         bootstrap_url=bootstrap_url,
         host_ip=host_ip or dep.host_ip,
         omp_bind=entry.omp_bind,
+        cpu_kv_cache_bytes=dep.cpu_kv_cache_bytes,
         extra_args=tuple(dep.extra_args) + tuple(entry.extra_args),
         extra_env={**dep.env, **entry.env},
         kv_events_port=kv_events_port,
