@@ -129,7 +129,12 @@ def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> dict:
     raise AssertionError("pdkv up ended or timed out before it was ready")
 
 
-@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+# The extended tier (README, "Tests"): pdkv's TP head split over Mooncake tcp, the cma cases' split on another transport.
+EXTENDED = {"p1-d2-tcp", "p2-d1-tcp"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CASES],
+                ids=list(CASES))
 def deployment(request, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     p_tp, d_tp, transport, connector = CASES[request.param]
     if connector == "mooncake" and (os.cpu_count() or 2) < p_tp + d_tp:
