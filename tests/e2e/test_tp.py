@@ -291,7 +291,7 @@ def _proxy_ready(proxy: str) -> bool:
 
 
 def test_trace_shows_each_ranks_bytes_equal_to_plans(deployment: Deployment, request: pytest.FixtureRequest) -> None:
-    from pdkv.trace import run_trace
+    from pdkv.trace.collect import TraceSession
 
     if deployment.connector != "pdkv":
         pytest.skip("vLLM's MooncakeConnector keeps no per-rank transfer records for pdkv trace to read")
@@ -303,25 +303,27 @@ def test_trace_shows_each_ranks_bytes_equal_to_plans(deployment: Deployment, req
     wait_for(lambda: _proxy_ready(deployment.proxy), 60, f"{deployment.name}'s proxy to report every backend ready", interval=1.0)
     # Up to three traced requests: on 2 cores P's worker shares core 0 with D rank 0's, and P was seen to get no CPU
     # at all for 10 s (see STARVED), so that one D rank's pull of a request timed out and D recomputed it. A request
-    # whose pulls all landed must then show every rank's bytes; a wrong count fails all three.
-    for attempt in range(3):
-        trace = run_trace(deployment.proxy, prompt_tokens=500, max_tokens=4, link_gbps=400)
-        assert trace.connector_visible, trace.notes
-        moved: dict[tuple[int, int], int] = {}
-        for r in trace.connector:
-            if r.d_rank_bytes:
-                moved |= {(r.p_rank, int(d)): n for d, n in r.d_rank_bytes.items()}
-            else:
-                moved[(r.p_rank, r.p_rank * deployment.d_tp // deployment.p_tp)] = r.bytes
-        plan = json.loads(subprocess.run(
-            [sys.executable, "-m", "pdkv", "plan", "--model", str(deployment.model), "--tp", f"{deployment.p_tp}:{deployment.d_tp}",
-             "--prompt-tokens", str(trace.prompt_tokens), "--block-size", str(BLOCK), "--json"],
-            capture_output=True, text=True, check=True,
-        ).stdout)
-        print(f"\n{deployment.name} (trace {attempt + 1}): bytes by rank {moved}; plan "
-              f"{[(r['p_rank'], r['d_rank'], r['bytes']) for r in plan['ranks']]}")
-        if moved == {(r["p_rank"], r["d_rank"]): r["bytes"] for r in plan["ranks"]}:
-            break
+    # whose pulls all landed must then show every rank's bytes; a wrong count fails all three. One session: each
+    # request a new prompt (the same one again would find its blocks in P's and D's prefix caches and move fewer).
+    with TraceSession(deployment.proxy, prompt_tokens=500, max_tokens=4, link_gbps=400) as session:
+        for attempt in range(3):
+            trace = session.once()
+            assert trace.connector_visible, trace.notes
+            moved: dict[tuple[int, int], int] = {}
+            for r in trace.connector:
+                if r.d_rank_bytes:
+                    moved |= {(r.p_rank, int(d)): n for d, n in r.d_rank_bytes.items()}
+                else:
+                    moved[(r.p_rank, r.p_rank * deployment.d_tp // deployment.p_tp)] = r.bytes
+            plan = json.loads(subprocess.run(
+                [sys.executable, "-m", "pdkv", "plan", "--model", str(deployment.model), "--tp", f"{deployment.p_tp}:{deployment.d_tp}",
+                 "--prompt-tokens", str(trace.prompt_tokens), "--block-size", str(BLOCK), "--json"],
+                capture_output=True, text=True, check=True,
+            ).stdout)
+            print(f"\n{deployment.name} (trace {attempt + 1}): bytes by rank {moved}; plan "
+                  f"{[(r['p_rank'], r['d_rank'], r['bytes']) for r in plan['ranks']]}")
+            if moved == {(r["p_rank"], r["d_rank"]): r["bytes"] for r in plan["ranks"]}:
+                break
     assert moved == {(r["p_rank"], r["d_rank"]): r["bytes"] for r in plan["ranks"]}
     assert trace.transfer is not None and trace.transfer.bytes == sum(moved.values()) == plan["transfer_bytes"]
     assert any(n.startswith("bytes by TP rank:") for n in trace.notes), trace.notes
