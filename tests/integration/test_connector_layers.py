@@ -44,6 +44,17 @@ def untouched(pair: Pair, layer: int, d_blocks: list[int]) -> bool:
     return not any(pair.d.block(layer, b).any() for b in d_blocks)
 
 
+def forward_with_a_waiting_pull(pair: Pair) -> dict[str, tuple[str, list[int]]]:
+    """D's pull d1 of transfer x1 (P's blocks 2, 3 into D's 5, 6) waiting at P, then P's forward that completes that
+    prompt begun: the items prompt_starts was given."""
+    items = {"p1": ("x1", [2, 3])}
+    pair.sender.apply_step(registered={"p1": "x1"})
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
+    wait_parked(pair.sender, "x1")
+    pair.sender.prompt_starts(items)
+    return items
+
+
 def concluded(pair: Pair) -> int:
     """How many transfers P concluded, whatever the outcome (each test makes one)."""
     reg = pair.sender.trace.registry
@@ -53,11 +64,7 @@ def concluded(pair: Pair) -> int:
 
 def test_a_pull_waiting_before_the_forward_gets_each_layer_as_it_is_computed_and_done_once_after_the_last(kv):
     pair, board = layered(kv)
-    items = {"p1": ("x1", [2, 3])}
-    pair.sender.apply_step(registered={"p1": "x1"})
-    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
-    wait_parked(pair.sender, "x1")
-    pair.sender.prompt_starts(items)
+    items = forward_with_a_waiting_pull(pair)
     for layer in range(LAYERS):
         assert all(untouched(pair, later, [5, 6]) for later in range(layer, LAYERS))  # not computed yet: not written
         pair.sender.layer_ready(layer)
@@ -79,11 +86,7 @@ def test_a_pull_waiting_before_the_forward_gets_each_layer_as_it_is_computed_and
 
 def test_in_two_groups_the_first_lands_once_its_layer_is_computed_and_the_rest_only_with_the_last_layer(kv):
     pair, _ = layered(kv, groups=2)  # LAYERS = 3: layer 0, then layers 1-2
-    items = {"p1": ("x1", [2, 3])}
-    pair.sender.apply_step(registered={"p1": "x1"})
-    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
-    wait_parked(pair.sender, "x1")
-    pair.sender.prompt_starts(items)
+    items = forward_with_a_waiting_pull(pair)
     pair.sender.layer_ready(0)
     wait_for(lambda: landed(pair, 0, [2, 3], [5, 6]), 5, "the first group to land in D")
     pair.sender.layer_ready(1)
@@ -123,11 +126,7 @@ def test_a_layer_that_cannot_land_fails_the_pull_once_with_every_block_and_the_b
     """After layer 0 landed, D refuses the pull's writes (it forgot the pull) or its connections are cut (its listener
     closed): the next layer's write fails, D hears it once with every block (it recomputes them), P frees them."""
     pair, board = layered(kv)
-    items = {"p1": ("x1", [2, 3])}
-    pair.sender.apply_step(registered={"p1": "x1"})
-    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [5, 6])])
-    wait_parked(pair.sender, "x1")
-    pair.sender.prompt_starts(items)
+    items = forward_with_a_waiting_pull(pair)
     pair.sender.layer_ready(0)
     wait_for(lambda: landed(pair, 0, [2, 3], [5, 6]), 5, "layer 0 to land in D")
     if breaks == "refused":
