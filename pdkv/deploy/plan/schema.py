@@ -38,7 +38,7 @@ BootstrapMode = Literal["standalone", "in-worker", "external"]
 AntiAffinity = Literal["none", "preferred", "required"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
-MIN_CPU_KV_CACHE_BYTES = 1 << 20  # cpu_kv_cache_bytes: less would not hold one block of most models
+MIN_CPU_KV_CACHE_BYTES = 1 << 20  # cpu_kv_cache_bytes: a floor that catches a size meant in MiB or GiB written as bytes
 
 
 class HostEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
