@@ -124,6 +124,18 @@ class SendTable:
         self.limits = limits or SendLimits()
         self.entries: dict[str, SendEntry] = {}
         self.bindings: dict[str, str] = {}  # transfer_id -> commitment to its D's binding secret; dropped with the entry
+        self.fanouts: dict[str, int] = {}  # transfer_id -> D requests it serves (n > 1), until `registered` says so too
+
+    def expect(self, transfer_id: str, pulls: int) -> None:
+        """`transfer_id` serves `pulls` D requests (n > 1). Said on the model runner's thread before the forward, as
+        `prompt_done` is, so that a prompt computed (and pulled) before `registered` reaches the table already
+        takes every choice's pull and waits for every one of them before its blocks are freed."""
+        if pulls <= 1:
+            return
+        self.fanouts[transfer_id] = pulls
+        e = self.entries.get(transfer_id)
+        if e is not None and e.phase is not Phase.CLOSED:
+            e.expected = pulls
 
     def bind(self, transfer_id: str, commitment: str) -> None:
         """Only a pull (or release) carrying the secret whose SHA-256 is `commitment` may take `transfer_id`."""
@@ -155,14 +167,17 @@ class SendTable:
         e.pulls = []
         e.deadline = now + self.limits.tombstone_s
 
-    def _entry(self, transfer_id: str, phase: Phase = Phase.RUNNING) -> SendEntry:
+    def _entry(self, transfer_id: str, phase: Phase = Phase.RUNNING, **fields: Any) -> SendEntry:
+        """`transfer_id`'s entry, made with `phase` and `fields` if it has none (its choices as `expect` said)."""
         e = self.entries.get(transfer_id)
         if e is None:
-            e = self.entries[transfer_id] = SendEntry(transfer_id, phase)
+            fields.setdefault("expected", self.fanouts.get(transfer_id, 1))
+            e = self.entries[transfer_id] = SendEntry(transfer_id, phase, **fields)
         return e
 
     def registered(self, transfer_id: str, p_req_id: str, now: float, pulls: int = 1) -> list[Action]:
         """P's scheduler allocated blocks for the request that will produce `transfer_id`, for `pulls` D requests."""
+        self.fanouts.pop(transfer_id, None)
         e = self.entries.get(transfer_id)
         if e is None:
             self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id, expected=pulls)
@@ -199,9 +214,7 @@ class SendTable:
 
     def prompt_done(self, transfer_id: str, p_req_id: str, blocks: list[int], now: float) -> list[Action]:
         """The forward that completed P's prompt ran: its KV in `blocks` may be sent before the request finishes."""
-        e = self.entries.get(transfer_id)
-        if e is None:
-            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
+        e = self._entry(transfer_id, Phase.RUNNING, p_req_id=p_req_id)
         if e.phase not in (Phase.UNSEEN, Phase.RUNNING):
             return []  # a repeat, or an id already used by another request: `ready` settles it
         e.p_req_id, e.blocks, e.held = p_req_id, list(blocks), True
@@ -244,9 +257,7 @@ class SendTable:
             return [Reply(transfer_id, pull, _NOT_BOUND)]
         e = self.entries.get(transfer_id)
         if e is None:
-            self.entries[transfer_id] = SendEntry(
-                transfer_id, Phase.UNSEEN, pulls=[pull], deadline=now + self.limits.unknown_wait_s, ranks=ranks
-            )
+            self._entry(transfer_id, Phase.UNSEEN, pulls=[pull], deadline=now + self.limits.unknown_wait_s, ranks=ranks)
             return []
         if e.phase is Phase.CLOSED:
             why = "already sent" if e.outcome == "sent" else e.outcome
@@ -271,9 +282,8 @@ class SendTable:
         says no D request will pull it). `proof`: the release as sent, checked against the binding like a pull."""
         if proof is not None and self._bound_ok(transfer_id, proof) is False:
             return []
-        e = self.entries.get(transfer_id)
-        if e is None:  # before P saw it: remembered as a tombstone (bounded), so its blocks are freed once they come
-            e = self.entries[transfer_id] = SendEntry(transfer_id, Phase.UNSEEN, deadline=now + self.limits.unknown_wait_s)
+        # Before P saw it: remembered as a tombstone (bounded), so its blocks are freed once they come.
+        e = self._entry(transfer_id, Phase.UNSEEN, deadline=now + self.limits.unknown_wait_s)
         if e.phase is Phase.CLOSED or (d_req_id and d_req_id in e.sending):
             return []  # nothing left, or the write in flight settles it
         e.served += 1
@@ -328,6 +338,7 @@ class SendTable:
             elif e.phase is Phase.CLOSED and not e.held:
                 del self.entries[tid]
                 self.bindings.pop(tid, None)
+                self.fanouts.pop(tid, None)
         return actions
 
     def parked_pulls(self) -> list[tuple[str, Any, float | None]]:

@@ -118,12 +118,15 @@ class KVSender:
         """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
         finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV;
         `fanout`: {transfer_id: how many D requests pull it}, where more than one; `bindings`: {transfer_id:
-        commitment to the binding secret of the D that may pull it}, recorded before this returns, so no pull
-        can be served unchecked in between."""
-        if bindings:
+        commitment to the binding secret of the D that may pull it}. Both are recorded before this returns, so no
+        pull can be served unchecked, and a prompt computed before its registration reaches the table waits for
+        each of its choices' pulls."""
+        if bindings or fanout:
             with self._table_lock:
-                for tid, commitment in bindings.items():
+                for tid, commitment in (bindings or {}).items():
                     self.table.bind(tid, commitment)
+                for tid, pulls in (fanout or {}).items():
+                    self.table.expect(tid, pulls)
         if registered or ready or cancelled:
             now = time.time()
             self._loop.call_soon(

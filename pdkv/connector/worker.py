@@ -185,10 +185,11 @@ class ConnectorWorker:
 
     def forward_begins(self, meta: StepMeta) -> None:
         """Before the forward, writing layer by layer (P): the requests whose prompt it completes may be sent from
-        now on, each layer as `layer_saved` reports it. Their transfers' bindings are known before any send starts."""
+        now on, each layer as `layer_saved` reports it. Their transfers' bindings and choices (n) are known before any
+        send starts: vLLM binds a step's metadata (here) before start_load_kv (start_step)."""
         if self.sender is None or not self._layer_of or not meta.prompt_done:
             return
-        self.sender.apply_step(bindings=meta.bindings)
+        self.sender.apply_step(bindings=meta.bindings, fanout=meta.fanout)
         self.sender.prompt_starts(meta.prompt_done, self._fence() if self._forward_open else None)
         self._forward_open = True
 

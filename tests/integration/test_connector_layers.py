@@ -121,6 +121,26 @@ def test_a_pull_mid_forward_takes_the_layers_already_there_and_a_pull_after_it_e
     assert board.remembered() == 0
 
 
+def test_both_choices_pulling_during_the_forward_before_registration_get_the_kv_and_the_blocks_free_after_both(kv):
+    # vLLM binds a step's metadata (the worker's forward_begins) before start_load_kv (start_step): the choices (n)
+    # come with the former, the registration reaches the sender's loop with the latter, after the writes may be done.
+    pair, board = layered(kv)
+    items = {"p1": ("x1", [1, 2])}
+    pair.sender.apply_step(fanout={"x1": 2})
+    pair.sender.prompt_starts(items)
+    pair.receiver.apply_step(pulls=[pair.spec("d1", "x1", [7, 8]), pair.spec("d2", "x1", [10, 11])])
+    for layer in range(LAYERS):
+        pair.sender.layer_ready(layer)
+    pair.sender.prompt_done(items)
+    assert wait_results(pair.receiver, {"d1", "d2"}).failed == {}  # neither refused as a pull beyond n
+    assert_copied(pair, [1, 2], [7, 8])
+    assert_copied(pair, [1, 2], [10, 11])
+    pair.sender.apply_step(registered={"p1": "x1"}, fanout={"x1": 2})
+    pair.sender.apply_step(ready={"p1": ("x1", [1, 2])})
+    wait_freed(pair.sender, {"p1"})
+    assert board.remembered() == 0
+
+
 @pytest.mark.parametrize("breaks", ["refused", "cut"])
 def test_a_layer_that_cannot_land_fails_the_pull_once_with_every_block_and_the_blocks_are_freed(kv, breaks):
     """After layer 0 landed, D refuses the pull's writes (it forgot the pull) or its connections are cut (its listener

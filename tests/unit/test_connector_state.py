@@ -293,6 +293,33 @@ def test_computed_before_registration_learns_n_from_it():
     assert isinstance(s, StartSend)
 
 
+def test_choices_said_before_the_forward_take_every_pull_that_overtakes_registration():
+    # Writing layer by layer, `prompt_done` (the forward begins) and both choices' pulls may all reach the table before
+    # `registered` does on the sender loop: `expect`, said on the model runner's thread first, lets the second pull in.
+    t = table()
+    t.expect("x", 2)
+    assert t.prompt_done("x", "p1", [2], 0.0) == []
+    a, b = t.pull("x", _Pull("0_d"), 0.1), t.pull("x", _Pull("1_d"), 0.1)
+    assert [type(x) for x in a + b] == [StartSend, StartSend]
+    t.registered("x", "p1", 0.2, pulls=2)
+    assert t.send_finished("x", None, 0.3, "0_d") == []
+    assert t.send_finished("x", None, 0.4, "1_d") == []  # every choice served; the scheduler still holds the blocks
+    assert t.ready("x", "p1", [2], 0.5) == [Free("x", "p1", "sent")]
+    assert t.fanouts == {}
+
+
+def test_choices_said_before_a_pull_parks_them_all_and_a_release_counts_against_them():
+    t = table()
+    t.expect("x", 3)
+    assert t.pull("x", _Pull("0_d"), 0.0) == []
+    assert t.released("x", 0.1, "1_d") == []  # one choice had the prompt cached: two still to be served
+    assert t.entries["x"].phase is Phase.UNSEEN and t.entries["x"].expected == 3
+    [s] = t.prompt_done("x", "p1", [4], 0.2)
+    assert isinstance(s, StartSend)
+    assert t.send_finished("x", None, 0.3, "0_d") == []
+    assert t.entries["x"].phase is Phase.READY  # the third choice may still pull
+
+
 def test_expiry_frees_a_transfer_whose_remaining_choices_never_pull():
     t = table()
     t.registered("x", "p1", 0.0, pulls=2)
