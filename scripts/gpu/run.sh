@@ -8,13 +8,16 @@
 # Environment:
 #   OUT     the few result files (summary.txt, the test logs, gpu_pd.json, digest.txt); default WORK/out. The
 #           engines' logs, `pdkv up`'s events and the rest go to WORK/aux; digest.txt quotes what matters of them.
-#   STEPS   any of "bench tests transport writes profile check kill", run in the order named (default "bench tests
+#   STEPS   any of "bench tests transport writes forward profile check kill", run in the order named (default "bench tests
 #           transport kill"); kill last: the deployments' P restart after it. transport: tests/gpu but the
 #           deployment tests, which allocate GPU memory of their own (two D processes of 4.75 GB of KV each in
 #           test_ipc_concurrency): on an 80 GB H100 with two deployments up (71.7 GB) run them with no engine up,
 #           PREPARE_ONLY=1 STEPS=transport. writes: `pdkv bench` of the ipc and socket writes alone (part of bench
 #           too; no engine needed: PREPARE_ONLY=1 WEIGHTS=0 STEPS=writes sweeps the socket settings on a bare host,
-#           SOCKET_LAYOUT=scattered for the layout the deployments' blocks take). profile: `pdkv profile` of the ipc
+#           SOCKET_LAYOUT=scattered for the layout the deployments' blocks take). forward (no engine either):
+#           benchmarks/socket_forward_gpu.py, what a socket write beside P's forward costs that forward, once per
+#           FORWARD_CONNECTIONS (default "0 1": the transport's default, then one connection), into
+#           OUT/forward-N.json. profile: `pdkv profile` of the ipc
 #           deployment's P and D into OUT/qwen3-8b.profile.json, then `pdkv plan --slo` of the seed's
 #           workload on it; check (after profile): benchmarks/planner_check.py, the planner's predicted TTFT
 #           of that P against the measured one at 30% and 70% load; wake: benchmarks/engine_wake.py, that P's time
@@ -41,7 +44,7 @@
 #   PDKV_GPU_DECODE_SCHEDULING  "async" (the default) or "sync" (D without vLLM's async scheduling): the same.
 #   START   "together" (0.26's default: every deployment at once) or "serial" (0.34's default: each once the one
 #           before is ready, as vLLM 0.34 measures each engine's KV cache from the memory free after its warm-up).
-#   PREPARE_ONLY=1  unpack and write the weights (WEIGHTS=0: not), run the transport and writes steps STEPS names,
+#   PREPARE_ONLY=1  unpack and write the weights (WEIGHTS=0: not), run the transport, writes and forward steps STEPS names,
 #           then stop.
 #   KEEP=1 / ATTACH=1  the first leaves the deployments running when the run ends, the second (a later run on the
 #           same host, same WORK) uses them instead of starting its own: start and tests in two shorter commands.
@@ -163,10 +166,22 @@ PYEOF
     done; done
     say "writes done ($(elapsed))"
 }
+step_forward() {
+    for conns in ${FORWARD_CONNECTIONS:-0 1}; do
+        $PY benchmarks/socket_forward_gpu.py --connections "$conns" --json "$OUT/forward-$conns.json" \
+            > "$AUX/forward-$conns.log" 2>&1 || rc=1
+        say "socket write beside P's forward, connections $conns (0: the default):"
+        grep -A8 '^mode ' "$AUX/forward-$conns.log" | tee -a "$SUMMARY" || tail -n 5 "$AUX/forward-$conns.log" | tee -a "$SUMMARY"
+    done
+    say "forward done ($(elapsed))"
+}
 rc=0
 if [ "${PREPARE_ONLY:-0}" = 1 ]; then  # unpack and weights only (a command of its own where each is bounded),
     for step in $STEPS; do  # and the steps that need no engine, while none holds the GPU
-        case "$step" in transport|writes) "step_$step" ;; *) say "PREPARE_ONLY=1 runs transport and writes, not $step" ;; esac
+        case "$step" in
+            transport|writes|forward) "step_$step" ;;
+            *) say "PREPARE_ONLY=1 runs transport, writes and forward, not $step" ;;
+        esac
     done
     exit $rc
 fi
@@ -331,7 +346,7 @@ step_wake() {
 # The steps run in the order STEPS names them.
 for step in $STEPS; do
     case "$step" in
-        tests|bench|kill|transport|writes|profile|check|wake) "step_$step" ;;
+        tests|bench|kill|transport|writes|forward|profile|check|wake) "step_$step" ;;
         *) say "unknown step: $step (tests, bench, kill, transport, writes, profile, check, wake)"; rc=2 ;;
     esac
 done
