@@ -150,6 +150,10 @@ def start_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     if report.failed:
-        for engine in _ENGINES:
-            report.sections.append((f"vLLM log tail: {engine.name} ({engine.log_path})", engine.log_tail(60)))
+        # The engines still running first (the failing test's own deployment, as a rule), then those that ended (an
+        # earlier deployment of the module, stopped, stays listed until the module ends): a long report is cut in
+        # its middle, and CI shows its head and its end.
+        for engine in sorted(_ENGINES, key=lambda e: e.poll() is not None):
+            state = "running" if engine.poll() is None else f"ended, exit code {engine.poll()}"
+            report.sections.append((f"vLLM log tail: {engine.name}, {state} ({engine.log_path})", engine.log_tail(60)))
     return report
