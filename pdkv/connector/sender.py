@@ -1,11 +1,9 @@
 """P's worker side (steps 1-4, 14, 22, 27-31): hold finished requests' blocks and push them to D.
 
-`KVSender` owns the side-channel server, the SendTable and the writes. The model
-runner's thread calls `apply_step` (scheduler metadata), `prompt_done`, `take_finished`
-(step 32), `wait_finished`, and writing layer by layer (`layers`) `prompt_starts` and
-`layer_ready`; everything else runs on the sender's loop thread. Writes run on a small
-thread pool per D (pdkv.connector.writers, layer_writes), so a slow D never stalls the
-listener nor the transfers to another D.
+`KVSender` owns the side-channel server, the SendTable and the writes. The model runner's thread calls `apply_step`
+(scheduler metadata), `prompt_done`, `take_finished` (step 32), `wait_finished`, and writing layer by layer (`layers`)
+`prompt_starts` and `layer_ready`; everything else runs on the sender's loop thread. Writes run on a small thread pool
+per D (pdkv.connector.writers, layer_writes), so a slow D never stalls the listener nor the transfers to another D.
 """
 
 from __future__ import annotations
@@ -117,10 +115,9 @@ class KVSender:
     ) -> None:
         """Scheduler news: {p_req_id: transfer_id} scheduled (at `scheduled_at`), {p_req_id: (transfer_id, blocks)}
         finished (at `ready_at[p_req_id]`, when the scheduler saw it), {transfer_id: reason} ended without KV;
-        `fanout`: {transfer_id: how many D requests pull it}, where more than one; `bindings`: {transfer_id:
-        commitment to the binding secret of the D that may pull it}. Both are recorded before this returns, so no
-        pull can be served unchecked, and a prompt computed before its registration reaches the table waits for
-        each of its choices' pulls."""
+        `fanout`: {transfer_id: how many D requests pull it}, where more than one; `bindings`: {transfer_id: commitment
+        to the binding secret of the D that may pull it}. Both are recorded before this returns: no pull is served
+        unchecked, and a prompt computed before its registration reaches the table waits for each choice's pull."""
         if bindings or fanout:
             with self._table_lock:
                 for tid, commitment in (bindings or {}).items():
