@@ -347,7 +347,7 @@ step_wake() {
 for step in $STEPS; do
     case "$step" in
         tests|bench|kill|transport|writes|forward|profile|check|wake) "step_$step" ;;
-        *) say "unknown step: $step (tests, bench, kill, transport, writes, profile, check, wake)"; rc=2 ;;
+        *) say "unknown step: $step (tests, bench, kill, transport, writes, forward, profile, check, wake)"; rc=2 ;;
     esac
 done
 exit $rc
