@@ -16,8 +16,9 @@ socket transport, cut into --groups writes, each begun once its layers' events h
                 interpreter work beside the forward, no GPU copy at all
 
 `forward_ms` is the forward's time on the GPU (events around it), `tail_ms` how long after the forward ended on the
-GPU the last write landed. What the forward loses in `layers` but not in `layers-dh` is D's GPU work (two processes'
-work on one GPU takes turns); what it loses in `p-host` is the interpreter and the CPU.
+GPU the last write landed; `landing_ms` one pinned-to-GPU copy of all the transfer's bytes. What the forward loses in
+`layers` but not in `layers-dh` is D's GPU work (two processes' work on one GPU takes turns); what it loses in
+`p-host` is the interpreter and the CPU.
 
 Every thread that wakes from a blocking call (a lane's event wait, send or acknowledgement) must take the interpreter's
 lock back from the model runner's thread, which drops it in every torch call: fewer connections (--connections) or
@@ -221,10 +222,32 @@ def prefill_main(args: argparse.Namespace) -> None:
     for mode, r in results.items():
         tail = f"{r['tail_ms']:7.2f}ms" if r["tail_ms"] is not None else "        -"
         print(f"{mode:10} {r['forward_ms']:7.2f}ms {r['forward_ms'] - alone:6.2f}ms {tail}")
+    landing = _landing_ms(args.iters)
+    print(f"the transfer's bytes in one pinned-to-GPU copy: {landing:.2f} ms (what D would add after the last group if it "
+          f"kept a write in host memory until then, as in layers-dh)")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"groups": args.groups, "connections": args.connections, "iters": args.iters, "modes": results}, indent=1)
-        )
+        Path(args.json).write_text(json.dumps(
+            {"groups": args.groups, "connections": args.connections, "iters": args.iters, "modes": results, "landing_ms": landing},
+            indent=1,
+        ))
+
+
+def _landing_ms(iters: int) -> float:
+    """Median time of one copy of the seed's bytes (63 blocks x 36 layers) from pinned host memory to the GPU."""
+    import torch
+
+    nbytes = BLOCKS * LAYERS * BLOCK_BYTES
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    times = []
+    for _ in range(iters + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
 
 
 def _set() -> threading.Event:
