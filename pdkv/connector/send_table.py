@@ -127,9 +127,9 @@ class SendTable:
         self.fanouts: dict[str, int] = {}  # transfer_id -> D requests it serves (n > 1), until `registered` says so too
 
     def expect(self, transfer_id: str, pulls: int) -> None:
-        """`transfer_id` serves `pulls` D requests (n > 1). Said on the model runner's thread before the forward, as
-        `prompt_done` is, so that a prompt computed (and pulled) before `registered` reaches the table already
-        takes every choice's pull and waits for every one of them before its blocks are freed."""
+        """`transfer_id` serves `pulls` D requests (n > 1). Said on the model runner's thread before the forward (the
+        thread `prompt_done` comes from), so that a prompt computed (and pulled) before `registered` reaches the table
+        already takes every choice's pull and waits for every one of them before its blocks are freed."""
         if pulls <= 1:
             return
         self.fanouts[transfer_id] = pulls
