@@ -12,13 +12,16 @@ socket transport, cut into --groups writes, each begun once its layers' events h
     layers-dh   the same, D's KV in host memory: D's process does no GPU work
     d-gpu       no write: D's process does its staging's GPU work (8 MiB host-to-GPU copies and the scatter kernel)
                 for as long as the forward runs
+    d-copy      the same, the host-to-GPU copies alone (the copy engines, no kernel of D's)
+    d-kernel    the same, the scatter kernel alone (from D's device buffer, no copy from host memory)
     p-host      the writes during the forward from P's host memory to D's host memory: the write's CPU and
                 interpreter work beside the forward, no GPU copy at all
 
 `forward_ms` is the forward's time on the GPU (events around it), `tail_ms` how long after the forward ended on the
 GPU the last write landed; `landing_ms` one pinned-to-GPU copy of all the transfer's bytes. What the forward loses in
-`layers` but not in `layers-dh` is D's GPU work (two processes' work on one GPU takes turns); what it loses in
-`p-host` is the interpreter and the CPU.
+`layers` but not in `layers-dh` is D's GPU work (two processes' work on one GPU takes turns), and `d-copy` against
+`d-kernel` says which of it: the copy engines' or the scatter kernel's; what it loses in `p-host` is the interpreter
+and the CPU.
 
 Every thread that wakes from a blocking call (a lane's event wait, send or acknowledgement) must take the interpreter's
 lock back from the model runner's thread, which drops it in every torch call: fewer connections (--connections) or
@@ -45,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
 TRANSFER = "socket-forward"
-MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "p-host")
+MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "d-copy", "d-kernel", "p-host")
+LOADS = {"d-gpu": "both", "d-copy": "copy", "d-kernel": "kernel"}  # what D's process does beside the forward
 
 
 def _kv(num_blocks: int, on_gpu: bool) -> list:
@@ -56,7 +60,7 @@ def _kv(num_blocks: int, on_gpu: bool) -> list:
 
 def decode_main(args: argparse.Namespace) -> None:
     """D: its KV on the GPU or in host memory, registered and granted; prints its session and bases, then answers
-    `load` (the staging's GPU work in a loop, d-gpu) and `stop` on stdin."""
+    `load WHAT` (the staging's GPU work in a loop: both, copy or kernel), `idle` and `stop` on stdin."""
     import torch
 
     from pdkv.transport.sockets import SocketTransport
@@ -67,7 +71,7 @@ def decode_main(args: argparse.Namespace) -> None:
     spans = [(int(t.data_ptr()), t.numel()) for t in kv]
     stop = threading.Event()
 
-    def load() -> None:  # a diagnostic reaches into the staging: its scatter, without a socket
+    def load(what: str) -> None:  # a diagnostic reaches into the staging: its scatter, without a socket
         staging = CudaStaging(0)
         host = torch.empty(staging.chunk, dtype=torch.uint8, pin_memory=True)
         ranges = [(a + k * 3 * BLOCK_BYTES, BLOCK_BYTES) for a, _ in spans for k in range(args.num_blocks // 3)]
@@ -75,8 +79,17 @@ def decode_main(args: argparse.Namespace) -> None:
         tables = staging._plan(batches, gather=False)
         while not stop.is_set():
             for i, batch in enumerate(batches):
-                staging._buffers[i % 2].copy_(host)
-                staging._scatter(i, batch, tables[i])
+                if what == "kernel":
+                    with torch.cuda.stream(staging._stream):
+                        staging._launch(tables[i])
+                        staging._events[i % 2].record(staging._stream)
+                elif what == "copy":
+                    with torch.cuda.stream(staging._stream):
+                        staging._device_buffer(i).copy_(staging._buffers[i % 2], non_blocking=True)
+                        staging._events[i % 2].record(staging._stream)
+                else:
+                    staging._buffers[i % 2].copy_(host)
+                    staging._scatter(i, batch, tables[i])
                 staging._events[i % 2].synchronize()
 
     with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None) as d:
@@ -87,7 +100,7 @@ def decode_main(args: argparse.Namespace) -> None:
         for line in sys.stdin:
             if line.startswith("load"):
                 stop.clear()
-                worker = threading.Thread(target=load, daemon=True)
+                worker = threading.Thread(target=load, args=(line.split()[1],), daemon=True)
                 worker.start()
             elif line.startswith("idle") and worker is not None:
                 stop.set()
@@ -145,7 +158,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
     num_blocks = blocks_needed("scattered", BLOCKS)
     src, dst = block_ids("scattered", BLOCKS)
     p_gpu = mode != "p-host"
-    d_memory = "gpu" if mode in ("after", "layers", "d-gpu") else "host"
+    d_memory = "gpu" if mode in ("after", "layers", *LOADS) else "host"
     kv = _kv(num_blocks, p_gpu)
     local = [Region(int(t.data_ptr()), BLOCK_BYTES, num_blocks) for t in kv]
     argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks)]
@@ -177,10 +190,10 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
                     begin = end
                 landed.append(time.perf_counter())
 
-            for _ in range(3 if mode not in ("alone", "d-gpu") else 0):  # connections, staging buffers, kernels
+            for _ in range(3 if mode != "alone" and mode not in LOADS else 0):  # connections, staging buffers, kernels
                 writes([_Done()] * LAYERS, [_set()] * LAYERS, [])
-            if mode == "d-gpu":
-                tell("load")
+            if mode in LOADS:
+                tell(f"load {LOADS[mode]}")
             for i in range(args.warmup + args.iters):
                 events = [torch.cuda.Event(enable_timing=True) for _ in range(LAYERS)]
                 recorded = [threading.Event() for _ in range(LAYERS)]
@@ -203,7 +216,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
                     forward_ms.append(start.elapsed_time(events[-1]))
                     if landed:
                         tail_ms.append((landed[0] - done) * 1e3)
-            if mode == "d-gpu":
+            if mode in LOADS:
                 tell("idle")
     finally:
         tell("stop")
