@@ -10,22 +10,23 @@ socket transport, cut into --groups writes, each begun once its layers' events h
     after       the forward, then one write (the connector's default): its time is the handover's write
     layers      the writes during the forward, D's KV on the GPU (what `pdkv-socket-layers` does)
     layers-dh   the same, D's KV in host memory: D's process does no GPU work
-    d-gpu       no write: D's process does its staging's GPU work (8 MiB host-to-GPU copies and the scatter kernel)
-                for as long as the forward runs
-    d-copy      the same, the host-to-GPU copies alone (the copy engines, no kernel of D's)
-    d-kernel    the same, the scatter kernel alone (from D's device buffer, no copy from host memory)
+    d-gpu       no write: D's process does its staging's GPU work (the scatter of 8 MiB batches out of a pinned
+                buffer) for as long as the forward runs
+    d-copy      the same, 8 MiB host-to-GPU copies instead (the copy engines, no kernel of D's)
     p-host      the writes during the forward from P's host memory to D's host memory: the write's CPU and
                 interpreter work beside the forward, no GPU copy at all
 
 `forward_ms` is the forward's time on the GPU (events around it), `tail_ms` how long after the forward ended on the
-GPU the last write landed; `cpu_ms` how long the thread launching the forward took to launch it.
-vLLM's eager prefill spends Python between its launches (on an H100, 28.6 ms of CPU for Qwen3-8B's 36 layers, the
-GPU done 5 ms after): `--layer-cpu-ms` (default 0.75) of pure Python in each layer, in four stretches between its
-launches, makes this forward as bound by its thread as vLLM's, so that the interpreter's lock taken by the writes'
-threads shows in `forward_ms` as it does in vLLM's prefill (0: the bare launches, far ahead of the GPU). `landing_ms` one pinned-to-GPU copy of all the transfer's bytes. What the forward loses in
-`layers` but not in `layers-dh` is D's GPU work (two processes' work on one GPU takes turns), and `d-copy` against
-`d-kernel` says which of it: the copy engines' or the scatter kernel's; what it loses in `p-host` is the interpreter
-and the CPU.
+GPU the last write landed, `cpu_ms` how long the thread launching the forward took to launch it, `landing_ms` one
+pinned-to-GPU copy of all the transfer's bytes. vLLM's eager prefill spends Python between its launches (on an H100,
+28.6 ms of CPU for Qwen3-8B's 36 layers, the GPU done 5 ms after): `--layer-cpu-ms` (default 0.75) of pure Python in
+each layer, in four stretches between its launches, makes this forward as bound by its thread as vLLM's, so that the
+interpreter's lock taken by the writes' threads shows in `forward_ms` as it does in vLLM's prefill (0: the bare
+launches, far ahead of the GPU).
+
+What the forward loses in `layers` but not in `layers-dh` is D's GPU work (two processes' work on one GPU takes
+turns), and `d-gpu` and `d-copy` say so without a write; what it loses in `layers-dh` but not in `p-host` is P's
+staging, its threads' calls that release the interpreter's lock (docs/socket.md).
 
 Every thread that wakes from a blocking call (a lane's event wait, send or acknowledgement) must take the interpreter's
 lock back from the model runner's thread, which drops it in every torch call: fewer connections (--connections) or
@@ -52,8 +53,8 @@ sys.path.insert(0, str(ROOT))
 LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
 TRANSFER = "socket-forward"
-MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "d-copy", "d-kernel", "p-host")
-LOADS = {"d-gpu": "both", "d-copy": "copy", "d-kernel": "kernel"}  # what D's process does beside the forward
+MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "d-copy", "p-host")
+LOADS = {"d-gpu": "scatter", "d-copy": "copy"}  # what D's process does beside the forward
 
 
 def _kv(num_blocks: int, on_gpu: bool) -> list:
@@ -64,7 +65,7 @@ def _kv(num_blocks: int, on_gpu: bool) -> list:
 
 def decode_main(args: argparse.Namespace) -> None:
     """D: its KV on the GPU or in host memory, registered and granted; prints its session and bases, then answers
-    `load WHAT` (the staging's GPU work in a loop: both, copy or kernel), `idle` and `stop` on stdin."""
+    `load WHAT` (GPU work in a loop: the staging's scatter, or copies), `idle` and `stop` on stdin."""
     import torch
 
     from pdkv.transport.sockets import SocketTransport
@@ -77,24 +78,18 @@ def decode_main(args: argparse.Namespace) -> None:
 
     def load(what: str) -> None:  # a diagnostic reaches into the staging: its scatter, without a socket
         staging = CudaStaging(0)
-        host = torch.empty(staging.chunk, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(staging.chunk, dtype=torch.uint8, device="cuda:0")
         ranges = [(a + k * 3 * BLOCK_BYTES, BLOCK_BYTES) for a, _ in spans for k in range(args.num_blocks // 3)]
         batches = packed(ranges, staging.chunk)
-        tables = staging._plan(batches, gather=False)
         while not stop.is_set():
             for i, batch in enumerate(batches):
-                if what == "kernel":
-                    with torch.cuda.stream(staging._stream):
-                        staging._launch(tables[i])
-                        staging._events[i % 2].record(staging._stream)
-                elif what == "copy":
-                    with torch.cuda.stream(staging._stream):
-                        staging._device_buffer(i).copy_(staging._buffers[i % 2], non_blocking=True)
-                        staging._events[i % 2].record(staging._stream)
+                if what == "copy":
+                    dev.copy_(staging._buffers[i % 2], non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
                 else:
-                    staging._buffers[i % 2].copy_(host)
-                    staging._scatter(i, batch, tables[i])
-                staging._events[i % 2].synchronize()
+                    staging._stage(i, batch, gather=False)
+                    staging._events[i % 2].synchronize()
+        staging.close()
 
     with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None) as d:
         d.register(spans)

@@ -23,6 +23,7 @@ MAX_TRANSFERS of them. One lock, `_cond`, guards it all; waits are bounded.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import OrderedDict
@@ -45,13 +46,14 @@ class ForwardLayers:
     """One forward's layers: `fences[i]` is set once layer i's KV is ready (the event a write waits for first, or
     None); `done` once the forward returned (every layer then ready). Guarded by its board's lock."""
 
-    __slots__ = ("count", "done", "ends", "fences")
+    __slots__ = ("closing", "count", "done", "ends", "fences")
 
     def __init__(self, count: int, ends: Sequence[int]) -> None:
         self.count = count
         self.ends = ends  # group_ends: a write takes whole groups
         self.fences: dict[int, Any] = {}
         self.done = False
+        self.closing: Any = None  # the fence `finish` gave the layers never reported: recorded after every other
 
     def in_whole_groups(self) -> list[int]:
         """The layers of the groups whose every layer is ready, in order."""
@@ -63,13 +65,19 @@ class ForwardLayers:
             start = end
         return out
 
-    def mark(self, layer: int, fence: Any) -> None:
-        if 0 <= layer < self.count and layer not in self.fences:
-            self.fences[layer] = fence
+    def mark(self, layer: int, fence: Any) -> bool:
+        """Layer `layer` is ready; whether that made its group whole (a write may take it now)."""
+        if not 0 <= layer < self.count or layer in self.fences:
+            return False
+        self.fences[layer] = fence
+        at = bisect.bisect_right(self.ends, layer)
+        start = self.ends[at - 1] if at else 0
+        return all(i in self.fences for i in range(start, self.ends[at]))
 
     def finish(self, fence: Any) -> None:
         for layer in range(self.count):
             self.fences.setdefault(layer, fence)
+        self.closing = fence
         self.done = True
 
 
@@ -95,6 +103,18 @@ class LayerCursor:
         fresh = [i for i in self.forward.in_whole_groups() if i not in self.taken]
         self.taken.update(fresh)
         return [(i, self.forward.fences[i]) for i in fresh]
+
+    def last_fence(self, batch: Sequence[tuple[int, Any]]) -> Any:
+        """The one fence of `batch` (taken layers, in order) whose completion is every one's, or None: the layers'
+        events are recorded on the forward's stream in layer order, the forward's closing fence after them all. One
+        wait, not one a layer: each is a call that hands the interpreter's lock to the model runner's thread and
+        back."""
+        with self.board._cond:
+            closing = self.forward.closing
+        fences = [f for _, f in batch if f is not None]
+        if closing is not None and any(f is closing for f in fences):
+            return closing
+        return fences[-1] if fences else None
 
     @property
     def finished(self) -> bool:
@@ -141,12 +161,12 @@ class LayerBoard:
             self._cond.notify_all()
 
     def layer_ready(self, layer: int, fence: Any) -> None:
-        """Layer `layer` of the running forward has its KV in the cache (`fence`: what a write waits for first)."""
+        """Layer `layer` of the running forward has its KV in the cache (`fence`: what a write waits for first). The
+        writes waiting wake only when a group became whole: each wake-up takes the interpreter's lock from the model
+        runner's thread, which is launching the forward's next layer."""
         with self._cond:
-            if self._current is None:
-                return
-            self._current.mark(layer, fence)
-            self._cond.notify_all()
+            if self._current is not None and self._current.mark(layer, fence):
+                self._cond.notify_all()
 
     def forward_done(self, fence: Any) -> bool:
         """The running forward returned: its layers not reported are ready with `fence`. False if none was open."""

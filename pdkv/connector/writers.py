@@ -90,8 +90,9 @@ def write_layers(
 
     `cursor.next()` gives the layers to write next with their fences ([] once all are taken; it raises when none
     comes in time: LayerBoard.next_layers), `cursor.regions[i]` the indices into `regions` (and D's announced
-    regions) of layer i; this thread waits for each fence, then writes those layers' regions in one write. `event`
-    records transfer_start (the first write begins) and transfer_end (the last landed)."""
+    regions) of layer i; this thread waits for their fences (the last of them: LayerCursor.last_fence), then writes
+    those layers' regions in one write. `event` records transfer_start (the first write begins) and transfer_end (the
+    last landed)."""
     req: PullRequest = a.pull.request
     local = _checked_blocks(regions, a)
     announced: Announce = a.pull.announced
@@ -100,9 +101,8 @@ def write_layers(
     nbytes = ndesc = 0
     started = False
     while batch := cursor.next():
-        for _, fence in batch:
-            if fence is not None:
-                fence.synchronize()
+        if (fence := cursor.last_fence(batch)) is not None:
+            fence.synchronize()
         if not started:
             event("transfer_start", session=req.session)
             started = True

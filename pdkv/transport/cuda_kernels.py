@@ -60,6 +60,14 @@ class CudaDriver:
     def ipc_close(self, ptr: int) -> None:
         self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
 
+    def host_device_pointer(self, ptr: int) -> int:
+        """The address at which kernels reach pinned host memory at `ptr` (page-locked by CUDA, as torch's pin_memory
+        is): with unified addressing usually `ptr` itself."""
+        dptr = ctypes.c_uint64()
+        self._check(self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(ptr), ctypes.c_uint(0)),
+                    "cuMemHostGetDevicePointer")
+        return dptr.value
+
     def vmm(self) -> VmmDriver:
         """The virtual-memory calls (CUDA VMM allocations shared as file descriptors) over this driver."""
         return VmmDriver(self.lib, self._check)

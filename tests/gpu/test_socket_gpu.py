@@ -102,6 +102,61 @@ def test_gpu_memory_lands_exactly_through_the_staging(src: str, dst: str) -> Non
         d.close()
 
 
+def _decode_ranges(conn) -> None:
+    """D for raw ranges: one GPU span granted whole; answers `bytes` with a copy of it."""
+    import torch
+
+    from pdkv.transport.sockets import SocketTransport
+
+    kv = torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device="cuda:0")
+    with SocketTransport("127.0.0.1", gpu=0, chunk_bytes=CHUNK, write_timeout_s=10) as t:
+        t.register([(kv.data_ptr(), kv.numel())])
+        t.expect("r", [(kv.data_ptr(), kv.numel())])
+        conn.send((t.session_address, [kv.data_ptr()]))
+        while conn.recv() != "stop":
+            torch.cuda.synchronize()
+            conn.send(kv.cpu().numpy().tobytes())
+
+
+def test_small_and_unaligned_gpu_ranges_land_exactly() -> None:
+    """Thousands of 256-byte ranges (a batch is cut where its rows fill the captured launch, before its bytes fill the
+    buffer) and ranges off the kernel's 16-byte alignment (copied a range at a time) land byte for byte."""
+    torch = _torch()
+    from pdkv.transport.base import Descriptor
+    from pdkv.transport.sockets import SocketTransport
+    from pdkv.transport.sockets.staging import MAX_ROWS, packed
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_decode_ranges, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert conn.poll(120), "the decode side did not start in time"
+        session, (base,) = conn.recv()
+        size = BLOCKS * BLOCK_LEN
+        src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(1))
+        p0 = src.data_ptr()
+        small = [Descriptor(p0 + k * 512, base + size - (k + 1) * 512, 256) for k in range(3000)]  # reversed on D
+        odd = [Descriptor(p0 + 8 + k * 4096, base + 3 + k * 4096, 1000 + k) for k in range(100, 140)]
+        assert len(packed([(d.src, d.length) for d in small], CHUNK)[0]) == MAX_ROWS  # the rows end the first batch
+        with SocketTransport("127.0.0.1", gpu=0, writable=False, chunk_bytes=CHUNK, connections=2, write_timeout_s=10) as p:
+            p.register([(p0, size)])
+            p.write(session, small + odd, transfer="r")
+        conn.send("bytes")
+        assert conn.poll(60)
+        got = torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8)
+        want = torch.zeros(size, dtype=torch.uint8)
+        host = src.cpu()
+        for d in small + odd:
+            want[d.dst - base : d.dst - base + d.length] = host[d.src - p0 : d.src - p0 + d.length]
+        assert torch.equal(got, want)
+    finally:
+        conn.send("stop")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def test_a_gpu_write_to_a_killed_decode_fails_at_once_and_the_next_decode_is_served() -> None:
     """D killed after it announced: P's staged write fails within seconds (not at its 30 s bound), and the same P
     transport then serves a new D."""

@@ -198,7 +198,29 @@ def test_a_pull_after_the_forward_is_one_write_of_every_layer():
     t = RecordingTransport(log)
     Writer(t, board.cursor("x1")).join()
     assert t.writes == [[0, 1, 2, 3, 4, 5]]
-    assert log == ["wait e0", "wait e1", "wait e2", "write [0, 1, 2, 3, 4, 5]"]
+    # One wait, for the last layer's event: the layers' events are recorded in order on the forward's stream.
+    assert log == ["wait e2", "write [0, 1, 2, 3, 4, 5]"]
+
+
+def test_a_batch_with_a_layer_never_reported_waits_for_the_forwards_closing_fence():
+    log: list[str] = []
+    board = LayerBoard(GROUPS)
+    board.open(["x1"])
+    board.layer_ready(0, Fence("e0", log))
+    board.layer_ready(2, Fence("e2", log))  # layer 1 never reported: its fence is the forward's end, recorded last
+    board.forward_done(Fence("end", log))
+    t = RecordingTransport(log)
+    Writer(t, board.cursor("x1")).join()
+    assert log == ["wait end", "write [0, 1, 2, 3, 4, 5]"]
+
+
+def test_a_layer_wakes_the_writes_only_when_it_makes_its_group_whole():
+    forward = ForwardLayers(6, group_ends(6, 2))  # groups: layers 0-2 and 3-5
+    assert [forward.mark(i, None) for i in (0, 2, 4, 5)] == [False, False, False, False]
+    assert forward.mark(1, None) is True  # 0-2 whole
+    assert forward.mark(1, None) is False  # already marked
+    assert forward.mark(3, None) is True and forward.in_whole_groups() == [0, 1, 2, 3, 4, 5]
+    assert forward.mark(9, None) is False  # no such layer
 
 
 def test_a_failing_layer_ends_the_write_once_and_no_later_layer_is_written():

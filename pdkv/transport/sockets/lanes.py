@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from pdkv.errors import TransferError
@@ -238,15 +238,16 @@ class PeerLanes:
         bound = self.timeout_s if timeout_s is None else timeout_s
         shares = split(ranges, len(self.lanes))
         futures = [(lane, lane.submit(key, share)) for lane, share in zip(self.lanes, shares, strict=False)]
-        deadline = time.monotonic() + bound
-        total = 0
         try:
-            for _, fut in futures:
-                try:
-                    total += fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
-                    raise TransferError(f"socket write of {sum(n for _, _, n in ranges):,} B got no answer within {bound:g} s",
-                                        hint="is the decode process stopped or overloaded?") from None
+            # One wait for every share (it returns at the first failure): this thread wakes once, not once a share;
+            # each wake-up takes the interpreter's lock from the engine's threads.
+            done, pending = wait([f for _, f in futures], timeout=bound, return_when=FIRST_EXCEPTION)
+            if failed := next((exc for f in done if (exc := f.exception()) is not None), None):
+                raise failed
+            if pending:
+                raise TransferError(f"socket write of {sum(n for _, _, n in ranges):,} B got no answer within {bound:g} s",
+                                    hint="is the decode process stopped or overloaded?")
+            total = sum(fut.result() for _, fut in futures)
         except BaseException:
             for lane, fut in futures:
                 if not fut.cancel() and not fut.done():
