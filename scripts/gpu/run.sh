@@ -67,7 +67,7 @@ cd "$ROOT"
 BUNDLE="$(realpath "${1:?usage: run.sh BUNDLE_DIR [WORK]}")"
 WORK="${2:-/tmp/pdkv-gpu}"
 OUT="${OUT:-$WORK/out}"
-STEPS="${STEPS:-bench tests transport kill}"
+STEPS="${STEPS-bench tests transport kill}"  # set but empty: no step (PREPARE_ONLY=1 STEPS="": unpack and weights)
 AUX="$WORK/aux"
 [ "${ATTACH:-0}" = 1 ] || rm -rf "$AUX"
 mkdir -p "$WORK" "$OUT" "$AUX"
