@@ -160,8 +160,10 @@ def test_with_the_fail_policy_a_failed_transfer_fails_its_request_at_once(engine
     wait_usage_zero(d.url)
 
 
-# socket-layers in the extended tier (README, "Tests"): the kill and D's recompute as with socket's one write.
-@pytest.mark.parametrize("transport", ["cma", "tcp", "socket", pytest.param("socket-layers", marks=pytest.mark.extended)])
+# One kill in the main tier, over the socket transport (a cut connection is pdkv's own code to notice); the same kill
+# over cma and Mooncake tcp, and with P writing layer by layer, in the extended tier (README, "Tests"): a peer gone
+# mid-transfer on those is tests/integration's (test_transport_cma, test_transport_mooncake), and D's recompute the same.
+@pytest.mark.parametrize("transport", ["socket", *(pytest.param(t, marks=pytest.mark.extended) for t in ("cma", "tcp", "socket-layers"))])
 def test_prefill_killed_under_load_loses_no_request_then_comes_back(engines: Engines, transport: str):
     engines.pair(transport, transport)
     d = engines.decode(transport)

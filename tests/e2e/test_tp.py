@@ -129,8 +129,10 @@ def _wait_ready(proc: subprocess.Popen[str], deadline: float) -> dict:
     raise AssertionError("pdkv up ended or timed out before it was ready")
 
 
-# The extended tier (README, "Tests"): pdkv's TP head split over Mooncake tcp, the cma cases' split on another transport.
-EXTENDED = {"p1-d2-tcp", "p2-d1-tcp"}
+# The extended tier (README, "Tests"): pdkv's TP head split over Mooncake tcp, the cma cases' split on another
+# transport; and D with more ranks than P over cma, whose head split tests/integration/test_connector_tp.py drives over
+# real transports (p1-d2, p1-d4), while P with more ranks than D stays here.
+EXTENDED = {"p1-d2-tcp", "p2-d1-tcp", "p1-d2-cma"}
 
 
 @pytest.fixture(scope="module", params=[pytest.param(c, marks=pytest.mark.extended) if c in EXTENDED else c for c in CASES],
