@@ -50,6 +50,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdkv.connector.config import ConnectorConfig  # noqa: E402  (after the checkout is on the path)
+
 LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
 TRANSFER = "socket-forward"
@@ -169,7 +171,8 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
     d_memory = "gpu" if mode in ("after", "layers", *LOADS) else "host"
     kv = _kv(num_blocks, p_gpu)
     local = [Region(int(t.data_ptr()), BLOCK_BYTES, num_blocks) for t in kv]
-    argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks)]
+    argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks),
+            "--switch-us", str(args.switch_us)]
     d = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert d.stdin is not None and d.stdout is not None
     d_in, d_out = d.stdin, d.stdout
@@ -250,7 +253,8 @@ def prefill_main(args: argparse.Namespace) -> None:
           f"kept a write in host memory until then, as in layers-dh)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"groups": args.groups, "connections": args.connections, "layer_cpu_ms": args.layer_cpu_ms, "iters": args.iters,
+            {"groups": args.groups, "connections": args.connections, "layer_cpu_ms": args.layer_cpu_ms, "switch_us": args.switch_us,
+             "iters": args.iters,
              "modes": results, "landing_ms": landing},
             indent=1,
         ))
@@ -303,12 +307,17 @@ def main() -> None:
     ap.add_argument("--connections", type=int, default=0, help="P's connections to D (0: the transport's default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"any of {','.join(MODES)} (alone always runs)")
     ap.add_argument("--layer-cpu-ms", type=float, default=0.75, help="pure Python in each layer's launching (0: none)")
+    ap.add_argument("--switch-us", type=int, default=ConnectorConfig().switch_interval_us,
+                    help="the interpreter's switch interval in P and D, as the connector sets it in an engine's worker "
+                         "(switch_interval_us); 0: Python's own 5,000 us")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if unknown := set(args.modes.split(",")) - set(MODES):
         ap.error(f"unknown modes {sorted(unknown)}: any of {','.join(MODES)}")
+    if args.switch_us:
+        sys.setswitchinterval(args.switch_us / 1e6)
     decode_main(args) if args.role == "d" else prefill_main(args)
 
 
