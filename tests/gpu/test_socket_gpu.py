@@ -49,10 +49,13 @@ def _decode_side(conn, dst: str) -> None:
 
 
 class _Decode:
-    def __init__(self, dst: str) -> None:
+    """D in a child process running `side(conn, dst)`, which first sends (session, bases), then answers each message
+    until "stop"."""
+
+    def __init__(self, dst: str, side=_decode_side) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_side, args=(child, dst), daemon=True)
+        self.proc = ctx.Process(target=side, args=(child, dst), daemon=True)
         self.proc.start()
         assert self.conn.poll(120), "the decode side did not start in time"
         self.session, self.bases = self.conn.recv()
@@ -102,14 +105,14 @@ def test_gpu_memory_lands_exactly_through_the_staging(src: str, dst: str) -> Non
         d.close()
 
 
-def _decode_ranges(conn) -> None:
-    """D for raw ranges: one GPU span granted whole; answers `bytes` with a copy of it."""
+def _decode_ranges(conn, dst: str) -> None:
+    """D for raw ranges: one span of `dst` granted whole; answers every message with a copy of it."""
     import torch
 
     from pdkv.transport.sockets import SocketTransport
 
-    kv = torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device="cuda:0")
-    with SocketTransport("127.0.0.1", gpu=0, chunk_bytes=CHUNK, write_timeout_s=10) as t:
+    kv = torch.zeros(BLOCKS * BLOCK_LEN, dtype=torch.uint8, device=dst)
+    with SocketTransport("127.0.0.1", gpu=int(dst[5:]), chunk_bytes=CHUNK, write_timeout_s=10) as t:
         t.register([(kv.data_ptr(), kv.numel())])
         t.expect("r", [(kv.data_ptr(), kv.numel())])
         conn.send((t.session_address, [kv.data_ptr()]))
@@ -126,35 +129,26 @@ def test_small_and_unaligned_gpu_ranges_land_exactly() -> None:
     from pdkv.transport.sockets import SocketTransport
     from pdkv.transport.sockets.staging import MAX_ROWS, packed
 
-    ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_decode_ranges, args=(child,), daemon=True)
-    proc.start()
+    d = _Decode("cuda:0", _decode_ranges)
     try:
-        assert conn.poll(120), "the decode side did not start in time"
-        session, (base,) = conn.recv()
+        (base,) = d.bases
         size = BLOCKS * BLOCK_LEN
         src = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=torch.Generator("cuda:0").manual_seed(1))
         p0 = src.data_ptr()
         small = [Descriptor(p0 + k * 512, base + size - (k + 1) * 512, 256) for k in range(3000)]  # reversed on D
         odd = [Descriptor(p0 + 8 + k * 4096, base + 3 + k * 4096, 1000 + k) for k in range(100, 140)]
-        assert len(packed([(d.src, d.length) for d in small], CHUNK)[0]) == MAX_ROWS  # the rows end the first batch
+        assert len(packed([(r.src, r.length) for r in small], CHUNK)[0]) == MAX_ROWS  # the rows end the first batch
         with SocketTransport("127.0.0.1", gpu=0, writable=False, chunk_bytes=CHUNK, connections=2, write_timeout_s=10) as p:
             p.register([(p0, size)])
-            p.write(session, small + odd, transfer="r")
-        conn.send("bytes")
-        assert conn.poll(60)
-        got = torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8)
+            p.write(d.session, small + odd, transfer="r")
+        got = torch.frombuffer(bytearray(d.ask("bytes")), dtype=torch.uint8)
         want = torch.zeros(size, dtype=torch.uint8)
         host = src.cpu()
-        for d in small + odd:
-            want[d.dst - base : d.dst - base + d.length] = host[d.src - p0 : d.src - p0 + d.length]
+        for r in small + odd:
+            want[r.dst - base : r.dst - base + r.length] = host[r.src - p0 : r.src - p0 + r.length]
         assert torch.equal(got, want)
     finally:
-        conn.send("stop")
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        d.close()
 
 
 def test_a_gpu_write_to_a_killed_decode_fails_at_once_and_the_next_decode_is_served() -> None:
