@@ -137,6 +137,8 @@ def test_a_prefix_cache_reset_clears_the_engines_entries(start_vllm, engine_args
     assert index.sizes()["engine"][0] == len(after_keys)
 
 
+# In the extended tier (README, "Tests"): tests/integration/test_kv_subscriber.py restarts a publisher the same way.
+@pytest.mark.extended
 def test_a_restarted_engine_is_a_new_stream_without_stale_entries(start_vllm, engine_args, follow, tiny_model):
     engine = start_vllm(**engine_args)
     index, rec, _ = follow

@@ -1,7 +1,8 @@
 """A local 1P1D on the tiny model never outlives its `pdkv up`: killed with SIGKILL, or sent SIGHUP (its terminal
 closed) with a request in flight, nothing of it is alive and its ports are free within the bound, and the next
 `pdkv up` in that place (the same file, ports and log folder) starts cleanly; a `pdkv up` started while another
-one's parts live names them, and `pdkv down` stops them. Three starts of the engines in all.
+one's parts live names them, and `pdkv down` stops them. Three starts of the engines in all; the main command runs
+the first (SIGKILL), the extended tier the other two.
 
 The cheap parts of the same paths (the record, the watchdog's cases, `pdkv down` on orphans, a part added the
 autoscaler's way) are tested on a bootstrap server and a proxy in tests/integration/test_up_lifetime.py.
@@ -118,6 +119,9 @@ def test_sigkill_of_pdkv_up_leaves_nothing_alive_and_every_port_free(place: Plac
     assert not list(place.logs.glob("pdkv-up-*.json"))
 
 
+# This and the next in the extended tier (README, "Tests"): tests/integration/test_up_lifetime.py drives both paths
+# (SIGHUP with a request in flight; a second up naming the live parts, pdkv down) on a bootstrap server and a proxy.
+@pytest.mark.extended
 def test_the_next_up_starts_cleanly_and_sighup_stops_it_letting_a_request_in_flight_finish(place: Place) -> None:
     up = place.up()
     family = place.ready(up)
@@ -148,6 +152,7 @@ def test_the_next_up_starts_cleanly_and_sighup_stops_it_letting_a_request_in_fli
     assert not list(place.logs.glob("pdkv-up-*.json"))
 
 
+@pytest.mark.extended
 def test_the_next_up_starts_cleanly_a_second_names_its_parts_and_pdkv_down_stops_them(place: Place) -> None:
     up = place.up()
     family = place.ready(up)

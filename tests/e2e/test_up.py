@@ -144,6 +144,9 @@ def test_pdkv_up_serves_1p1d_warmed_up(up: Up) -> None:
 
 
 @CPU_ONLY
+# In the extended tier (README, "Tests"): a real engine killed and restarted by pdkv up is also
+# tests/e2e/test_operator.py's killed P, seen on the console until it is back.
+@pytest.mark.extended
 def test_a_killed_decode_engine_is_restarted_and_serves_again(up: Up) -> None:
     old = up.pids["decode-0"]
     cores = os.sched_getaffinity(old)

@@ -4,6 +4,7 @@ once, and that one failing layer ends it. No sockets: a transport that records w
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -272,6 +273,20 @@ def test_no_layer_in_time_or_a_closed_board_fails_the_write_and_every_transfer_i
     board.open(["x3"])
     board.drop("x3")
     assert board.cursor("x3") is None
+
+
+def test_closing_the_board_fails_a_write_waiting_for_a_layer_at_once_not_at_its_bound():
+    board = LayerBoard(GROUPS, wait_s=30)
+    board.open(["x1"])
+    t = RecordingTransport()
+    writer = Writer(t, board.cursor("x1"))
+    board.layer_ready(0, None)
+    wait_writes(t, 1)
+    time.sleep(0.3)  # the writer is now inside its wait for layer 1 (a close before it would be seen without a wake-up)
+    began = time.monotonic()
+    board.close()
+    assert isinstance(writer.join(), TransferError)
+    assert time.monotonic() - began < 5
 
 
 def test_a_board_remembers_at_most_its_bound_of_transfers_and_an_unended_forward_is_ended_by_the_next():
