@@ -13,6 +13,7 @@ answer within seconds (D runs kv_load_failure_policy "fail" here).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 import threading
@@ -52,21 +53,42 @@ def prompts(vocab: int) -> dict[int, list[int]]:
     return {n: prompt_ids(n, vocab, seed=1000 + n) for n in LENGTHS}
 
 
+Answers = dict[int, tuple[list[str], list[dict[str, float]], int]]
+
+
 @pytest.fixture(scope="module")
-def colocated(tiny_model: Path, prompts, tmp_path_factory) -> dict[int, tuple[list[str], list[dict[str, float]], int]]:
-    """Every prompt's answer from one colocated vLLM (started, asked, stopped before any P/D pair)."""
+def colocated_runs(tiny_model: Path, prompts, tmp_path_factory) -> tuple[Answers, Answers]:
+    """Every prompt's answer from one colocated vLLM, asked twice (started, asked, stopped before any P/D pair)."""
     logs = tmp_path_factory.mktemp("colocated")
     engine = ManagedProcess(engine_launch(spec(tiny_model, "none", "pdkv", "0"), name="colocated"), logs / "colocated.log").start()
     try:
         engine.wait_healthy(START_S)
-        out = {}
-        for n, ids in prompts.items():
-            r = complete(engine.url, body(str(tiny_model), ids, return_token_ids=True))
-            tokens, top = answer(r)
-            out[n] = (tokens, top, r.json()["choices"][0]["token_ids"][0])
-        return out
+        runs = []
+        for _ in range(2):
+            out = {}
+            for n, ids in prompts.items():
+                r = complete(engine.url, body(str(tiny_model), ids, return_token_ids=True))
+                tokens, top = answer(r)
+                out[n] = (tokens, top, r.json()["choices"][0]["token_ids"][0])
+            runs.append(out)
+        return runs[0], runs[1]
     finally:
         engine.stop(grace=15)
+
+
+@pytest.fixture(scope="module")
+def colocated(colocated_runs: tuple[Answers, Answers]) -> Answers:
+    return colocated_runs[0]
+
+
+def test_the_tiny_model_answers_alike_twice_and_differently_for_each_prompt(colocated_runs: tuple[Answers, Answers]) -> None:
+    """The probe every P/D test leans on: greedy answers repeat (the second run may reuse cached prefix blocks), and no
+    two prompts decode alike, or a KV cache that arrived wrong could pass unnoticed."""
+    first, second = colocated_runs
+    for n in first:
+        assert_same(second[n][:2], first[n])
+    for a, b in itertools.combinations(first, 2):
+        assert first[a][0] != first[b][0] or first[a][1] != first[b][1], f"prompts of {a} and {b} tokens decoded alike"
 
 
 @dataclass

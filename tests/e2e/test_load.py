@@ -66,7 +66,13 @@ def assert_no_blocks_held(dep: Deployment, within_s: float = 10.0) -> None:
     raise AssertionError(f"{dep.name}: KV cache still in use {within_s:g} s after the load: {usage}")
 
 
-@pytest.fixture(scope="module", params=list(DEPLOYMENTS), ids=list(DEPLOYMENTS))
+# vLLM's MooncakeConnector under load in the extended tier (README, "Tests"): pdkv's proxy with it is
+# tests/e2e/test_connector_pd.py's "mooncake", and Mooncake tcp under load is pdkv-tcp's here.
+EXTENDED = {"vllm-mooncake-tcp"}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=pytest.mark.extended) if n in EXTENDED else n for n in DEPLOYMENTS],
+                ids=list(DEPLOYMENTS))
 def deployment(request, start_vllm, tiny_model) -> Iterator[Deployment]:
     connector, transport, p_extra = DEPLOYMENTS[request.param]
     shim = connector == "mooncake"
