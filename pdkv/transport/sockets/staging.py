@@ -11,7 +11,7 @@ pinned table) are uploaded, then the copy kernel moves every row straight betwee
 which the GPU reaches by its mapping of pinned host memory. Why a graph, and not a Triton launch and a copy a
 batch: these threads share the interpreter's lock with the engine's model runner, and every call that releases it
 (each torch call, each launch) lets the model runner's thread wait to take it back. Writing beside P's forward
-(`socket_write_layers`) that wait was the forward's loss: docs/socket.md. A batch now costs its thread four such
+(`socket_write_layers`) those waits are what the forward loses (docs/socket.md). A batch costs its thread four such
 calls (replay, event, wait, send).
 torch, numpy and Triton are imported only when a transport stages GPU memory.
 """
