@@ -163,6 +163,7 @@ def test_a_killed_decode_engine_is_restarted_and_serves_again(up: Up) -> None:
         raise AssertionError(f"decode-0 did not come back: {up.stderr.read_text()[-2000:]}\n{up.tails()}") from None
     assert restarted["name"] == "decode-0" and restarted["pid"] != old
     up.pids["decode-0"] = restarted["pid"]
+    up.look()  # the new engine, for the clean-up: without the SIGINT test after this one, the fixture's kill ends it
     assert os.sched_getaffinity(restarted["pid"]) == cores  # the same core binding
     last = "no answer yet"
     while True:  # the proxy takes D back at its first passing health round
