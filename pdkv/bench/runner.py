@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import msgspec
 
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LINK_GBPS = 400.0
 TARGET_START_TIMEOUT_S = 60.0
+SEND_PROCESS_START_S = 60.0  # the socket send process's start (imports, a CUDA context), before the first case
 
 Progress = Callable[[str, int, int], None]
 
@@ -244,13 +246,17 @@ def _run(spec: BenchSpec, address: str, link_gbps: float, link_source: str, on_p
     num_blocks = max(blocks_needed(lay, n) for lay in layouts for n in spec.blocks)
     client = stack.enter_context(TargetClient(address))
     gpu = int(spec.src[5:]) if spec.src.startswith("cuda:") else None
-    transport = stack.enter_context(open_transport(spec.transport, spec.hostname, spec.device, gpu=gpu, settings=spec.settings,
-                                                   connections=spec.connections, buffer_bytes=spec.socket_buffer_bytes))
+    send_process = spec.transport == "socket" and gpu is not None  # as the connector's P writes GPU memory over socket
+    transport: Any = stack.enter_context(open_transport(
+        spec.transport, spec.hostname, spec.device, gpu=gpu, settings=spec.settings, connections=spec.connections,
+        buffer_bytes=spec.socket_buffer_bytes, send_process=send_process))
     memory = KVMemory(spec.src, g.layers, block_len, num_blocks)
     stack.callback(memory.close)
     memory.fill(spec.seed)
     transport.register(memory.spans)
     stack.callback(transport.unregister, memory.spans)
+    if send_process:
+        transport.await_send_process(SEND_PROCESS_START_S)  # else (logged) P's own threads write, as the connector's would
     ready = client.setup(g.layers, d_block_len, num_blocks, spec.seed + 1)
     stack.callback(lambda: _say_bye(client, Bye()))
     peer = ready.session

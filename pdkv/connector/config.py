@@ -86,6 +86,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (docs/socket.md). Unset: on where the KV cache is on a GPU (faster there, docs/bench.md), off on a CPU host
     # (the writes would take P's cores from its forward); `writes_layers`. True is refused with any other transport.
     socket_write_layers: bool | None = None
+    # P, transport socket, KV cache on a GPU: its writes run in a child process that opens P's KV through CUDA IPC
+    # and stages it by the GPU's copy engines, so that they take neither the interpreter's lock from P's model
+    # runner nor the GPU's SMs from its forward (docs/socket.md). Unset: on where the KV cache is on a GPU; false:
+    # P's own threads write. A child that cannot start or dies leaves P writing itself (logged).
+    socket_send_process: bool | None = None
     # P, writing layer by layer: the writes a forward's layers are cut into, runs of neighbouring layers each
     # written once all of its layers are computed (docs/socket.md); more than the model's layers: one a layer.
     socket_layer_groups: int = DEFAULT_LAYER_GROUPS
@@ -118,6 +123,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             return self.socket_write_layers
         return self.transport == "socket" and on_gpu
 
+    def sends_from_process(self, on_gpu: bool) -> bool:
+        """Whether P's socket writes run in a send process (socket_send_process): as set, or unset, with the KV
+        cache on a GPU (`on_gpu`); never without the socket transport or GPU memory."""
+        return self.transport == "socket" and on_gpu and self.socket_send_process is not False
+
     def __post_init__(self) -> None:
         for name in ("unknown_wait_s", "expiry_s", "liveness_s", "heartbeat_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
@@ -133,6 +143,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"kv_connector_extra_config.socket_buffer_bytes {problem}")
         if problem := layer_groups_problem(self.socket_layer_groups):
             raise ConfigError(f"kv_connector_extra_config.socket_layer_groups {problem}")
+        if self.socket_send_process and self.transport != "socket":
+            raise ConfigError(f"kv_connector_extra_config.socket_send_process needs the socket transport, not {self.transport}",
+                              hint="set mooncake_protocol to socket or leave socket_send_process out")
         if self.socket_write_layers and self.transport != "socket":
             raise ConfigError(
                 f"kv_connector_extra_config.socket_write_layers needs the socket transport, not {self.transport}",
@@ -193,18 +206,20 @@ def ipc_handles_for(engine_args: Sequence[str]) -> Literal["fd", "legacy"]:
     return "legacy" if extensible_kv_cache_off(engine_args) else "fd"
 
 
-def kv_cache_access(config: ConnectorConfig) -> tuple[str, ...]:
-    """The names of the `KVCacheAccess` flags (vLLM 0.34+) the connector declares for `config`'s transport; pure.
+def kv_cache_access(config: ConnectorConfig, *, producer: bool = False) -> tuple[str, ...]:
+    """The names of the `KVCacheAccess` flags (vLLM 0.34+) the connector declares for `config`'s transport, on P
+    (`producer`) or D; pure.
 
     tcp/rdma: Mooncake registers the KV memory, each segment must be one allocation (REGISTERS, as vLLM's own
     MooncakeConnector declares). ipc: P maps D's memory, through exported file descriptors (EXPORTS_FD, the
     extensible KV cache kept) or legacy CUDA IPC handles (LEGACY_IPC, the extensible cache off). Anything else
     touches the KV only inside its own process (cma: host memory; socket: its own copies through pinned
-    buffers): none (IN_PROCESS).
+    buffers): none (IN_PROCESS), but socket's P whose send process may run (socket_send_process not false): its
+    child opens P's KV as ipc's P opens D's, so P exports it the same way.
     """
     if config.transport in ("tcp", "rdma"):
         return ("REGISTERS",)
-    if config.transport == "ipc":
+    if config.transport == "ipc" or (config.transport == "socket" and producer and config.socket_send_process is not False):
         return ("LEGACY_IPC",) if config.ipc_handles == "legacy" else ("EXPORTS_FD",)
     return ()
 

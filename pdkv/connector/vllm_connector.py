@@ -162,7 +162,8 @@ class PdkvConnector(KVConnectorBase_V1):
         @classmethod
         def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
             flags = KVCacheAccess.IN_PROCESS
-            for name in kv_cache_access(load_config(kv_transfer_config.kv_connector_extra_config)):
+            producer = getattr(kv_transfer_config, "kv_role", None) == "kv_producer"
+            for name in kv_cache_access(load_config(kv_transfer_config.kv_connector_extra_config), producer=producer):
                 flags |= KVCacheAccess[name]
             return flags
 

@@ -105,7 +105,7 @@ class ConnectorWorker:
             self.config.transport, self.host, self.config.device_name, gpu=(device.index or 0) if self._on_gpu else None,
             writable=not self.is_producer, write_timeout_s=self.config.write_timeout_s,
             port=self.config.socket_port + self.tp_rank if self.config.socket_port else 0, connections=self.config.socket_connections,
-            buffer_bytes=self.config.socket_buffer_bytes,
+            buffer_bytes=self.config.socket_buffer_bytes, send_process=self.is_producer and self.config.sends_from_process(self._on_gpu),
         )
         self.transport.register(memory_ranges(regions))
         role = "prefill" if self.is_producer else "decode"

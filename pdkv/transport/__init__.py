@@ -74,7 +74,7 @@ def __getattr__(name: str) -> Any:
 
 def open_transport(
     transport: str = "tcp", hostname: str = "127.0.0.1", device: str = "", *, gpu: int | None = None, writable: bool = True,
-    port: int = 0, connections: int | None = None, buffer_bytes: int | None = None, **options: Any,
+    port: int = 0, connections: int | None = None, buffer_bytes: int | None = None, send_process: bool = False, **options: Any,
 ) -> Transport:
     """The one place a transport is chosen: "tcp" or "rdma" over Mooncake, "ipc" (CUDA IPC), "cma" (host memory
     of processes on this host), "socket" (pdkv's TCP, host or GPU memory), for KV on CUDA device `gpu` (None: in
@@ -83,7 +83,8 @@ def open_transport(
     Raises StartError for a transport that cannot move KV where it lives (ipc needs GPU memory, cma host
     memory). `writable`: peers will write into this process (cma's and socket's D; P passes False). `port` (where
     socket's D listens; 0: a free port), `connections` (to each D) and `buffer_bytes` (each connection's socket
-    buffers; None: the transport's default, 0: the kernel's autotuning) are socket's; `options` go to
+    buffers; None: the transport's default, 0: the kernel's autotuning) and `send_process` (P's writes of GPU
+    memory in a child process) are socket's; `options` go to
     MooncakeTransport (settings, write_timeout_s), and write_timeout_s to SocketTransport too.
     Mooncake, torch and Triton are imported here, not when pdkv.transport is imported.
     """
@@ -93,7 +94,8 @@ def open_transport(
         given = {"write_timeout_s": options["write_timeout_s"]} if "write_timeout_s" in options else {}
         if buffer_bytes is not None:
             given["buffer_bytes"] = buffer_bytes
-        return SocketTransport(hostname, gpu=gpu, writable=writable, port=port, connections=connections or 0, **given)
+        return SocketTransport(hostname, gpu=gpu, writable=writable, port=port, connections=connections or 0,
+                               send_process=send_process, **given)
     if transport == "ipc":
         if gpu is None:
             raise StartError("the ipc transport moves KV between GPUs, and this KV cache is in host memory",

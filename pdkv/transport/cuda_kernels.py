@@ -34,7 +34,8 @@ class CudaDriver:
         except OSError as exc:
             raise StartError("CUDA driver (libcuda.so.1) not found", hint="the ipc transport needs NVIDIA GPUs") from exc
 
-    def _check(self, rc: int, what: str) -> None:
+    def check(self, rc: int, what: str) -> None:
+        """TransferError naming `what` and the driver's error when `rc` is not CUDA_SUCCESS."""
         if rc != 0:
             name = ctypes.c_char_p()
             self.lib.cuGetErrorName(rc, ctypes.byref(name))
@@ -42,39 +43,48 @@ class CudaDriver:
 
     def address_range(self, ptr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
+        self.check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)), "cuMemGetAddressRange")
         return base.value, size.value
 
     def ipc_handle(self, base: int) -> bytes:
         handle = IpcMemHandle()
-        self._check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
+        self.check(self.lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(base)), "cuIpcGetMemHandle")
         return bytes(handle)
 
     def ipc_open(self, handle: bytes) -> int:
         ptr = ctypes.c_uint64()
         # The handle is a 64-byte struct passed by value; 1 = CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS.
         raw = IpcMemHandle.from_buffer_copy(handle)
-        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, ctypes.c_uint(1)), "cuIpcOpenMemHandle")
+        self.check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, ctypes.c_uint(1)), "cuIpcOpenMemHandle")
         return ptr.value
 
     def ipc_close(self, ptr: int) -> None:
-        self._check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
+        self.check(self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle")
 
     def host_device_pointer(self, ptr: int) -> int:
         """The address at which kernels reach pinned host memory at `ptr` (page-locked by CUDA, as torch's pin_memory
         is): with unified addressing usually `ptr` itself."""
         dptr = ctypes.c_uint64()
-        self._check(self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(ptr), ctypes.c_uint(0)),
+        self.check(self.lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(ptr), ctypes.c_uint(0)),
                     "cuMemHostGetDevicePointer")
         return dptr.value
 
+    def async_copy(self) -> Any:
+        """cuMemcpyAsync(dst, src, bytes, stream) -> CUresult, called without releasing the interpreter's lock (the
+        call only queues the copy on the stream, a few microseconds): a thread queueing thousands of copies does not
+        hand the lock to the process's other threads and back for each. Check a non-zero result with `check`."""
+        fn = ctypes.PyDLL("libcuda.so.1").cuMemcpyAsync
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        return fn
+
     def vmm(self) -> VmmDriver:
         """The virtual-memory calls (CUDA VMM allocations shared as file descriptors) over this driver."""
-        return VmmDriver(self.lib, self._check)
+        return VmmDriver(self.lib, self.check)
 
     def device_of(self, ptr: int) -> int:
         ordinal = ctypes.c_int()
-        self._check(
+        self.check(
             self.lib.cuPointerGetAttribute(ctypes.byref(ordinal), ctypes.c_int(_POINTER_ATTRIBUTE_DEVICE_ORDINAL), ctypes.c_uint64(ptr)),
             "cuPointerGetAttribute",
         )
@@ -83,14 +93,14 @@ class CudaDriver:
     def enable_peer_access(self, from_device: int, to_device: int) -> None:
         """Let kernels on `from_device` read `to_device`'s memory (primary contexts, as torch uses)."""
         ctx_from, ctx_to, prev = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_from), ctypes.c_int(from_device)), "cuDevicePrimaryCtxRetain")
-        self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_to), ctypes.c_int(to_device)), "cuDevicePrimaryCtxRetain")
-        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(prev)), "cuCtxGetCurrent")
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_from), ctypes.c_int(from_device)), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx_to), ctypes.c_int(to_device)), "cuDevicePrimaryCtxRetain")
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(prev)), "cuCtxGetCurrent")
         try:
-            self._check(self.lib.cuCtxSetCurrent(ctx_from), "cuCtxSetCurrent")
+            self.check(self.lib.cuCtxSetCurrent(ctx_from), "cuCtxSetCurrent")
             rc = self.lib.cuCtxEnablePeerAccess(ctx_to, ctypes.c_uint(0))
             if rc != _PEER_ACCESS_ALREADY_ENABLED:
-                self._check(rc, f"enabling peer access from GPU {from_device} to GPU {to_device}")
+                self.check(rc, f"enabling peer access from GPU {from_device} to GPU {to_device}")
         finally:
             self.lib.cuCtxSetCurrent(prev)
 

@@ -69,9 +69,9 @@ if vc.KVConnectorTransferResults is not None:
 if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34+: the flags vLLM reads, per transport
     from vllm.config.kv_transfer import KVTransferConfig
 
-    def access(extra):
+    def access(extra, role="kv_consumer"):
         config = KVTransferConfig(kv_connector="PdkvConnector", kv_connector_module_path="pdkv.connector",
-                                  kv_role="kv_consumer", kv_connector_extra_config=extra)
+                                  kv_role=role, kv_connector_extra_config=extra)
         flags = config.kv_cache_access()  # through vLLM's factory, as its engine asks
         return [str(flags.name), flags.needs_single_chunk()]
 
@@ -79,6 +79,8 @@ if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34+: the flags vLLM
         "tcp": {"mooncake_protocol": "tcp"}, "rdma": {"transport": "rdma"}, "ipc": {"mooncake_protocol": "ipc"},
         "ipc-legacy": {"mooncake_protocol": "ipc", "ipc_handles": "legacy"}, "cma": {"mooncake_protocol": "cma"},
         "socket": {"mooncake_protocol": "socket"}}.items()}
+    out["access"]["socket-p"] = access({"mooncake_protocol": "socket"}, "kv_producer")
+    out["access"]["socket-p-own-threads"] = access({"mooncake_protocol": "socket", "socket_send_process": False}, "kv_producer")
     out["lookahead"] = vc.PdkvConnector.supports_lookahead_block_hashes(None)
 
     class Request:
@@ -140,10 +142,12 @@ def test_connector_loads_against_vllm_034(tmp_path):
     assert out["get_transfer_results"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], ["d-gone"], [4, 5]]
     # Mooncake registers the KV (one allocation a segment, as vLLM's own MooncakeConnector asks); ipc exports it
     # by file descriptor (extensible cache kept) or, asked for, legacy IPC (extensible cache off); cma reads host
-    # memory in its own process.
+    # memory in its own process; socket's D receives in its own process, its P exports the KV as ipc's D does for
+    # its send process (unless socket_send_process is false).
     assert out["access"] == {
         "tcp": ["REGISTERS", True], "rdma": ["REGISTERS", True], "ipc": ["EXPORTS_FD", True],
         "ipc-legacy": ["LEGACY_IPC", False], "cma": ["IN_PROCESS", False], "socket": ["IN_PROCESS", False],
+        "socket-p": ["EXPORTS_FD", True], "socket-p-own-threads": ["IN_PROCESS", False],
     }
     assert out["lookahead"] is False
     # async loads: a D's remote prefill only; never on P, nor for a request without remote prefill

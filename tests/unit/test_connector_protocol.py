@@ -245,6 +245,19 @@ def test_config_writing_layer_by_layer_is_on_by_default_on_a_gpu_and_only_for_th
         load_config({"mooncake_protocol": "socket", "socket_write_layers": "sometimes"})
 
 
+def test_config_the_send_process_is_on_by_default_for_gpu_kv_over_socket_and_refused_with_other_transports():
+    unset = load_config({"mooncake_protocol": "socket"})
+    assert unset.socket_send_process is None and unset.sends_from_process(on_gpu=True) and not unset.sends_from_process(on_gpu=False)
+    assert not load_config({"transport": "socket", "socket_send_process": False}).sends_from_process(on_gpu=True)
+    assert load_config({"transport": "socket", "socket_send_process": "true"}).socket_send_process is True
+    assert not any(load_config({"mooncake_protocol": t}).sends_from_process(on_gpu=True) for t in ("tcp", "rdma", "ipc", "cma"))
+    for transport in ("tcp", "ipc"):
+        with pytest.raises(ConfigError, match=f"socket_send_process needs the socket transport, not {transport}"):
+            load_config({"mooncake_protocol": transport, "socket_send_process": True})
+    with pytest.raises(ConfigError, match="socket_send_process"):
+        load_config({"mooncake_protocol": "socket", "socket_send_process": "sometimes"})
+
+
 def test_config_layer_groups_default_to_six_writes_a_forward_and_out_of_range_is_refused():
     assert load_config({"transport": "socket", "socket_write_layers": True}).socket_layer_groups == 6
     assert load_config({"transport": "socket", "socket_write_layers": True, "socket_layer_groups": "36"}).socket_layer_groups == 36

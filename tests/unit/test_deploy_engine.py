@@ -229,3 +229,22 @@ def test_ipc_engines_share_kv_by_descriptor_unless_their_arguments_turn_vllms_ex
     assert tcp is not None and "ipc_handles" not in tcp["kv_connector_extra_config"]
     assert kv_cache_access(load_config(tcp["kv_connector_extra_config"])) == ("REGISTERS",)
     assert kv_cache_access(load_config({"transport": "cma"})) == ()
+
+
+def test_socket_prefills_export_their_kv_for_the_send_process_and_decodes_do_not() -> None:
+    from pdkv.connector.config import kv_cache_access, load_config
+
+    def extra(role: str, *args: str) -> dict:
+        config = kv_transfer_config(EngineSpec(model="m", role=role, transport="socket", gpu="0", extra_args=args))
+        assert config is not None
+        return config["kv_connector_extra_config"]
+
+    assert extra("prefill")["ipc_handles"] == "fd" and "ipc_handles" not in extra("decode")
+    assert kv_cache_access(load_config(extra("prefill")), producer=True) == ("EXPORTS_FD",)
+    assert kv_cache_access(load_config(extra("prefill", "--no-enable-extensible-kv-cache")), producer=True) == ("LEGACY_IPC",)
+    assert kv_cache_access(load_config(extra("decode")), producer=False) == ()
+    own = load_config({**extra("prefill"), "socket_send_process": False})
+    assert kv_cache_access(own, producer=True) == ()
+    assert own.sends_from_process(on_gpu=True) is False
+    assert load_config(extra("prefill")).sends_from_process(on_gpu=True)
+    assert not load_config(extra("prefill")).sends_from_process(on_gpu=False)

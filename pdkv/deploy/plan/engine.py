@@ -121,7 +121,9 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         extra["device_name"] = spec.device
     if spec.bootstrap_url and spec.role == "prefill":
         extra["bootstrap_server_address"] = bootstrap_address(spec.bootstrap_url)
-    if transport == "ipc":  # vLLM 0.34+: file descriptors where its extensible KV cache can be on, else legacy IPC
+    # vLLM 0.34+: file descriptors where its extensible KV cache can be on, else legacy IPC (ipc's D, socket's P
+    # whose send process opens its KV)
+    if transport == "ipc" or (transport == "socket" and spec.role == "prefill"):
         extra["ipc_handles"] = ipc_handles_for(spec.extra_args)
     extra.update(spec.connector_extra)
     config: dict[str, Any] = {**CONNECTOR_CONFIG[spec.connector], "kv_role": KV_ROLES[spec.role], "kv_connector_extra_config": extra}

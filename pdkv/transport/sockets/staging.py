@@ -75,13 +75,6 @@ def kernel_fits(batch: Batch) -> bool:
     return all(addr % ALIGN == 0 and off % ALIGN == 0 and n % ALIGN == 0 for addr, off, n in batch)
 
 
-class _CudaSpan:
-    """`length` bytes of GPU memory at `addr`, for torch.as_tensor (the CUDA array interface, no copy)."""
-
-    def __init__(self, addr: int, length: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (length,), "typestr": "|u1", "data": (addr, False), "version": 3}
-
-
 class _BatchGraph:
     """One staging buffer's captured launch: upload the rows table from pinned memory, then the copy kernel over
     MAX_ROWS rows. `table` (the pinned rows, numpy) is written before each replay; rows past the batch's have length
@@ -115,13 +108,20 @@ class _BatchGraph:
         self.used = k
 
 
+ENGINES = ("kernel", "copies")
+
+
 class CudaStaging:
     """Ranges of GPU memory, sent and received through two pinned host buffers on a stream of the staging's own.
 
-    One per connection (the buffers are the connection's), made and used by that connection's thread.
+    One per connection (the buffers are the connection's), made and used by that connection's thread. `engine`:
+    "kernel" moves a batch by one replay of the copy kernel's graph (the GPU's SMs read and write host memory);
+    "copies" queues one copy a range on the GPU's copy engines (cuMemcpyAsync, a few microseconds each, the
+    interpreter's lock held), which leave the SMs to the engine's forward: another process's kernels on the same
+    GPU take turns with the forward's, its copies do not (docs/socket.md).
     """
 
-    def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine: str = "kernel") -> None:
         import torch
 
         from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
@@ -133,31 +133,28 @@ class CudaStaging:
         self._stream = torch.cuda.Stream(device=device)
         self._buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._views = [host_view(int(b.data_ptr()), chunk_bytes) for b in self._buffers]
-        driver = CudaDriver()
+        self._driver = driver = CudaDriver()
         self._mapped = [driver.host_device_pointer(int(b.data_ptr())) for b in self._buffers]  # as the GPU sees them
         self._events = [torch.cuda.Event() for _ in range(2)]
-        kernel = copy_kernels()["chunks"]
-        self._graphs = [_BatchGraph(torch, kernel, device, self._stream) for _ in range(2)]
-
-    def _span(self, addr: int, length: int) -> Any:
-        return self._torch.as_tensor(_CudaSpan(addr, length), device=f"cuda:{self.device}")
+        self.engine = engine
+        self._copy = driver.async_copy()
+        self._graphs = ([_BatchGraph(torch, copy_kernels()["chunks"], device, self._stream) for _ in range(2)]
+                        if engine == "kernel" else [])
 
     def _stage(self, i: int, batch: Batch, *, gather: bool) -> None:
         """Batch `i` between its ranges and pinned buffer i % 2 (into it: `gather`, P; out of it: D), on the stream;
         the buffer's event marks it done. The buffer's previous batch must be done (its event waited for)."""
         torch = self._torch
         with torch.cuda.stream(self._stream):
-            if kernel_fits(batch):
+            if self._graphs and kernel_fits(batch):
                 graph = self._graphs[i % 2]
                 graph.fill(copy_rows(batch, self._mapped[i % 2], gather=gather))
                 graph.graph.replay()
-            else:  # not 16-byte aligned: a copy a range
-                host = self._buffers[i % 2]
+            else:  # the copy engines (or not 16-byte aligned): a copy a range
+                host, copy, stream = self._mapped[i % 2], self._copy, self._stream.cuda_stream
                 for addr, off, n in batch:
-                    if gather:
-                        host[off : off + n].copy_(self._span(addr, n), non_blocking=True)
-                    else:
-                        self._span(addr, n).copy_(host[off : off + n], non_blocking=True)
+                    if rc := (copy(host + off, addr, n, stream) if gather else copy(addr, host + off, n, stream)):
+                        self._driver.check(rc, "cuMemcpyAsync")
             self._events[i % 2].record(self._stream)
 
     def send(self, sock: socket.socket, ranges: Sequence[tuple[int, int]], head: bytes = b"") -> None:

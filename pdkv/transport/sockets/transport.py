@@ -8,7 +8,9 @@ and splits every transfer over them. The session address a peer writes to is `so
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -21,8 +23,10 @@ from pdkv.transport.descriptor_writes import DescriptorWrites
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
-from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES
+from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES, ENGINES
 from pdkv.transport.sockets.streams import HostMemory, HostSpans
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONNECTIONS = 4  # per D at most by default, and no more than this process's cores: docs/socket.md measures it
 # Each connection's socket buffers (the kernel doubles them): small enough that a write's bytes stay in the CPU's
@@ -63,10 +67,14 @@ class SocketTransport(DescriptorWrites):
         self, hostname: str = "127.0.0.1", *, port: int = 0, gpu: int | None = None, writable: bool = True,
         connections: int = 0, write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S,
         token: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        staging: str | None = None, send_process: bool = False,
     ) -> None:
         """`writable`: peers write into this process (D); `gpu`: the KV lives on that CUDA device (staged through
         pinned host buffers); `connections` to each D (0: default_connections()); `token`: the deployment key
-        (default PDKV_TOKEN); `buffer_bytes`: each connection's socket buffer (0: the kernel's autotuning)."""
+        (default PDKV_TOKEN); `buffer_bytes`: each connection's socket buffer (0: the kernel's autotuning);
+        `staging`: how GPU memory moves to and from the pinned buffers (staging.ENGINES; None: the kernel where
+        P's own threads stage, beside its forward, the copy engines in the send process and on D);
+        `send_process`: P's writes of GPU memory run in a child process (send_process.py)."""
         connections = connections or default_connections()
         if not 1 <= connections <= MAX_CONNECTIONS:
             raise UsageError(f"socket connections must be 1..{MAX_CONNECTIONS}, got {connections}")
@@ -74,6 +82,16 @@ class SocketTransport(DescriptorWrites):
             raise UsageError(f"the socket buffer size {problem}")
         if write_timeout_s <= 0:
             raise UsageError(f"write timeout must be positive, got {write_timeout_s}")
+        if staging is not None and staging not in ENGINES:
+            raise UsageError(f"socket staging must be one of {', '.join(ENGINES)}, got {staging!r}")
+        self.send_process = send_process and gpu is not None and not writable
+        # The copy kernel holds its thread to a few calls a batch, which matters only beside P's forward in P's own
+        # process; the copy engines leave the GPU's SMs to the forward of every other process (docs/socket.md).
+        self.staging = staging or ("kernel" if not writable else "copies")
+        self._child_staging = staging or "copies"
+        self._token = token
+        self._sender: Any = None  # the send process (guarded by _lock), started at the first register
+        self._exporter: Any = None  # its view of this process's memory (KvExporter, guarded by _lock)
         self.hostname = hostname
         self.connections = connections
         self.write_timeout_s = write_timeout_s
@@ -101,7 +119,7 @@ class SocketTransport(DescriptorWrites):
             return HostMemory(lambda: self._host)
         from pdkv.transport.sockets.staging import CudaStaging
 
-        return CudaStaging(self.gpu, self.chunk_bytes)
+        return CudaStaging(self.gpu, self.chunk_bytes, self.staging)
 
     # -- Transport protocol --
     @property
@@ -110,17 +128,21 @@ class SocketTransport(DescriptorWrites):
 
     @property
     def settings(self) -> dict[str, str]:
+        sender = self._sender
         return {"connections": str(self.connections), "socket_buffer_bytes": str(self.buffer_bytes),
-                "staging": f"{self.chunk_bytes >> 20} MiB x 2" if self.gpu is not None else "none"}
+                "staging": f"{self.chunk_bytes >> 20} MiB x 2, {self.staging}" if self.gpu is not None else "none",
+                **({"send_process": "ready" if sender.ready else sender.broken or "starting"} if sender is not None else {})}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         with self._lock:
             self._set_spans([*self._raw, *((int(a), int(n)) for a, n in regions if n > 0)])
+            self._share()
 
     def unregister(self, regions: list[tuple[int, int]]) -> None:
         gone = {(int(a), int(n)) for a, n in regions}
         with self._lock:
             self._set_spans([s for s in self._raw if s not in gone])
+            self._share()
 
     def expect(self, transfer: str, ranges: Sequence[tuple[int, int]]) -> None:
         """Let peers write `ranges` of this process's registered memory under `transfer`, until `forget(transfer)`."""
@@ -143,7 +165,11 @@ class SocketTransport(DescriptorWrites):
         if bad is not None:
             raise TransferError(f"local range 0x{bad[0]:x}+{bad[1]} is outside the registered memory")
         total = sum(n for _, _, n in ranges)
-        landed = self._lanes(peer).write(transfer, ranges, timeout_s)
+        sender = self._sender
+        if sender is not None and sender.ready:
+            landed = sender.write(peer, transfer, ranges, self.write_timeout_s if timeout_s is None else timeout_s)
+        else:
+            landed = self._lanes(peer).write(transfer, ranges, timeout_s)
         if landed != total:
             raise TransferError(f"decode acknowledged {landed:,} of {total:,} B")
 
@@ -151,6 +177,11 @@ class SocketTransport(DescriptorWrites):
         with self._lock:
             self._closed = True
             peers, self._peers = list(self._peers.values()), OrderedDict()
+            sender, self._sender = self._sender, None
+            if self._exporter is not None:
+                self._exporter.drop()
+        if sender is not None:
+            sender.close()
         for p in peers:
             p.close()
         if self.listener is not None:
@@ -169,6 +200,44 @@ class SocketTransport(DescriptorWrites):
         self._spans = wire.Spans(self._raw)
         if self.gpu is None:
             self._host = HostSpans(self._spans.spans)
+
+    def await_send_process(self, timeout_s: float) -> str:
+        """Wait up to `timeout_s` for the send process to start: "ready", "off" (none), or why it cannot write or
+        "starting". Writes never wait for it (P writes in its own process meanwhile); a benchmark does."""
+        sender = self._sender
+        if sender is None:
+            return "off"
+        return "ready" if sender.wait(timeout_s) else sender.broken or "starting"
+
+    def _share(self) -> None:
+        """P with a send process: (re)export the registered memory to it, starting it the first time. Where the
+        memory cannot be exported, P writes in its own process (logged). Under _lock."""
+        if not self.send_process or self._closed:
+            return
+        from pdkv.transport.cuda_kernels import CudaDriver
+        from pdkv.transport.ipc_share import KvExporter
+        from pdkv.transport.sockets import send_wire
+        from pdkv.transport.sockets.send_process import SendProcess
+
+        try:
+            if self._exporter is None:
+                import torch
+
+                uuid = str(getattr(torch.cuda.get_device_properties(self.gpu), "uuid", ""))
+                self._exporter = KvExporter(CudaDriver(), self.gpu, uuid)
+            self._exporter.drop()
+            export = self._exporter.make(self._raw)
+            if self._sender is None:
+                self._sender = SendProcess(send_wire.Setup(
+                    self.gpu, self.connections, self.write_timeout_s, self.buffer_bytes, self.chunk_bytes,
+                    self._child_staging, sys.getswitchinterval() and int(sys.getswitchinterval() * 1e6), self._token))
+            self._sender.share(export)
+        except Exception as exc:  # CUDA or the export: the writes stay in this process, as without a send process
+            log.warning("pdkv: the socket send process cannot reach this KV memory (%s); P writes in its own process", exc)
+            self.send_process = False
+            if self._sender is not None:
+                self._sender.close()
+                self._sender = None
 
     def _lanes(self, peer: str) -> PeerLanes:
         with self._lock:
