@@ -15,6 +15,11 @@ socket transport, cut into --groups writes, each begun once its layers' events h
     d-copy      the same, 8 MiB host-to-GPU copies instead (the copy engines, no kernel of D's)
     p-host      the writes during the forward from P's host memory to D's host memory: the write's CPU and
                 interpreter work beside the forward, no GPU copy at all
+    proc-gpu    `layers` with P's send process (`socket_send_process`): P's thread waits for each group's event
+                and hands the write to the child, which reads P's KV through CUDA IPC and sends it
+    proc-gpu-dh proc-gpu with D's KV in host memory: what the send process's own GPU work costs P's forward
+    proc-host   p-host with the sends out of P's interpreter: a process of the benchmark's own sends a host-memory
+                copy of the KV, told over a pipe once P's thread saw each group's event
 
 `forward_ms` is the forward's time on the GPU (events around it), `tail_ms` how long after the forward ended on the
 GPU the last write landed, `cpu_ms` how long the thread launching the forward took to launch it, `landing_ms` one
@@ -51,11 +56,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pdkv.connector.config import ConnectorConfig  # noqa: E402  (after the checkout is on the path)
+from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES  # noqa: E402
 
 LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
 TRANSFER = "socket-forward"
-MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "d-copy", "p-host")
+MODES = ("alone", "after", "layers", "layers-dh", "d-gpu", "d-copy", "p-host", "proc-gpu", "proc-gpu-dh", "proc-host")
+SEND_PROCESS = ("proc-gpu", "proc-gpu-dh")  # P's transport with its send process
 LOADS = {"d-gpu": "scatter", "d-copy": "copy"}  # what D's process does beside the forward
 
 
@@ -93,7 +100,7 @@ def decode_main(args: argparse.Namespace) -> None:
                     staging._events[i % 2].synchronize()
         staging.close()
 
-    with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None) as d:
+    with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None, staging=args.staging, chunk_bytes=args.chunk_mib << 20) as d:
         d.register(spans)
         d.expect(TRANSFER, spans)
         print(json.dumps({"session": d.session_address, "bases": [a for a, _ in spans]}), flush=True)
@@ -108,6 +115,30 @@ def decode_main(args: argparse.Namespace) -> None:
                 worker.join()
             elif line.startswith("stop"):
                 return
+            print("ok", flush=True)
+
+
+def sender_main(args: argparse.Namespace) -> None:
+    """proc-host's sends out of P's interpreter: KV of the same shape in host memory written to D a group of layers
+    at a time, `write BEGIN END` on stdin answered `ok` once the group landed; `stop` ends it."""
+    from pdkv.bench.layout import block_ids
+    from pdkv.transport.base import Region
+    from pdkv.transport.sockets import SocketTransport
+
+    kv = _kv(args.num_blocks, False)
+    local = [Region(int(t.data_ptr()), BLOCK_BYTES, args.num_blocks) for t in kv]
+    target = json.loads(args.target)
+    remote = [Region(a, BLOCK_BYTES, args.num_blocks) for a in target["bases"]]
+    src, dst = block_ids("scattered", BLOCKS)
+    with SocketTransport(writable=False, connections=args.connections) as p:
+        p.register([(r.base, BLOCK_BYTES * args.num_blocks) for r in local])
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.startswith("stop"):
+                return
+            _, begin, end = line.split()
+            b, e = int(begin), int(end)
+            p.write_blocks(target["session"], src, dst, local[b:e], remote[b:e], transfer=TRANSFER)
             print("ok", flush=True)
 
 
@@ -167,12 +198,13 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
 
     num_blocks = blocks_needed("scattered", BLOCKS)
     src, dst = block_ids("scattered", BLOCKS)
-    p_gpu = mode != "p-host"
-    d_memory = "gpu" if mode in ("after", "layers", *LOADS) else "host"
+    p_gpu = mode not in ("p-host", "proc-host")
+    d_memory = "gpu" if mode in ("after", "layers", "proc-gpu", *LOADS) else "host"
     kv = _kv(num_blocks, p_gpu)
     local = [Region(int(t.data_ptr()), BLOCK_BYTES, num_blocks) for t in kv]
     argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks),
-            "--switch-us", str(args.switch_us)]
+            "--chunk-mib", str(args.chunk_mib),
+            "--switch-us", str(args.switch_us), *(["--staging", args.staging] if args.staging else [])]
     d = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert d.stdin is not None and d.stdout is not None
     d_in, d_out = d.stdin, d.stdout
@@ -185,11 +217,26 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
 
     ready = json.loads(d_out.readline())
     remote = [Region(a, BLOCK_BYTES, num_blocks) for a in ready["bases"]]
+    sender = None
+    if mode == "proc-host":
+        sender = subprocess.Popen(
+            [sys.executable, __file__, "--role", "s", "--num-blocks", str(num_blocks),
+             "--switch-us", str(args.switch_us), "--connections", str(args.connections), "--target", json.dumps(ready)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert sender.stdin is not None and sender.stdout is not None
+        if sender.stdout.readline().strip() != "ready":
+            raise RuntimeError("the sender process did not start")
     ends = group_ends(LAYERS, 1 if mode == "after" else args.groups)
+    if args.tail_layers and mode != "after" and args.groups > 1:  # the last group only the last few layers
+        ends = [*group_ends(LAYERS - args.tail_layers, args.groups - 1), LAYERS]
     forward_ms, tail_ms, cpu_ms = [], [], []
     try:
-        with SocketTransport(writable=False, gpu=0 if p_gpu else None, connections=args.connections) as p:
+        with SocketTransport(writable=False, gpu=0 if p_gpu else None, connections=args.connections, staging=args.staging,
+                             chunk_bytes=args.chunk_mib << 20,
+                             send_process=mode in SEND_PROCESS) as p:
             p.register([(r.base, BLOCK_BYTES * num_blocks) for r in local])
+            if mode in SEND_PROCESS and (state := p.await_send_process(60)) != "ready":
+                raise RuntimeError(f"P's send process did not start: {state}")
 
             def writes(events: list, recorded: list[threading.Event], landed: list[float]) -> None:
                 begin = 0
@@ -197,7 +244,14 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
                     if not recorded[end - 1].wait(timeout=60):
                         raise TimeoutError(f"layer {end - 1} was never computed")
                     events[end - 1].synchronize()
-                    p.write_blocks(ready["session"], src, dst, local[begin:end], remote[begin:end], transfer=TRANSFER)
+                    if sender is not None:
+                        assert sender.stdin is not None and sender.stdout is not None
+                        sender.stdin.write(f"write {begin} {end}\n")
+                        sender.stdin.flush()
+                        if sender.stdout.readline().strip() != "ok":
+                            raise RuntimeError("the sender process failed a write")
+                    else:
+                        p.write_blocks(ready["session"], src, dst, local[begin:end], remote[begin:end], transfer=TRANSFER)
                     begin = end
                 landed.append(time.perf_counter())
 
@@ -210,7 +264,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
                 recorded = [threading.Event() for _ in range(LAYERS)]
                 start = torch.cuda.Event(enable_timing=True)
                 landed: list[float] = []
-                beside = mode in ("layers", "layers-dh", "p-host")
+                beside = mode in ("layers", "layers-dh", "p-host", "proc-host", *SEND_PROCESS)
                 writer = threading.Thread(target=writes, args=(events, recorded, landed)) if beside else None
                 start.record()
                 if writer is not None:
@@ -231,6 +285,10 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
             if mode in LOADS:
                 tell("idle")
     finally:
+        if sender is not None and sender.stdin is not None:
+            sender.stdin.write("stop\n")
+            sender.stdin.close()
+            sender.wait(timeout=30)
         tell("stop")
         d.wait(timeout=30)
     return {"forward_ms": statistics.median(forward_ms), "cpu_ms": statistics.median(cpu_ms),
@@ -253,7 +311,8 @@ def prefill_main(args: argparse.Namespace) -> None:
           f"kept a write in host memory until then, as in layers-dh)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"groups": args.groups, "connections": args.connections, "layer_cpu_ms": args.layer_cpu_ms, "switch_us": args.switch_us,
+            {"groups": args.groups, "tail_layers": args.tail_layers, "chunk_mib": args.chunk_mib, "connections": args.connections,
+             "layer_cpu_ms": args.layer_cpu_ms, "switch_us": args.switch_us,
              "iters": args.iters,
              "modes": results, "landing_ms": landing},
             indent=1,
@@ -300,16 +359,23 @@ class _Done:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=("p", "d"), default="p")
+    ap.add_argument("--role", choices=("p", "d", "s"), default="p")
     ap.add_argument("--d-memory", choices=("gpu", "host"), default="gpu")
+    ap.add_argument("--target", default="", help="the sender process's D: its session and bases (JSON)")
     ap.add_argument("--num-blocks", type=int, default=0)
     ap.add_argument("--groups", type=int, default=6)
+    ap.add_argument("--tail-layers", type=int, default=0,
+                    help="the last group holds only the last N layers, the others are cut evenly (0: all even)")
+    ap.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20, help="each staging buffer, P's and D's (MiB)")
     ap.add_argument("--connections", type=int, default=0, help="P's connections to D (0: the transport's default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"any of {','.join(MODES)} (alone always runs)")
     ap.add_argument("--layer-cpu-ms", type=float, default=0.75, help="pure Python in each layer's launching (0: none)")
     ap.add_argument("--switch-us", type=int, default=ConnectorConfig().switch_interval_us,
                     help="the interpreter's switch interval in P and D, as the connector sets it in an engine's worker "
                          "(switch_interval_us); 0: Python's own 5,000 us")
+    ap.add_argument("--staging", choices=("kernel", "copies"), default=None,
+                    help="the GPU staging of P, D and the send process: the copy kernel, or the copy engines, a copy a "
+                         "range (default: the transport's: the kernel in P's process, the copy engines elsewhere)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default="")
@@ -318,7 +384,8 @@ def main() -> None:
         ap.error(f"unknown modes {sorted(unknown)}: any of {','.join(MODES)}")
     if args.switch_us:
         sys.setswitchinterval(args.switch_us / 1e6)
-    decode_main(args) if args.role == "d" else prefill_main(args)
+
+    {"d": decode_main, "s": sender_main, "p": prefill_main}[args.role](args)
 
 
 if __name__ == "__main__":
