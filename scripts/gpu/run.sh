@@ -33,7 +33,8 @@
 #           SOCKET_BUFFERS="default 0 1048576" to see what a many-core host wants (pdkv bench --connections,
 #           --socket-buffer). PDKV_GPU_SOCKET_CONNECTIONS / PDKV_GPU_SOCKET_BUFFER give the socket deployments the
 #           setting that measurement chose (tests/gpu/deployments.py); PDKV_GPU_SOCKET_LAYER_GROUPS the writes
-#           pdkv-socket-layers' P cuts a forward's layers into (socket_layer_groups; 36: one a layer of Qwen3-8B).
+#           pdkv-socket-layers' P cuts a forward's layers into (socket_layer_groups; 36: one a layer of Qwen3-8B);
+#           PDKV_GPU_SOCKET_SEND_PROCESS=false their P's writes from its own threads (socket_send_process).
 #   DEPLOYMENTS  which of tests/gpu/deployments.py to start and test (default pdkv-ipc pdkv-tcp mooncake-tcp:
 #           three fit one H200; pdkv-socket is the fourth, e.g. DEPLOYMENTS="pdkv-ipc pdkv-socket mooncake-tcp");
 #           profile and check need pdkv-ipc alone, bench mooncake-tcp. pdkv-socket-layers is pdkv-socket with P

@@ -76,6 +76,9 @@ SOCKET_CONNECTIONS = int(os.environ.get("PDKV_GPU_SOCKET_CONNECTIONS", "0"))
 SOCKET_BUFFER = os.environ.get("PDKV_GPU_SOCKET_BUFFER", "")  # bytes; "": the transport's default
 # pdkv-socket-layers: the writes P's forward's layers are cut into (socket_layer_groups); "": the connector's default.
 SOCKET_LAYER_GROUPS = os.environ.get("PDKV_GPU_SOCKET_LAYER_GROUPS", "")
+# The socket deployments' P: "false" writes from P's own threads (socket_send_process); "": the connector's default
+# (a send process of its own, on a GPU).
+SOCKET_SEND_PROCESS = os.environ.get("PDKV_GPU_SOCKET_SEND_PROCESS", "")
 GRAPH_ARGS = {
     "eager": ["--enforce-eager"],
     "full-decode": ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})],
@@ -117,6 +120,7 @@ def deployment_toml(name: str, model: str, graphs: str = GRAPHS) -> str:
         layers += f"socket_layer_groups = {int(SOCKET_LAYER_GROUPS)}\n" if mode == ["layers"] and SOCKET_LAYER_GROUPS else ""
         layers += f"socket_connections = {SOCKET_CONNECTIONS}\n"
         layers += f"socket_buffer_bytes = {int(SOCKET_BUFFER)}\n" if SOCKET_BUFFER else ""
+        layers += f"socket_send_process = {SOCKET_SEND_PROCESS}\n" if SOCKET_SEND_PROCESS in ("true", "false") else ""
     p = PORTS[name]
     args = [
         *GRAPH_ARGS[graphs], "--attention-backend", "FLASH_ATTN", *sizing, "--max-num-seqs", "32",

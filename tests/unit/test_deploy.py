@@ -443,6 +443,17 @@ def test_socket_settings_of_the_file_reach_the_connector_and_the_port_check() ->
     assert "socket_port" not in kv_config(tcp["decode"])["kv_connector_extra_config"]  # other transports: ignored
 
 
+def test_the_send_process_setting_reaches_each_prefills_connector_alone_and_needs_the_socket_transport() -> None:
+    for said in (False, True):
+        parts = deployment_parts(deployment_from_dict(_dep(transport="socket", socket_send_process=said)))
+        extras = {p.kind: kv_config(p)["kv_connector_extra_config"] for p in parts if p.kind in ("prefill", "decode")}
+        assert extras["prefill"]["socket_send_process"] is said and "socket_send_process" not in extras["decode"]
+    unset = deployment_parts(deployment_from_dict(_dep(transport="socket")))
+    assert not any("socket_send_process" in kv_config(p)["kv_connector_extra_config"] for p in unset if p.kind == "prefill")
+    with pytest.raises(ConfigError, match="socket_send_process needs transport = \"socket\", not 'tcp'"):
+        deployment_from_dict(_dep(transport="tcp", socket_send_process=True))
+
+
 def test_writing_layer_by_layer_reaches_each_prefills_connector_alone_and_needs_the_socket_transport() -> None:
     parts = deployment_parts(deployment_from_dict(_dep(transport="socket", platform="cpu", socket_write_layers=True)))
     extras = {p.launch.name: kv_config(p)["kv_connector_extra_config"] for p in parts if p.kind in ("prefill", "decode")}

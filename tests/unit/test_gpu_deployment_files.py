@@ -82,6 +82,13 @@ def test_the_socket_deployments_take_the_hosts_measured_settings(tmp_path, monke
     prefill = next(p for p in deployment_parts(load_deployment(path)) if p.kind == "prefill")
     assert json.loads(prefill.launch.argv[prefill.launch.argv.index("--kv-transfer-config") + 1])[
         "kv_connector_extra_config"]["socket_layer_groups"] == 36
+    assert "socket_send_process" not in json.loads(prefill.launch.argv[prefill.launch.argv.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"]  # unset: the connector's default
+    monkeypatch.setattr(deployments, "SOCKET_SEND_PROCESS", "false")  # P's own threads write, to compare
+    path.write_text(deployment_toml("pdkv-socket-layers", "/models/qwen3-8b"))
+    prefill = next(p for p in deployment_parts(load_deployment(path)) if p.kind == "prefill")
+    assert json.loads(prefill.launch.argv[prefill.launch.argv.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"]["socket_send_process"] is False
     path = tmp_path / "pdkv-tcp.toml"
     path.write_text(deployment_toml("pdkv-tcp", "/models/qwen3-8b"))  # other transports: no socket keys
     assert all("socket_connections" not in " ".join(p.launch.argv) for p in deployment_parts(load_deployment(path)))

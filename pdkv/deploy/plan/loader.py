@@ -67,6 +67,9 @@ def _check_socket(dep: Deployment, source: str) -> None:
     if dep.socket_write_layers and dep.transport != "socket":
         raise ConfigError(f"{source}: socket_write_layers needs transport = \"socket\", not {dep.transport!r}",
                           hint="over Mooncake tcp a layer-by-layer write slowed P's forward (docs/bench.md); leave it out")
+    if dep.socket_send_process and dep.transport != "socket":
+        raise ConfigError(f"{source}: socket_send_process needs transport = \"socket\", not {dep.transport!r}",
+                          hint="leave it out: only the socket transport's P writes from a process of its own")
     if problem := layer_groups_problem(dep.socket_layer_groups):
         raise ConfigError(f"{source}: socket_layer_groups {problem}",
                           hint=f"leave it out for {DEFAULT_LAYER_GROUPS} writes a forward (docs/socket.md)")

@@ -211,3 +211,7 @@ class Deployment(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     socket_write_layers: bool | None = None
     # Transport socket, writing layer by layer: the writes a forward's layers are cut into (docs/socket.md).
     socket_layer_groups: int = DEFAULT_LAYER_GROUPS
+    # Transport socket: each P's writes of GPU memory run in a send process of its own (docs/socket.md); false: P's
+    # own threads write; unset: the connector's choice (on where the KV cache is on a GPU). True is refused with
+    # any other transport.
+    socket_send_process: bool | None = None

@@ -178,8 +178,9 @@ def engine_spec(
 
 def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_port: int | None) -> dict[str, int | bool]:
     """The socket transport's kv_connector_extra_config keys for an engine (none for other transports): a decode's
-    KV listener port (`socket_port`, from the allocator, or the file's in k8s), a prefill's connections per D and
-    whether it writes layer by layer where the file says (in how many writes), both ends' socket buffers."""
+    KV listener port (`socket_port`, from the allocator, or the file's in k8s), a prefill's connections per D,
+    whether it writes layer by layer (in how many writes) and from a send process where the file says, both ends'
+    socket buffers."""
     if dep.transport != "socket":
         return {}
     buffers = {"socket_buffer_bytes": dep.socket_buffer_bytes} if dep.socket_buffer_bytes is not None else {}
@@ -187,7 +188,8 @@ def socket_settings(dep: Deployment, role: Literal["prefill", "decode"], socket_
         return {**({"socket_port": socket_port} if socket_port else {}), **buffers}
     return {**({"socket_connections": dep.socket_connections} if dep.socket_connections else {}), **buffers,
             **({"socket_write_layers": dep.socket_write_layers} if dep.socket_write_layers is not None else {}),
-            **({"socket_layer_groups": dep.socket_layer_groups} if _groups_said(dep) else {})}
+            **({"socket_layer_groups": dep.socket_layer_groups} if _groups_said(dep) else {}),
+            **({"socket_send_process": dep.socket_send_process} if dep.socket_send_process is not None else {})}
 
 
 def _groups_said(dep: Deployment) -> bool:
