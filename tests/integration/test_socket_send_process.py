@@ -1,6 +1,7 @@
-"""P's send process (socket_send_process) as a process: it never outlives P, whatever way P ends, and a child that
-cannot write says why at once. Its data path (P's GPU memory opened through CUDA IPC, staged and written to D byte
-for byte) runs on the GPU tier: tests/gpu/test_socket_gpu.py."""
+"""P's send process (socket_send_process): it never outlives P, whatever way P ends; a child that cannot write says
+why at once; and its work (each message's ranges mapped into its own opening of P's memory, written to a real D over
+real sockets, each answered) with host memory standing in for P's GPU memory, which only a GPU host can open through
+CUDA IPC (there: tests/gpu/test_socket_gpu.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,16 @@ import sys
 import textwrap
 import time
 
+import threading
+
+import numpy as np
 import pytest
 
 from pdkv.errors import TransferError
-from pdkv.transport.sockets import send_wire
+from pdkv.transport.sockets import SocketTransport, send_wire
+from pdkv.transport.sockets.send_main import Child
 from pdkv.transport.sockets.send_process import SendProcess
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion
 
 CHILD = [sys.executable, "-m", "pdkv.transport.sockets.send_main"]
 SETUP = send_wire.Setup(0, 2, 5.0, 0, 1 << 20, "copies", 200, None)
@@ -98,3 +104,42 @@ def test_a_child_that_cannot_start_cuda_says_why_at_once_and_no_write_waits_for_
         assert time.monotonic() - t0 < 1
     finally:
         sp.close()
+
+
+def test_the_child_writes_each_message_from_its_own_opening_of_p_s_memory_and_answers_each():
+    """The child reads P's ranges where its opening maps them (here another buffer, with other bytes than P's own
+    addresses hold), writes them to D, and answers Done with the bytes landed; a write D did not grant, and a range
+    outside the opening, are answered Failed with the reason; the end of P's socket ends it."""
+    size, n = 4 << 20, 64 << 10
+    p_mem = np.zeros(size, dtype=np.uint8)  # P's addresses: never read by the child
+    here = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)  # the child's opening of them
+    p0, h0 = p_mem.ctypes.data, here.ctypes.data
+    d_mem = np.zeros(size, dtype=np.uint8)
+    export = IpcExport("boot:host", os.getpid(), 0, "", [IpcAllocation(b"h" * 64, p0, size)],
+                       [IpcRegion(0, p0, size // 2), IpcRegion(0, p0 + size // 2, size // 2)], 1)
+    ours, theirs = socket.socketpair()
+    ours.settimeout(30)
+    with SocketTransport("127.0.0.1", write_timeout_s=10) as d, SocketTransport(writable=False, connections=2) as mine:
+        d.register([(d_mem.ctypes.data, size)])
+        d.expect("k", [(d_mem.ctypes.data, size)])
+        child = Child(theirs, mine, lambda e: [(r.base, r.base + r.length, h0 + r.base - p0) for r in e.regions])
+        serving = threading.Thread(target=child.serve, args=(send_wire.messages(theirs),), daemon=True)
+        serving.start()
+        replies = send_wire.messages(ours)
+        ranges = [(p0 + k * 3 * n, d_mem.ctypes.data + (size - (k + 1) * n), n) for k in range(20)]  # scattered, reversed
+        ours.sendall(send_wire.encode(send_wire.Memory(export)))
+        ours.sendall(send_wire.encode(send_wire.Write(1, d.session_address, "k", ranges, 10.0)))
+        assert next(replies) == send_wire.Done(1, 20 * n)
+        for k in range(20):
+            assert np.array_equal(d_mem[size - (k + 1) * n : size - k * n], here[k * 3 * n : k * 3 * n + n]), k
+        ours.sendall(send_wire.encode(send_wire.Write(2, d.session_address, "never-granted", ranges[:1], 10.0)))
+        refused = next(replies)
+        assert isinstance(refused, send_wire.Failed) and refused.ident == 2 and "refused" in refused.why
+        ours.sendall(send_wire.encode(send_wire.Write(3, d.session_address, "k", [(p0 + size - 8, d_mem.ctypes.data, 16)], 10.0)))
+        outside = next(replies)
+        assert isinstance(outside, send_wire.Failed) and outside.ident == 3 and "outside the memory" in outside.why
+        ours.close()
+        serving.join(10)
+        assert not serving.is_alive()
+        child.pool.shutdown(wait=True)
+    theirs.close()

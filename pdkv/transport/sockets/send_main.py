@@ -14,12 +14,14 @@ import os
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pdkv.errors import FrameError, PdkvError, TransferError
 from pdkv.transport.base import Descriptor
 from pdkv.transport.sockets import send_wire
+from pdkv.wire import IpcExport
 
 MAX_WRITES = 32  # writes run at once (P's writer threads: a few per D)
 
@@ -40,24 +42,15 @@ class Translation:
 
 
 class Child:
-    def __init__(self, sock: socket.socket, setup: send_wire.Setup) -> None:
-        import torch
+    """The send process's work: `transport` (a SocketTransport of its own, P's settings) writes; `opener(export)`
+    opens P's memory and gives each of its regions as (P's start, P's end, address here)."""
 
-        from pdkv.transport.cuda_kernels import CudaDriver
-        from pdkv.transport.sockets.transport import SocketTransport
-
+    def __init__(self, sock: socket.socket, transport: Any, opener: Callable[[IpcExport], list[tuple[int, int, int]]]) -> None:
         self.sock = sock
-        self.setup = setup
+        self.transport = transport
+        self.opener = opener
         self._send_lock = threading.Lock()
-        torch.cuda.set_device(setup.device)
-        torch.zeros(1, device=f"cuda:{setup.device}")  # the context, before the first write needs it
-        self.driver = CudaDriver()
-        self.transport = SocketTransport(
-            writable=False, gpu=setup.device, connections=setup.connections, write_timeout_s=setup.write_timeout_s,
-            token=setup.token, chunk_bytes=setup.chunk_bytes, buffer_bytes=setup.buffer_bytes, staging=setup.staging,
-        )
         self.translation = Translation([])
-        self.opened: list[Any] = []  # every opening of P's memory; the process's end releases them
         self.pool = ThreadPoolExecutor(max_workers=MAX_WRITES, thread_name_prefix="pdkv-send-write")
 
     def reply(self, msg: send_wire.Message) -> None:
@@ -65,11 +58,7 @@ class Child:
             self.sock.sendall(send_wire.encode(msg))
 
     def open(self, msg: send_wire.Memory) -> None:
-        from pdkv.transport.ipc_share import open_export
-
-        opened = open_export(self.driver, msg.export, self.setup.device)
-        self.opened.append(opened)
-        spans = [opened.span(msg.export, region) for region in msg.export.regions]
+        spans = self.opener(msg.export)
         self.transport.unregister([(here, end - start) for start, end, here in self.translation.spans])
         self.transport.register([(here, end - start) for start, end, here in spans])
         self.translation = Translation(spans)
@@ -99,6 +88,31 @@ class Child:
                 self.open(msg)
 
 
+def cuda_child(sock: socket.socket, setup: send_wire.Setup) -> Child:
+    """The child on P's GPU: a CUDA context, a socket transport staging GPU memory, P's memory opened through CUDA
+    IPC (each opening kept: the process's end releases them)."""
+    import torch
+
+    from pdkv.transport.cuda_kernels import CudaDriver
+    from pdkv.transport.ipc_share import open_export
+    from pdkv.transport.sockets.transport import SocketTransport
+
+    torch.cuda.set_device(setup.device)
+    torch.zeros(1, device=f"cuda:{setup.device}")  # the context, before the first write needs it
+    driver = CudaDriver()
+    transport = SocketTransport(
+        writable=False, gpu=setup.device, connections=setup.connections, write_timeout_s=setup.write_timeout_s,
+        token=setup.token, chunk_bytes=setup.chunk_bytes, buffer_bytes=setup.buffer_bytes, staging=setup.staging,
+    )
+    opened: list[Any] = []
+
+    def opener(export: IpcExport) -> list[tuple[int, int, int]]:
+        opened.append(peer := open_export(driver, export, setup.device))
+        return [peer.span(export, region) for region in export.regions]
+
+    return Child(sock, transport, opener)
+
+
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     messages = send_wire.messages(sock)
@@ -111,7 +125,7 @@ def main(argv: list[str]) -> int:
     if setup.switch_interval_us:
         sys.setswitchinterval(setup.switch_interval_us / 1e6)
     try:
-        child = Child(sock, setup)
+        child = cuda_child(sock, setup)
         child.reply(send_wire.Ready())
         child.serve(messages)
     except (OSError, FrameError):
