@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdkv.connector.config import ConnectorConfig  # noqa: E402  (after the checkout is on the path)
 from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES  # noqa: E402
+from pdkv.transport.sockets.transport import DEFAULT_BUFFER_BYTES  # noqa: E402
 
 LAYERS, BLOCK_BYTES, BLOCKS, TOKENS = 36, 64 << 10, 63, 1000
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN = 4096, 32, 8, 128, 12288
@@ -100,7 +101,8 @@ def decode_main(args: argparse.Namespace) -> None:
                     staging._events[i % 2].synchronize()
         staging.close()
 
-    with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None, staging=args.staging, chunk_bytes=args.chunk_mib << 20) as d:
+    with SocketTransport("127.0.0.1", gpu=0 if on_gpu else None, staging=args.staging, chunk_bytes=args.chunk_mib << 20,
+                         buffer_bytes=args.socket_buffer) as d:
         d.register(spans)
         d.expect(TRANSFER, spans)
         print(json.dumps({"session": d.session_address, "bases": [a for a, _ in spans]}), flush=True)
@@ -203,7 +205,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
     kv = _kv(num_blocks, p_gpu)
     local = [Region(int(t.data_ptr()), BLOCK_BYTES, num_blocks) for t in kv]
     argv = [sys.executable, __file__, "--role", "d", "--d-memory", d_memory, "--num-blocks", str(num_blocks),
-            "--chunk-mib", str(args.chunk_mib),
+            "--chunk-mib", str(args.chunk_mib), "--socket-buffer", str(args.socket_buffer),
             "--switch-us", str(args.switch_us), *(["--staging", args.staging] if args.staging else [])]
     d = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert d.stdin is not None and d.stdout is not None
@@ -232,7 +234,7 @@ def _measure(mode: str, fwd: Forward, args: argparse.Namespace) -> dict:
     forward_ms, tail_ms, cpu_ms = [], [], []
     try:
         with SocketTransport(writable=False, gpu=0 if p_gpu else None, connections=args.connections, staging=args.staging,
-                             chunk_bytes=args.chunk_mib << 20,
+                             chunk_bytes=args.chunk_mib << 20, buffer_bytes=args.socket_buffer,
                              send_process=mode in SEND_PROCESS) as p:
             p.register([(r.base, BLOCK_BYTES * num_blocks) for r in local])
             if mode in SEND_PROCESS and (state := p.await_send_process(60)) != "ready":
@@ -311,7 +313,8 @@ def prefill_main(args: argparse.Namespace) -> None:
           f"kept a write in host memory until then, as in layers-dh)")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"groups": args.groups, "tail_layers": args.tail_layers, "chunk_mib": args.chunk_mib, "connections": args.connections,
+            {"groups": args.groups, "tail_layers": args.tail_layers, "chunk_mib": args.chunk_mib,
+             "socket_buffer": args.socket_buffer, "connections": args.connections,
              "layer_cpu_ms": args.layer_cpu_ms, "switch_us": args.switch_us,
              "iters": args.iters,
              "modes": results, "landing_ms": landing},
@@ -367,6 +370,8 @@ def main() -> None:
     ap.add_argument("--tail-layers", type=int, default=0,
                     help="the last group holds only the last N layers, the others are cut evenly (0: all even)")
     ap.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20, help="each staging buffer, P's and D's (MiB)")
+    ap.add_argument("--socket-buffer", type=int, default=DEFAULT_BUFFER_BYTES,
+                    help="each connection's socket buffers, P's and D's (bytes; 0: the kernel's autotuning)")
     ap.add_argument("--connections", type=int, default=0, help="P's connections to D (0: the transport's default)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"any of {','.join(MODES)} (alone always runs)")
     ap.add_argument("--layer-cpu-ms", type=float, default=0.75, help="pure Python in each layer's launching (0: none)")
