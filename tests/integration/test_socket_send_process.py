@@ -22,7 +22,7 @@ from pdkv.errors import TransferError
 from pdkv.transport.sockets import SocketTransport, send_wire
 from pdkv.transport.sockets.send_main import Child
 from pdkv.transport.sockets.send_process import SendProcess
-from pdkv.wire import IpcAllocation, IpcExport, IpcRegion
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion, Region
 
 CHILD = [sys.executable, "-m", "pdkv.transport.sockets.send_main"]
 SETUP = send_wire.Setup(0, 2, 5.0, 0, 1 << 20, "copies", 200, None)
@@ -129,9 +129,24 @@ def test_the_child_writes_each_message_from_its_own_opening_of_p_s_memory_and_an
         ranges = [(p0 + k * 3 * n, d_mem.ctypes.data + (size - (k + 1) * n), n) for k in range(20)]  # scattered, reversed
         ours.sendall(send_wire.encode(send_wire.Memory(export)))
         ours.sendall(send_wire.encode(send_wire.Write(1, d.session_address, "k", ranges, 10.0)))
-        assert next(replies) == send_wire.Done(1, 20 * n)
+        assert next(replies) == send_wire.Done(1, 20 * n, 20)
         for k in range(20):
             assert np.array_equal(d_mem[size - (k + 1) * n : size - k * n], here[k * 3 * n : k * 3 * n + n]), k
+        # Blocks: the child plans the descriptors from P's regions, mapped into its opening
+        half = size // 2 // n
+        p_regions = [Region(p0, n, half), Region(p0 + size // 2, n, half)]
+        d_regions = [Region(d_mem.ctypes.data, n, half), Region(d_mem.ctypes.data + size // 2, n, half)]
+        d_mem[:] = 0
+        ours.sendall(send_wire.encode(send_wire.WriteBlocks(4, d.session_address, "k", [5, 6, 30], [1, 9, 2], p_regions, d_regions,
+                                                            None, 10.0)))
+        assert next(replies) == send_wire.Done(4, 2 * 3 * n, 6)
+        for r in range(2):
+            for src, dst in ((5, 1), (6, 9), (30, 2)):
+                got = d_mem[r * size // 2 + dst * n : r * size // 2 + (dst + 1) * n]
+                assert np.array_equal(got, here[r * size // 2 + src * n : r * size // 2 + (src + 1) * n]), (r, src)
+        ours.sendall(send_wire.encode(send_wire.WriteBlocks(5, d.session_address, "k", [half], [0], p_regions, d_regions, None, 10.0)))
+        past = next(replies)  # a block id past P's region: refused before a byte moves
+        assert isinstance(past, send_wire.Failed) and past.ident == 5 and f"block id {half} is outside" in past.why
         ours.sendall(send_wire.encode(send_wire.Write(2, d.session_address, "never-granted", ranges[:1], 10.0)))
         refused = next(replies)
         assert isinstance(refused, send_wire.Failed) and refused.ident == 2 and "refused" in refused.why

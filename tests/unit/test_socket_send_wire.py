@@ -10,7 +10,8 @@ import pytest
 from pdkv.errors import FrameError, TransferError
 from pdkv.transport.sockets import send_wire
 from pdkv.transport.sockets.send_main import Translation
-from pdkv.wire import IpcAllocation, IpcExport, IpcRegion
+from pdkv.tp_heads import HeadShare
+from pdkv.wire import IpcAllocation, IpcExport, IpcRegion, Region
 
 EXPORT = IpcExport("boot:host", 4242, 0, "GPU-1", [IpcAllocation(b"h" * 64, 0x7000_0000, 1 << 20)],
                    [IpcRegion(0, 0x7000_0000, 1 << 19), IpcRegion(0, 0x7008_0000, 1 << 19)], 123)
@@ -19,7 +20,11 @@ EVERY_KIND = [
     send_wire.Setup(1, 2, 5.0, 0, 1 << 20, "kernel", 0, "secret"),
     send_wire.Memory(EXPORT),
     send_wire.Write(7, "socket://127.0.0.1:9/" + "00" * 16, "t/d", [(0x7000_0000, 0x9000_0000, 65536)] * 3, 30.0),
-    send_wire.Ready(), send_wire.Broken("no CUDA"), send_wire.Done(7, 196608), send_wire.Failed(7, "refused", "hint"),
+    send_wire.WriteBlocks(8, "socket://127.0.0.1:9/" + "00" * 16, "t/d", [1, 2, 3], [7, 8, 9], [Region(0x7000_0000, 4096, 64)] * 2,
+                          [Region(0x9000_0000, 2048, 64)] * 2, HeadShare(0, 4, 4, 8, 16), 30.0),
+    send_wire.WriteBlocks(9, "socket://h:9/" + "00" * 16, "", [], [], [], [], None, 1.0),
+    send_wire.Ready(), send_wire.Broken("no CUDA"), send_wire.Done(7, 196608), send_wire.Done(8, 1, 2),
+    send_wire.Failed(7, "refused", "hint"),
 ]
 
 

@@ -10,6 +10,7 @@ once, writes in flight or not: it holds no state P or D depend on.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import socket
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 from pdkv.errors import FrameError, PdkvError, TransferError
 from pdkv.transport.base import Descriptor
 from pdkv.transport.sockets import send_wire
-from pdkv.wire import IpcExport
+from pdkv.wire import IpcExport, Region
 
 MAX_WRITES = 32  # writes run at once (P's writer threads: a few per D)
 
@@ -63,16 +64,30 @@ class Child:
         self.transport.register([(here, end - start) for start, end, here in spans])
         self.translation = Translation(spans)
 
-    def write(self, msg: send_wire.Write) -> None:
+    def write(self, msg: send_wire.Write) -> tuple[int, int]:
+        """A Write: its ranges mapped here and written; (bytes, descriptors)."""
+        here = self.translation.here
+        descriptors = [Descriptor(here(src, n), dst, n) for src, dst, n in msg.ranges]
+        self.transport.write(msg.peer, descriptors, transfer=msg.transfer, timeout_s=msg.timeout_s)
+        return sum(n for _, _, n in msg.ranges), len(descriptors)
+
+    def write_blocks(self, msg: send_wire.WriteBlocks) -> tuple[int, int]:
+        """A WriteBlocks: P's regions mapped here, the descriptors planned here; (bytes, descriptors)."""
+        here = self.translation.here
+        local = [Region(here(r.base, r.block_len * r.num_blocks), r.block_len, r.num_blocks) for r in msg.local_regions]
+        out = self.transport.write_blocks(msg.peer, msg.local_blocks, msg.remote_blocks, local, msg.remote_regions, msg.heads,
+                                          transfer=msg.transfer)
+        return out.bytes, out.descriptors
+
+    def answer(self, ident: int, work: Callable[[], tuple[int, int]]) -> None:
+        """Run one write (on a pool thread) and answer P: Done, or Failed with the reason P's write raises."""
         try:
-            translation = self.translation
-            descriptors = [Descriptor(translation.here(src, n), dst, n) for src, dst, n in msg.ranges]
-            self.transport.write(msg.peer, descriptors, transfer=msg.transfer, timeout_s=msg.timeout_s)
-            self.reply(send_wire.Done(msg.ident, sum(n for _, _, n in msg.ranges)))
+            landed, descriptors = work()
+            self.reply(send_wire.Done(ident, landed, descriptors))
         except PdkvError as exc:
-            self._fail(msg.ident, exc.message, exc.hint or "")
+            self._fail(ident, exc.message, exc.hint or "")
         except Exception as exc:  # reported to P's write, which fails that transfer
-            self._fail(msg.ident, f"the send process's write failed: {exc}", "")
+            self._fail(ident, f"the send process's write failed: {exc}", "")
 
     def _fail(self, ident: int, why: str, hint: str) -> None:
         try:
@@ -82,8 +97,10 @@ class Child:
 
     def serve(self, messages: Any) -> None:
         for msg in messages:
-            if isinstance(msg, send_wire.Write):
-                self.pool.submit(self.write, msg)
+            if isinstance(msg, send_wire.WriteBlocks):
+                self.pool.submit(self.answer, msg.ident, functools.partial(self.write_blocks, msg))
+            elif isinstance(msg, send_wire.Write):
+                self.pool.submit(self.answer, msg.ident, functools.partial(self.write, msg))
             elif isinstance(msg, send_wire.Memory):
                 self.open(msg)
 

@@ -26,12 +26,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdkv.errors import FrameError, TransferError
+from pdkv.tp_heads import HeadShare
 from pdkv.transport.sockets import send_wire
-from pdkv.wire import IpcExport
+from pdkv.wire import IpcExport, Region
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class SendProcess:
         self._sock = ours
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._pending: dict[int, Future[int]] = {}  # guarded by _lock
+        self._pending: dict[int, Future[tuple[int, int]]] = {}  # guarded by _lock: (bytes, descriptors) to come
         self._next = 0  # guarded by _lock
         self._ready = threading.Event()
         self._started = time.monotonic()
@@ -88,7 +90,17 @@ class SendProcess:
     def write(self, peer: str, transfer: str, ranges: list[tuple[int, int, int]], timeout_s: float) -> int:
         """(src, dst, length) ranges of P's memory written to `peer` under `transfer` by the child: the bytes D
         acknowledged. TransferError if the write failed there, the child died, or no answer came in time."""
-        fut: Future[int] = Future()
+        return self._call(lambda ident: send_wire.Write(ident, peer, transfer, ranges, timeout_s), timeout_s)[0]
+
+    def write_blocks(self, peer: str, transfer: str, local_blocks: list[int], remote_blocks: list[int],
+                     local_regions: list[Region], remote_regions: list[Region], heads: HeadShare | None,
+                     timeout_s: float) -> tuple[int, int]:
+        """Transport.write_blocks by the child, which plans the descriptors: (bytes, descriptors)."""
+        return self._call(lambda ident: send_wire.WriteBlocks(
+            ident, peer, transfer, local_blocks, remote_blocks, local_regions, remote_regions, heads, timeout_s), timeout_s)
+
+    def _call(self, message: Callable[[int], send_wire.Message], timeout_s: float) -> tuple[int, int]:
+        fut: Future[tuple[int, int]] = Future()
         with self._lock:
             if self.broken:
                 raise TransferError(f"the send process cannot write: {self.broken}")
@@ -96,7 +108,7 @@ class SendProcess:
             ident = self._next
             self._pending[ident] = fut
         try:
-            self._send(send_wire.Write(ident, peer, transfer, ranges, timeout_s))
+            self._send(message(ident))
             # The child bounds the write itself (timeout_s); the margin covers its reply.
             return fut.result(timeout=timeout_s + 5.0)
         except FutureTimeout:
@@ -138,20 +150,20 @@ class SendProcess:
                 elif isinstance(msg, send_wire.Broken):
                     self._break(msg.why)
                 elif isinstance(msg, send_wire.Done):
-                    self._settle(msg.ident, msg.landed, None)
+                    self._settle(msg.ident, (msg.landed, msg.descriptors), None)
                 elif isinstance(msg, send_wire.Failed):
-                    self._settle(msg.ident, 0, TransferError(msg.why, hint=msg.hint or None))
+                    self._settle(msg.ident, (0, 0), TransferError(msg.why, hint=msg.hint or None))
         except (OSError, FrameError) as exc:
             self._break(f"the send process's socket failed: {exc}")
         code = self.proc.poll()
         self._break(f"the send process exited{f' with status {code}' if code is not None else ''}")
 
-    def _settle(self, ident: int, landed: int, error: TransferError | None) -> None:
+    def _settle(self, ident: int, result: tuple[int, int], error: TransferError | None) -> None:
         with self._lock:
             fut = self._pending.get(ident)
         if fut is None or fut.done():
             return
-        fut.set_exception(error) if error is not None else fut.set_result(landed)
+        fut.set_exception(error) if error is not None else fut.set_result(result)
 
     def _break(self, why: str) -> None:
         with self._lock:

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import msgspec
 
 from pdkv.errors import FrameError
-from pdkv.wire import IpcExport
+from pdkv.tp_heads import HeadShare
+from pdkv.wire import IpcExport, Region
 
 MAX_MESSAGE = 64 << 20  # a Write of ~1.4 million ranges; anything longer is a broken peer
 _LEN = struct.Struct(">I")
@@ -45,6 +46,21 @@ class Write(msgspec.Struct, tag=True):
     timeout_s: float
 
 
+class WriteBlocks(msgspec.Struct, tag=True):
+    """P -> child: Transport.write_blocks, P's regions in P's addresses: the child plans the descriptors (P's thread
+    would otherwise spend its own Python on them beside the forward)."""
+
+    ident: int
+    peer: str
+    transfer: str
+    local_blocks: list[int]
+    remote_blocks: list[int]
+    local_regions: list[Region]
+    remote_regions: list[Region]
+    heads: HeadShare | None
+    timeout_s: float
+
+
 class Ready(msgspec.Struct, tag=True):
     """Child -> P: it can write (its CUDA context and staging are up)."""
 
@@ -58,6 +74,7 @@ class Broken(msgspec.Struct, tag=True):
 class Done(msgspec.Struct, tag=True):
     ident: int
     landed: int
+    descriptors: int = 0  # WriteBlocks: the writes it took (Written.descriptors)
 
 
 class Failed(msgspec.Struct, tag=True):
@@ -66,7 +83,7 @@ class Failed(msgspec.Struct, tag=True):
     hint: str = ""
 
 
-Message = Setup | Memory | Write | Ready | Broken | Done | Failed
+Message = Setup | Memory | Write | WriteBlocks | Ready | Broken | Done | Failed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 

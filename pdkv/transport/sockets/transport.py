@@ -18,7 +18,9 @@ from typing import Any
 
 from pdkv.auth import token_from_env
 from pdkv.errors import TransferError, UsageError
-from pdkv.transport.base import Descriptor
+from pdkv.tp_heads import HeadShare
+from pdkv.transport.base import Descriptor, Written
+from pdkv.wire import Region
 from pdkv.transport.descriptor_writes import DescriptorWrites
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
@@ -172,6 +174,24 @@ class SocketTransport(DescriptorWrites):
             landed = self._lanes(peer).write(transfer, ranges, timeout_s)
         if landed != total:
             raise TransferError(f"decode acknowledged {landed:,} of {total:,} B")
+
+    def write_blocks(
+        self, peer: str, local_blocks: list[int], remote_blocks: list[int], local_regions: list[Region], remote_regions: list[Region],
+        heads: HeadShare | None = None, *, transfer: str = "",
+    ) -> Written:
+        """As every descriptor transport's; with a send process ready, the child plans the descriptors too (P's
+        thread checks only that each of its regions lies in the registered memory)."""
+        sender = self._sender
+        if sender is None or not sender.ready:
+            return super().write_blocks(peer, local_blocks, remote_blocks, local_regions, remote_regions, heads, transfer=transfer)
+        if self._closed:
+            raise TransferError("the socket transport is closed")
+        bad = self._spans.outside((r.base, r.block_len * r.num_blocks) for r in local_regions)
+        if bad is not None:
+            raise TransferError(f"local region 0x{bad[0]:x}+{bad[1]} is outside the registered memory")
+        landed, descriptors = sender.write_blocks(peer, transfer, list(local_blocks), list(remote_blocks), list(local_regions),
+                                                  list(remote_regions), heads, self.write_timeout_s)
+        return Written(landed, descriptors)
 
     def close(self) -> None:
         with self._lock:
