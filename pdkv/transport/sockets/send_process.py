@@ -33,12 +33,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pdkv.errors import FrameError, TransferError
 from pdkv.tp_heads import HeadShare
 from pdkv.transport.sockets import send_wire
+from pdkv.transport.sockets.streams import bound_waits
 from pdkv.wire import IpcExport, Region
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # the child's imports, CUDA context and the first opening of P's memory
 STOP_WAIT_S = 5.0
+SEND_BOUND_S = 10.0  # a message to the child (a few KiB) waits at most this long for room in the socket
 
 
 class SendProcess:
@@ -48,6 +50,7 @@ class SendProcess:
     def __init__(self, setup: send_wire.Setup, *, start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.start_timeout_s = start_timeout_s
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound_waits(ours, SEND_BOUND_S, receives=False)  # a child that stops reading fails P's write, not hangs it
         self._sock = ours
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()

@@ -23,20 +23,22 @@ IOV_MAX = 1024  # buffers one sendmsg takes at most (Linux's UIO_MAXIOV)
 WAIT_EXPIRED = (TimeoutError, BlockingIOError)
 
 
-def bound_waits(sock: socket.socket, seconds: float) -> None:
+def bound_waits(sock: socket.socket, seconds: float, *, receives: bool = True) -> None:
     """Make `sock` block, each send or receive call on it waiting at most `seconds` (SO_SNDTIMEO, SO_RCVTIMEO).
 
     Why not `settimeout`: a socket with a Python timeout is non-blocking underneath, so every call returns once one
     socket buffer's worth has moved and a poll() comes before the next: hundreds of calls, each taking the GIL, for
     one write. A blocking call moves everything it was given (MSG_WAITALL on receive), sleeping in the kernel. A call
     that reaches its bound returns what it moved; one that moved nothing raises BlockingIOError (see WAIT_EXPIRED).
-    A shutdown() from another thread wakes it at once.
+    A shutdown() from another thread wakes it at once. `receives=False` bounds the sends alone (a socket whose
+    reader waits, unbounded, for whatever comes next).
     """
     if sock.gettimeout() is not None:
         sock.settimeout(None)
     micros = max(1, round(seconds * 1_000_000))  # a zero timeval would mean no bound at all
     tv = struct.pack("@ll", *divmod(micros, 1_000_000))  # struct timeval
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    if receives:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 

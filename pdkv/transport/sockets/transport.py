@@ -20,13 +20,13 @@ from pdkv.auth import token_from_env
 from pdkv.errors import TransferError, UsageError
 from pdkv.tp_heads import HeadShare
 from pdkv.transport.base import Descriptor, Written
-from pdkv.wire import Region
 from pdkv.transport.descriptor_writes import DescriptorWrites
 from pdkv.transport.sockets import wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
 from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES, ENGINES
 from pdkv.transport.sockets.streams import HostMemory, HostSpans
+from pdkv.wire import Region
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ class SocketTransport(DescriptorWrites):
     def _share(self) -> None:
         """P with a send process: (re)export the registered memory to it, starting it the first time. Where the
         memory cannot be exported, P writes in its own process (logged). Under _lock."""
-        if not self.send_process or self._closed:
+        if not self.send_process or self._closed or (not self._raw and self._sender is None):
             return
         from pdkv.transport.cuda_kernels import CudaDriver
         from pdkv.transport.ipc_share import KvExporter
@@ -250,7 +250,7 @@ class SocketTransport(DescriptorWrites):
             if self._sender is None:
                 self._sender = SendProcess(send_wire.Setup(
                     self.gpu, self.connections, self.write_timeout_s, self.buffer_bytes, self.chunk_bytes,
-                    self._child_staging, sys.getswitchinterval() and int(sys.getswitchinterval() * 1e6), self._token))
+                    self._child_staging, int(sys.getswitchinterval() * 1e6), self._token))
             self._sender.share(export)
         except Exception as exc:  # CUDA or the export: the writes stay in this process, as without a send process
             log.warning("pdkv: the socket send process cannot reach this KV memory (%s); P writes in its own process", exc)
