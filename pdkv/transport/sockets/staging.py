@@ -6,13 +6,15 @@ many small ranges (KV blocks scattered over the cache, 64 KiB each) share one ba
 the next. P gathers batch k+1 out of the GPU while batch k is on the wire; D receives batch k+1 while batch k is
 scattered into the GPU. The bytes on the wire are the ranges' bytes in order, so P's and D's batches need not line up.
 
-A batch moves by one replay of a CUDA graph captured once per buffer: the batch's rows (`copy_rows`, written into a
-pinned table) are uploaded, then the copy kernel moves every row straight between GPU memory and the pinned buffer,
-which the GPU reaches by its mapping of pinned host memory. Why a graph, and not a Triton launch and a copy a
-batch: these threads share the interpreter's lock with the engine's model runner, and every call that releases it
-(each torch call, each launch) lets the model runner's thread wait to take it back. Writing beside P's forward
-(`socket_write_layers`) those waits are what the forward loses (docs/socket.md). A batch costs its thread four such
-calls (replay, event, wait, send).
+A batch moves one of two ways (ENGINES). "copies": one cuMemcpyAsync a range, queued without releasing the
+interpreter's lock, on the GPU's copy engines, which leave its SMs to the forward of every other process on the GPU
+(D's, and P's send process's, default). "kernel": one replay of a CUDA graph captured once per buffer: the batch's
+rows (`copy_rows`, written into a pinned table) are uploaded, then the copy kernel moves every row straight between
+GPU memory and the pinned buffer, which the GPU reaches by its mapping of pinned host memory (P's own threads'
+default). Why a graph there, and not a Triton launch and a copy a batch: those threads share the interpreter's lock
+with the engine's model runner, and every call that releases it (each torch call, each launch) lets the model
+runner's thread wait to take it back; writing beside P's forward (`socket_write_layers`) those waits are what the
+forward loses (docs/socket.md). A batch costs its thread four such calls (replay, event, wait, send).
 torch, numpy and Triton are imported only when a transport stages GPU memory.
 """
 
