@@ -147,6 +147,12 @@ def test_the_child_writes_each_message_from_its_own_opening_of_p_s_memory_and_an
         ours.sendall(send_wire.encode(send_wire.WriteBlocks(5, d.session_address, "k", [half], [0], p_regions, d_regions, None, 10.0)))
         past = next(replies)  # a block id past P's region: refused before a byte moves
         assert isinstance(past, send_wire.Failed) and past.ident == 5 and f"block id {half} is outside" in past.why
+        # Many writes in flight at once (P's writer threads), answered each by its ident, in whatever order they end
+        d_mem[:] = 0
+        batch = {100 + k: [(p0 + k * n, d_mem.ctypes.data + (63 - k) * n, n)] for k in range(32)}
+        ours.sendall(b"".join(send_wire.encode(send_wire.Write(i, d.session_address, "k", r, 10.0)) for i, r in batch.items()))
+        assert sorted((m.ident, m.landed) for m in (next(replies) for _ in batch)) == [(i, n) for i in batch]
+        assert all(np.array_equal(d_mem[(63 - k) * n : (64 - k) * n], here[k * n : (k + 1) * n]) for k in range(32))
         ours.sendall(send_wire.encode(send_wire.Write(2, d.session_address, "never-granted", ranges[:1], 10.0)))
         refused = next(replies)
         assert isinstance(refused, send_wire.Failed) and refused.ident == 2 and "refused" in refused.why
