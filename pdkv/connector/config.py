@@ -206,20 +206,22 @@ def ipc_handles_for(engine_args: Sequence[str]) -> Literal["fd", "legacy"]:
     return "legacy" if extensible_kv_cache_off(engine_args) else "fd"
 
 
-def kv_cache_access(config: ConnectorConfig, *, producer: bool = False) -> tuple[str, ...]:
+def kv_cache_access(config: ConnectorConfig, *, producer: bool = False, on_gpu: bool = True) -> tuple[str, ...]:
     """The names of the `KVCacheAccess` flags (vLLM 0.34+) the connector declares for `config`'s transport, on P
-    (`producer`) or D; pure.
+    (`producer`) or D, its KV cache on a CUDA GPU (`on_gpu`: vLLM's platform) or not; pure.
 
     tcp/rdma: Mooncake registers the KV memory, each segment must be one allocation (REGISTERS, as vLLM's own
     MooncakeConnector declares). ipc: P maps D's memory, through exported file descriptors (EXPORTS_FD, the
     extensible KV cache kept) or legacy CUDA IPC handles (LEGACY_IPC, the extensible cache off). Anything else
     touches the KV only inside its own process (cma: host memory; socket: its own copies through pinned
-    buffers): none (IN_PROCESS), but socket's P whose send process may run (socket_send_process not false): its
-    child opens P's KV as ipc's P opens D's, so P exports it the same way.
+    buffers): none (IN_PROCESS), but socket's P on a GPU whose send process may run (socket_send_process not
+    false): its child opens P's KV as ipc's P opens D's, so P exports it the same way. Never on a CPU platform,
+    where vLLM 0.34 refuses EXPORTS_FD (its extensible KV cache is CUDA's and ROCm's).
     """
     if config.transport in ("tcp", "rdma"):
         return ("REGISTERS",)
-    if config.transport == "ipc" or (config.transport == "socket" and producer and config.socket_send_process is not False):
+    sends = config.transport == "socket" and producer and on_gpu and config.socket_send_process is not False
+    if config.transport == "ipc" or sends:
         return ("LEGACY_IPC",) if config.ipc_handles == "legacy" else ("EXPORTS_FD",)
     return ()
 

@@ -162,8 +162,11 @@ class PdkvConnector(KVConnectorBase_V1):
         @classmethod
         def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
             flags = KVCacheAccess.IN_PROCESS
+            from vllm.platforms import current_platform
+
             producer = getattr(kv_transfer_config, "kv_role", None) == "kv_producer"
-            for name in kv_cache_access(load_config(kv_transfer_config.kv_connector_extra_config), producer=producer):
+            config = load_config(kv_transfer_config.kv_connector_extra_config)
+            for name in kv_cache_access(config, producer=producer, on_gpu=bool(current_platform.is_cuda())):
                 flags |= KVCacheAccess[name]
             return flags
 

@@ -80,6 +80,8 @@ if hasattr(KVConnectorBase_V1, "kv_cache_access"):  # vLLM 0.34+: the flags vLLM
         "ipc-legacy": {"mooncake_protocol": "ipc", "ipc_handles": "legacy"}, "cma": {"mooncake_protocol": "cma"},
         "socket": {"mooncake_protocol": "socket"}}.items()}
     out["access"]["socket-p"] = access({"mooncake_protocol": "socket"}, "kv_producer")
+    from vllm.platforms import current_platform
+    out["cuda"] = bool(current_platform.is_cuda())
     out["access"]["socket-p-own-threads"] = access({"mooncake_protocol": "socket", "socket_send_process": False}, "kv_producer")
     out["lookahead"] = vc.PdkvConnector.supports_lookahead_block_hashes(None)
 
@@ -142,12 +144,14 @@ def test_connector_loads_against_vllm_034(tmp_path):
     assert out["get_transfer_results"] == [["p-sent"], ["d-failed", "d-gone", "d-ok"], ["d-gone"], [4, 5]]
     # Mooncake registers the KV (one allocation a segment, as vLLM's own MooncakeConnector asks); ipc exports it
     # by file descriptor (extensible cache kept) or, asked for, legacy IPC (extensible cache off); cma reads host
-    # memory in its own process; socket's D receives in its own process, its P exports the KV as ipc's D does for
-    # its send process (unless socket_send_process is false).
+    # memory in its own process; socket's D receives in its own process, its P on a GPU exports the KV as ipc's D
+    # does for its send process (unless socket_send_process is false), and on a CPU platform declares nothing (vLLM
+    # 0.34 refuses EXPORTS_FD where its extensible KV cache cannot be).
+    socket_p = ["EXPORTS_FD", True] if out["cuda"] else ["IN_PROCESS", False]
     assert out["access"] == {
         "tcp": ["REGISTERS", True], "rdma": ["REGISTERS", True], "ipc": ["EXPORTS_FD", True],
         "ipc-legacy": ["LEGACY_IPC", False], "cma": ["IN_PROCESS", False], "socket": ["IN_PROCESS", False],
-        "socket-p": ["EXPORTS_FD", True], "socket-p-own-threads": ["IN_PROCESS", False],
+        "socket-p": socket_p, "socket-p-own-threads": ["IN_PROCESS", False],
     }
     assert out["lookahead"] is False
     # async loads: a D's remote prefill only; never on P, nor for a request without remote prefill
