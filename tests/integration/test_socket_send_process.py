@@ -51,7 +51,7 @@ def _gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def test_the_child_ends_when_p_closes_its_end_before_or_after_the_setup():
+def test_the_child_ends_when_p_closes_its_end_or_its_first_message_is_no_setup():
     ours, proc = _start_child()
     ours.close()
     assert proc.wait(10) == 2  # no setup ever came
@@ -95,7 +95,7 @@ def test_a_child_that_cannot_start_cuda_says_why_at_once_and_no_write_waits_for_
     sp = SendProcess(SETUP)
     try:
         t0 = time.monotonic()
-        assert sp.wait(60) is False and time.monotonic() - t0 < 30  # settled by the child's word, not the bound
+        assert sp.wait(60) == sp.broken and time.monotonic() - t0 < 30  # settled by the child's word, not the bound
         assert "the send process stopped" in sp.broken and not sp.ready
         assert sp.proc.wait(10) == 1
         t0 = time.monotonic()

@@ -22,6 +22,7 @@ from typing import Any
 from pdkv.errors import FrameError, PdkvError, TransferError
 from pdkv.transport.base import Descriptor
 from pdkv.transport.sockets import send_wire
+from pdkv.transport.sockets.transport import SocketTransport
 from pdkv.wire import IpcExport, Region
 
 MAX_WRITES = 32  # writes run at once (P's writer threads: a few per D)
@@ -46,7 +47,7 @@ class Child:
     """The send process's work: `transport` (a SocketTransport of its own, P's settings) writes; `opener(export)`
     opens P's memory and gives each of its regions as (P's start, P's end, address here)."""
 
-    def __init__(self, sock: socket.socket, transport: Any, opener: Callable[[IpcExport], list[tuple[int, int, int]]]) -> None:
+    def __init__(self, sock: socket.socket, transport: SocketTransport, opener: Callable[[IpcExport], list[tuple[int, int, int]]]) -> None:
         self.sock = sock
         self.transport = transport
         self.opener = opener
@@ -108,11 +109,10 @@ class Child:
 def cuda_child(sock: socket.socket, setup: send_wire.Setup) -> Child:
     """The child on P's GPU: a CUDA context, a socket transport staging GPU memory, P's memory opened through CUDA
     IPC (each opening kept: the process's end releases them)."""
-    import torch
+    import torch  # an optional dependency: the child exists only where P's KV is on a GPU
 
     from pdkv.transport.cuda_kernels import CudaDriver
     from pdkv.transport.ipc_share import open_export
-    from pdkv.transport.sockets.transport import SocketTransport
 
     torch.cuda.set_device(setup.device)
     torch.zeros(1, device=f"cuda:{setup.device}")  # the context, before the first write needs it

@@ -85,10 +85,15 @@ class SendProcess:
             self._break(f"the send process did not start within {self.start_timeout_s:g} s")
         return False
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the child to be ready or to fail; whether it is ready."""
+    @property
+    def state(self) -> str:
+        """"ready", why the child cannot write, or "starting" (for reports)."""
+        return "ready" if self.ready else self.broken or "starting"
+
+    def wait(self, timeout_s: float) -> str:
+        """Wait up to `timeout_s` for the child to be ready or to fail; its `state` then."""
         self._ready.wait(timeout_s)
-        return self.ready
+        return self.state
 
     def write(self, peer: str, transfer: str, ranges: list[tuple[int, int, int]], timeout_s: float) -> int:
         """(src, dst, length) ranges of P's memory written to `peer` under `transfer` by the child: the bytes D
@@ -122,7 +127,7 @@ class SendProcess:
 
     def close(self) -> None:
         """End the child (it reads the socket's end and exits), killed if still there after STOP_WAIT_S."""
-        self._break("the socket transport is closed")
+        self._break("the socket transport is closed", quiet=True)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -168,7 +173,7 @@ class SendProcess:
             return
         fut.set_exception(error) if error is not None else fut.set_result(result)
 
-    def _break(self, why: str) -> None:
+    def _break(self, why: str, *, quiet: bool = False) -> None:
         with self._lock:
             first = not self.broken
             if first:
@@ -178,6 +183,6 @@ class SendProcess:
         for fut in pending:
             if not fut.done():
                 fut.set_exception(TransferError(f"the send process cannot write: {why}"))
-        if first and why != "the socket transport is closed":
+        if first and not quiet:
             log.warning("pdkv: %s; P writes in its own process from now on", why)
 

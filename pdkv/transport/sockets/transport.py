@@ -21,9 +21,10 @@ from pdkv.errors import TransferError, UsageError
 from pdkv.tp_heads import HeadShare
 from pdkv.transport.base import Descriptor, Written
 from pdkv.transport.descriptor_writes import DescriptorWrites
-from pdkv.transport.sockets import wire
+from pdkv.transport.sockets import send_wire, wire
 from pdkv.transport.sockets.lanes import PeerLanes
 from pdkv.transport.sockets.listener import SocketListener
+from pdkv.transport.sockets.send_process import SendProcess
 from pdkv.transport.sockets.staging import DEFAULT_CHUNK_BYTES, ENGINES
 from pdkv.transport.sockets.streams import HostMemory, HostSpans
 from pdkv.wire import Region
@@ -133,7 +134,7 @@ class SocketTransport(DescriptorWrites):
         sender = self._sender
         return {"connections": str(self.connections), "socket_buffer_bytes": str(self.buffer_bytes),
                 "staging": f"{self.chunk_bytes >> 20} MiB x 2, {self.staging}" if self.gpu is not None else "none",
-                **({"send_process": "ready" if sender.ready else sender.broken or "starting"} if sender is not None else {})}
+                **({"send_process": sender.state} if sender is not None else {})}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         with self._lock:
@@ -225,19 +226,15 @@ class SocketTransport(DescriptorWrites):
         """Wait up to `timeout_s` for the send process to start: "ready", "off" (none), or why it cannot write or
         "starting". Writes never wait for it (P writes in its own process meanwhile); a benchmark does."""
         sender = self._sender
-        if sender is None:
-            return "off"
-        return "ready" if sender.wait(timeout_s) else sender.broken or "starting"
+        return sender.wait(timeout_s) if sender is not None else "off"
 
     def _share(self) -> None:
         """P with a send process: (re)export the registered memory to it, starting it the first time. Where the
         memory cannot be exported, P writes in its own process (logged). Under _lock."""
         if not self.send_process or self._closed or (not self._raw and self._sender is None):
             return
-        from pdkv.transport.cuda_kernels import CudaDriver
+        from pdkv.transport.cuda_kernels import CudaDriver  # the GPU path's, as the ipc transport's
         from pdkv.transport.ipc_share import KvExporter
-        from pdkv.transport.sockets import send_wire
-        from pdkv.transport.sockets.send_process import SendProcess
 
         try:
             if self._exporter is None:
