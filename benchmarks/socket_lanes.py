@@ -84,16 +84,23 @@ class RawWriter:
             sock.sendall(off.to_bytes(8, "little") + length.to_bytes(8, "little"))
 
     def write(self) -> None:
+        failed: list[BaseException] = []
+
         def one(sock: socket.socket, off: int, length: int) -> None:
-            sock.sendall(self.src[off : off + length])
-            if sock.recv(1) != b"k":
-                raise RuntimeError("the bare receiver closed")
+            try:
+                sock.sendall(self.src[off : off + length])
+                if sock.recv(1) != b"k":
+                    raise ConnectionError("the bare receiver closed")
+            except OSError as exc:
+                failed.append(exc)
 
         threads = [threading.Thread(target=one, args=(s, *part)) for s, part in zip(self.socks, self.parts, strict=True)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if failed:
+            raise SystemExit(f"bare sockets: {failed[0]}")
 
     def close(self) -> None:
         for sock in self.socks:
