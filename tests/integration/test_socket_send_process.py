@@ -6,6 +6,7 @@ CUDA IPC (there: tests/gpu/test_socket_gpu.py)."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -88,6 +89,54 @@ def test_the_child_of_a_p_killed_with_sigkill_ends_within_seconds():
             assert _gone(child, 10), "the send process outlived its P"
         finally:
             holder.kill()
+
+
+@pytest.fixture
+def no_core_files():
+    """Children that crash here leave no core file behind (they inherit the limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+
+
+def _reading_its_socket(pid: int, timeout_s: float) -> bool:
+    """Whether the child sleeps reading its socket pair (past its imports and main's start) within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/wchan") as f:
+            if "unix_stream" in f.read():
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_that_crashes_prints_its_threads_stacks(no_core_files):
+    ours, theirs = socket.socketpair()
+    try:
+        proc = subprocess.Popen([*CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True)
+    finally:
+        theirs.close()
+    with ours, proc:
+        if not _reading_its_socket(proc.pid, 30):
+            proc.kill()
+            pytest.skip("this kernel does not say where a process sleeps (/proc/PID/wchan)")
+        proc.send_signal(signal.SIGSEGV)
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in err and "send_main.py" in err, err
+
+
+def test_p_names_the_signal_that_killed_its_send_process_and_no_write_waits(no_core_files):
+    sp = SendProcess(SETUP)
+    try:
+        sp.proc.send_signal(signal.SIGSEGV)  # within its imports: it has said nothing yet
+        state = sp.wait(30)
+        assert state == sp.broken and state.startswith("the send process was killed by SIGSEGV"), state
+        with pytest.raises(TransferError, match="killed by SIGSEGV"):
+            sp.write("socket://127.0.0.1:9/" + "00" * 16, "t", [(0x1000, 0x2000, 64)], 30.0)
+    finally:
+        sp.close()
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="a GPU host: the child starts there (tests/gpu)")

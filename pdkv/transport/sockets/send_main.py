@@ -10,6 +10,7 @@ once, writes in flight or not: it holds no state P or D depend on.
 from __future__ import annotations
 
 import bisect
+import faulthandler
 import functools
 import os
 import socket
@@ -131,6 +132,7 @@ def cuda_child(sock: socket.socket, setup: send_wire.Setup) -> Child:
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.enable()  # a crash (CUDA, the driver's mappings) prints every thread's stack to P's log, then ends
     sock = socket.socket(fileno=int(argv[1]))
     messages = send_wire.messages(sock)
     try:

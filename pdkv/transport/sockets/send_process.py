@@ -21,6 +21,7 @@ engine's own start far longer) P writes in its own process too.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 120.0  # the child's imports, CUDA context and the first opening of P's memory
 STOP_WAIT_S = 5.0
+EXIT_WAIT_S = 2.0  # after the child's end of the socket closed, how long its exit status is waited for
 SEND_BOUND_S = 10.0  # a message to the child (a few KiB) waits at most this long for room in the socket
 
 
@@ -161,10 +163,27 @@ class SendProcess:
                     self._settle(msg.ident, (msg.landed, msg.descriptors), None)
                 elif isinstance(msg, send_wire.Failed):
                     self._settle(msg.ident, (0, 0), TransferError(msg.why, hint=msg.hint or None))
-        except (OSError, FrameError) as exc:
-            self._break(f"the send process's socket failed: {exc}")
-        code = self.proc.poll()
-        self._break(f"the send process exited{f' with status {code}' if code is not None else ''}")
+        except FrameError as exc:
+            self._break(f"the send process said something malformed: {exc}")
+        except OSError as exc:  # a reset: the child ended with P's messages unread
+            self._break(self._how_it_ended(f"the send process's socket failed: {exc}"))
+        else:
+            self._break(self._how_it_ended("the send process closed its socket"))
+
+    def _how_it_ended(self, otherwise: str) -> str:
+        """The child's end in words once its socket ended: its exit status, or the signal that killed it (its
+        threads' stacks are then on P's stderr, by faulthandler); `otherwise` if it has not exited."""
+        try:
+            code = self.proc.wait(EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return otherwise
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the send process was killed by {name} (its threads' stacks: this process's stderr)"
+        return f"the send process exited with status {code}"
 
     def _settle(self, ident: int, result: tuple[int, int], error: TransferError | None) -> None:
         with self._lock:
