@@ -8,6 +8,7 @@ are imported inside the functions that need them.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 from pdkv.errors import StartError, TransferError
@@ -106,6 +107,10 @@ class CudaDriver:
 
 
 KERNELS: dict[str, Any] = {}
+# Triton compiles a kernel, builds its launcher and loads both at the kernel's first launch in a process, with no lock
+# of its own: threads doing that at once can fail or crash the process (triton-lang/triton#5933). A launch that may be
+# a kernel's first from one of several threads, and a graph capture holding one, runs under this lock.
+FIRST_LAUNCH = threading.RLock()
 
 
 def copy_kernels() -> dict[str, Any]:
@@ -114,6 +119,11 @@ def copy_kernels() -> dict[str, Any]:
     Addresses arrive as int64 and become pointers in the kernel; the hints
     say they are 16-byte aligned (checked on the host) so loads and stores vectorize.
     """
+    with FIRST_LAUNCH:
+        return _define_kernels()
+
+
+def _define_kernels() -> dict[str, Any]:
     if not KERNELS:
         import triton
         import triton.language as tl

@@ -126,7 +126,7 @@ class CudaStaging:
     def __init__(self, device: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES, engine: str = "kernel") -> None:
         import torch
 
-        from pdkv.transport.cuda_kernels import CudaDriver, copy_kernels
+        from pdkv.transport.cuda_kernels import FIRST_LAUNCH, CudaDriver, copy_kernels
 
         self._torch = torch
         self.device = device
@@ -140,8 +140,9 @@ class CudaStaging:
         self._events = [torch.cuda.Event() for _ in range(2)]
         self.engine = engine
         self._copy = driver.async_copy()
-        self._graphs = ([_BatchGraph(torch, copy_kernels()["chunks"], device, self._stream) for _ in range(2)]
-                        if engine == "kernel" else [])
+        with FIRST_LAUNCH:  # each connection's thread makes its staging at its first write, all at once
+            self._graphs = ([_BatchGraph(torch, copy_kernels()["chunks"], device, self._stream) for _ in range(2)]
+                            if engine == "kernel" else [])
 
     def _stage(self, i: int, batch: Batch, *, gather: bool) -> None:
         """Batch `i` between its ranges and pinned buffer i % 2 (into it: `gather`, P; out of it: D), on the stream;
