@@ -127,13 +127,17 @@ def test_a_child_that_crashes_prints_its_threads_stacks(no_core_files):
     assert "Fatal Python error: Segmentation fault" in err and "send_main.py" in err, err
 
 
-def test_p_names_the_signal_that_killed_its_send_process_and_no_write_waits(no_core_files):
+@pytest.mark.parametrize(("sig", "said"), [
+    (signal.SIGSEGV, "the send process was killed by SIGSEGV (its threads' stacks: this process's stderr)"),
+    (signal.SIGKILL, "the send process was killed by SIGKILL"),  # no stacks: nothing runs on SIGKILL
+])
+def test_p_names_the_signal_that_killed_its_send_process_and_no_write_waits(no_core_files, sig, said):
     sp = SendProcess(SETUP)
     try:
-        sp.proc.send_signal(signal.SIGSEGV)  # within its imports: it has said nothing yet
+        sp.proc.send_signal(sig)  # within its imports: it has said nothing yet
         state = sp.wait(30)
-        assert state == sp.broken and state.startswith("the send process was killed by SIGSEGV"), state
-        with pytest.raises(TransferError, match="killed by SIGSEGV"):
+        assert state == sp.broken == said
+        with pytest.raises(TransferError, match=f"killed by {sig.name}"):
             sp.write("socket://127.0.0.1:9/" + "00" * 16, "t", [(0x1000, 0x2000, 64)], 30.0)
     finally:
         sp.close()

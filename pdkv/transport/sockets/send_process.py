@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # the child's imports, CUDA context and the first opening of P's memory
 STOP_WAIT_S = 5.0
 EXIT_WAIT_S = 2.0  # after the child's end of the socket closed, how long its exit status is waited for
+# The signals on which the child's faulthandler prints its threads' stacks before it dies.
+CRASHES = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT})
 SEND_BOUND_S = 10.0  # a message to the child (a few KiB) waits at most this long for room in the socket
 
 
@@ -179,10 +181,11 @@ class SendProcess:
             return otherwise
         if code < 0:
             try:
-                name = signal.Signals(-code).name
+                sig = signal.Signals(-code)
             except ValueError:
-                name = f"signal {-code}"
-            return f"the send process was killed by {name} (its threads' stacks: this process's stderr)"
+                return f"the send process was killed by signal {-code}"
+            stacks = " (its threads' stacks: this process's stderr)" if sig in CRASHES else ""
+            return f"the send process was killed by {sig.name}{stacks}"
         return f"the send process exited with status {code}"
 
     def _settle(self, ident: int, result: tuple[int, int], error: TransferError | None) -> None:
