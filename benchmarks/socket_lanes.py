@@ -30,14 +30,14 @@ NBYTES = 148_635_648
 LAYERS = 36
 
 
-def _decode(queue, stop, buffer_bytes: int) -> None:
+def _decode(queue, stop, buffer_bytes: int, raw: bool) -> None:
     dst = (ctypes.c_char * NBYTES)()
     base = ctypes.addressof(dst)
-    raw = _raw_listener(memoryview(dst).cast("B"), buffer_bytes)
+    bare = _raw_listener(memoryview(dst).cast("B"), buffer_bytes) if raw else None  # only for --raw
     with SocketTransport(buffer_bytes=buffer_bytes) as d:
         d.register([(base, NBYTES)])
         d.expect("sweep", [(base, NBYTES)])
-        queue.put((d.session_address, base, raw.getsockname()[1]))
+        queue.put((d.session_address, base, bare.getsockname()[1] if bare else 0))
         stop.wait(600)
 
 
@@ -126,7 +126,7 @@ def main() -> int:
           + (f" {'raw p50':>8} {'raw min':>8} {'raw/socket':>10}" if args.raw else ""))
     for buf in map(int, args.buffers.split(",")):
         queue, stop = ctx.Queue(), ctx.Event()
-        proc = ctx.Process(target=_decode, args=(queue, stop, buf), daemon=True)
+        proc = ctx.Process(target=_decode, args=(queue, stop, buf, args.raw), daemon=True)
         proc.start()
         session, b, raw_port = queue.get(timeout=60)
         for n in map(int, args.connections.split(",")):
